@@ -1,0 +1,263 @@
+//! The `local` coordinator: one host, no service. State lives in `state.json` in the data
+//! directory and every change replaces the file atomically (write a temporary file, fsync it,
+//! rename it over the old one, fsync the directory), so a crash at any instant leaves either
+//! the old state or the new one, never a mixture.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use tokio::sync::Mutex;
+
+use datastore::DatastoreSpec;
+
+use crate::record::{State, VolumeRecord};
+use crate::{Coordinator, Error, Result};
+
+const FILE: &str = "state.json";
+/// Version of the state file layout; bumped on incompatible changes.
+const VERSION: u32 = 1;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct OnDisk {
+    version: u32,
+    #[serde(flatten)]
+    state: State,
+}
+
+pub struct LocalCoordinator {
+    path: PathBuf,
+    state: Mutex<State>,
+}
+
+impl LocalCoordinator {
+    /// Loads `state.json` from `dir`, or starts empty if there is none.
+    pub fn open(dir: &Path) -> Result<LocalCoordinator> {
+        let path = dir.join(FILE);
+        let state = match fs::read(&path) {
+            Ok(b) => {
+                let d: OnDisk = serde_json::from_slice(&b).map_err(|e| Error::Corrupt {
+                    path: path.display().to_string(),
+                    msg: format!("{e}; restore it from a backup or move it away to start empty"),
+                })?;
+                if d.version != VERSION {
+                    return Err(Error::Corrupt {
+                        path: path.display().to_string(),
+                        msg: format!(
+                            "version {} is not supported (this build reads {VERSION})",
+                            d.version
+                        ),
+                    });
+                }
+                d.state
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
+            Err(e) => {
+                return Err(Error::Io {
+                    what: format!("read {}", path.display()),
+                    source: e,
+                })
+            }
+        };
+        Ok(LocalCoordinator {
+            path,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// Applies `change` to a copy of the state, persists the copy, then makes it current.
+    async fn change(&self, change: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
+        let mut cur = self.state.lock().await;
+        let mut next = cur.clone();
+        change(&mut next)?;
+        let path = self.path.clone();
+        let bytes = serde_json::to_vec_pretty(&OnDisk {
+            version: VERSION,
+            state: next.clone(),
+        })
+        .expect("state serializes");
+        tokio::task::spawn_blocking(move || replace_atomically(&path, &bytes))
+            .await
+            .map_err(|e| Error::Io {
+                what: "persist state".into(),
+                source: std::io::Error::other(e.to_string()),
+            })?
+            .map_err(|e| Error::Io {
+                what: format!("write {}", self.path.display()),
+                source: e,
+            })?;
+        *cur = next;
+        Ok(())
+    }
+}
+
+fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Coordinator for LocalCoordinator {
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+
+    async fn state(&self) -> Result<State> {
+        Ok(self.state.lock().await.clone())
+    }
+
+    async fn add_datastore(&self, d: DatastoreSpec) -> Result<()> {
+        self.change(|s| {
+            if s.datastores.iter().any(|x| x.name == d.name) {
+                return Err(Error::Exists(format!(
+                    "a datastore named {:?} already exists",
+                    d.name
+                )));
+            }
+            s.datastores.push(d);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn update_datastore(&self, d: DatastoreSpec) -> Result<()> {
+        self.change(|s| {
+            let x = s
+                .datastores
+                .iter_mut()
+                .find(|x| x.name == d.name)
+                .ok_or_else(|| Error::NotFound(format!("no datastore named {:?}", d.name)))?;
+            *x = d;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn create_volume(&self, v: VolumeRecord) -> Result<()> {
+        self.change(|s| {
+            if s.volumes.iter().any(|x| x.name == v.name || x.id == v.id) {
+                return Err(Error::Exists(format!(
+                    "a volume named {:?} already exists",
+                    v.name
+                )));
+            }
+            s.volumes.push(v);
+            Ok(())
+        })
+        .await
+    }
+
+    async fn update_volume(&self, v: VolumeRecord) -> Result<()> {
+        self.change(|s| {
+            let x = s
+                .volumes
+                .iter_mut()
+                .find(|x| x.id == v.id)
+                .ok_or_else(|| Error::NotFound(format!("no volume {:?} ({})", v.name, v.id)))?;
+            *x = v;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn delete_volume(&self, name: &str) -> Result<()> {
+        self.change(|s| {
+            let before = s.volumes.len();
+            s.volumes.retain(|x| x.name != name);
+            if s.volumes.len() == before {
+                return Err(Error::NotFound(format!("no volume named {name:?}")));
+            }
+            Ok(())
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Policy;
+    use datastore::{Class, Kind};
+
+    fn tmpdir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vesta-local-{}", uuid::Uuid::new_v4()));
+        fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn vol(name: &str) -> VolumeRecord {
+        VolumeRecord {
+            id: uuid::Uuid::new_v4(),
+            name: name.into(),
+            size: 1 << 30,
+            datastore: "default".into(),
+            policy: Policy::Uncached,
+            created_unix: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn state_survives_reopen_and_rejects_duplicates() {
+        let dir = tmpdir();
+        let c = LocalCoordinator::open(&dir).unwrap();
+        c.add_datastore(DatastoreSpec {
+            name: "default".into(),
+            kind: Kind::Dir { path: dir.clone() },
+            class: Class::Hdd,
+            queue_depth: 8,
+        })
+        .await
+        .unwrap();
+        c.create_volume(vol("a")).await.unwrap();
+        assert!(matches!(
+            c.create_volume(vol("a")).await,
+            Err(Error::Exists(_))
+        ));
+        c.create_volume(vol("b")).await.unwrap();
+        c.delete_volume("a").await.unwrap();
+        assert!(matches!(
+            c.delete_volume("a").await,
+            Err(Error::NotFound(_))
+        ));
+        let before = c.state().await.unwrap();
+        drop(c);
+        let c = LocalCoordinator::open(&dir).unwrap();
+        let after = c.state().await.unwrap();
+        assert_eq!(before, after);
+        assert_eq!(after.volumes.len(), 1);
+        assert_eq!(after.volumes[0].name, "b");
+        assert!(!dir.join("state.json.tmp").exists());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_failed_change_leaves_state_untouched() {
+        let dir = tmpdir();
+        let c = LocalCoordinator::open(&dir).unwrap();
+        c.create_volume(vol("a")).await.unwrap();
+        let before = c.state().await.unwrap();
+        assert!(c.create_volume(vol("a")).await.is_err());
+        assert_eq!(c.state().await.unwrap(), before);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_corrupt_state_file_is_reported_not_replaced() {
+        let dir = tmpdir();
+        fs::write(dir.join("state.json"), b"{ not json").unwrap();
+        let e = LocalCoordinator::open(&dir).err().expect("must fail");
+        assert!(e.to_string().contains("state.json"), "{e}");
+        assert_eq!(fs::read(dir.join("state.json")).unwrap(), b"{ not json");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,376 @@
+//! Byte-addressed storage targets: a file or block device, or an NBD export.
+//!
+//! [`Device`] is the seam where tests put a failing target and where every datastore kind gets
+//! its bytes. File IO is blocking, so [`FileDevice`] runs it on tokio's blocking pool and never
+//! on a reactor thread: a `pwrite` that stalls in page-cache writeback must not stall every
+//! other connection served by that thread.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use nbd::client::{Client, ClientError};
+use nbd::uri::NbdUri;
+
+#[async_trait]
+pub trait Device: Send + Sync + 'static {
+    /// Usable bytes.
+    fn size(&self) -> u64;
+    /// Where the bytes are, for messages.
+    fn describe(&self) -> String;
+    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes>;
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()>;
+    async fn flush(&self) -> io::Result<()>;
+    /// A hint that the range is unused; it may read back as anything afterwards.
+    async fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// The range reads back as zeroes afterwards; `may_trim` lets the device deallocate it.
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()>;
+}
+
+/// Runs blocking IO on the blocking pool.
+pub async fn blocking<T, F>(f: F) -> io::Result<T>
+where
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(io::Error::other(format!("blocking IO task failed: {e}"))),
+    }
+}
+
+/// A regular file or a block device.
+pub struct FileDevice {
+    file: Arc<File>,
+    size: u64,
+    path: PathBuf,
+    regular: bool,
+}
+
+impl FileDevice {
+    /// Opens an existing file or block device for reading and writing.
+    pub fn open(path: &Path) -> io::Result<FileDevice> {
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        let md = file.metadata()?;
+        let regular = md.file_type().is_file();
+        let size = if regular {
+            md.len()
+        } else if md.file_type().is_block_device() {
+            use std::io::Seek;
+            let mut f = &file;
+            f.seek(io::SeekFrom::End(0))?
+        } else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} is neither a regular file nor a block device",
+                    path.display()
+                ),
+            ));
+        };
+        Ok(FileDevice {
+            file: Arc::new(file),
+            size,
+            path: path.to_owned(),
+            regular,
+        })
+    }
+
+    /// Creates a new sparse file of `size` bytes; fails if the path exists.
+    pub fn create(path: &Path, size: u64) -> io::Result<FileDevice> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        file.set_len(size)?;
+        file.sync_all()?;
+        if let Some(dir) = path.parent() {
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(FileDevice {
+            file: Arc::new(file),
+            size,
+            path: path.to_owned(),
+            regular: true,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate only reads its scalar arguments; the fd is valid for the File's life.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            mode,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+fn write_zero_bytes(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    const CHUNK: u64 = 1 << 20;
+    let zeroes = vec![0u8; CHUNK.min(len) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CHUNK) as usize;
+        file.write_all_at(&zeroes[..n], offset + done)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+fn unsupported(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+    )
+}
+
+#[async_trait]
+impl Device for FileDevice {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+        let f = self.file.clone();
+        blocking(move || {
+            let mut buf = vec![0u8; len];
+            f.read_exact_at(&mut buf, offset)?;
+            Ok(Bytes::from(buf))
+        })
+        .await
+    }
+
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
+        let f = self.file.clone();
+        blocking(move || {
+            f.write_all_at(&data, offset)?;
+            if fua {
+                f.sync_data()?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        let f = self.file.clone();
+        blocking(move || f.sync_data()).await
+    }
+
+    async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        if !self.regular {
+            return Ok(()); // a hint; block devices keep their data
+        }
+        let f = self.file.clone();
+        blocking(move || {
+            match fallocate(
+                &f,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset,
+                len,
+            ) {
+                Err(e) if unsupported(&e) => Ok(()),
+                r => r,
+            }
+        })
+        .await
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
+        let f = self.file.clone();
+        let regular = self.regular;
+        blocking(move || {
+            if regular {
+                let mode = if may_trim {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                };
+                match fallocate(&f, mode, offset, len) {
+                    Ok(()) => return Ok(()),
+                    Err(e) if unsupported(&e) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            write_zero_bytes(&f, offset, len)
+        })
+        .await
+    }
+}
+
+/// An export on an NBD server, reached through a pipelined connection pool.
+pub struct NbdDevice {
+    client: Client,
+}
+
+/// Connections per NBD datastore when the server allows several (`NBD_FLAG_CAN_MULTI_CONN`).
+/// Two already use both cores of a small host; more only add context switches.
+pub const NBD_POOL_DEFAULT: usize = 2;
+
+impl NbdDevice {
+    pub async fn connect(uri: &NbdUri, pool: usize) -> io::Result<NbdDevice> {
+        let client = Client::connect(uri, pool).await.map_err(to_io)?;
+        let e = client.export();
+        if e.read_only() {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("NBD export {uri} is read-only; Vesta needs a writable export"),
+            ));
+        }
+        if e.block_min > nbd::proto::BLOCK_SIZE_MIN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "NBD export {uri} needs {}-byte aligned IO; Vesta issues 512-byte aligned IO \
+                     (serve it with a minimum block size of 512 or less)",
+                    e.block_min
+                ),
+            ));
+        }
+        Ok(NbdDevice { client })
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+/// Maps NBD client errors to `io::Error`, keeping the server's errno where there is one.
+pub fn to_io(e: ClientError) -> io::Error {
+    match e {
+        ClientError::Server(errno) => {
+            let raw = match errno {
+                nbd::Errno::ENOSPC => libc::ENOSPC,
+                nbd::Errno::EPERM => libc::EPERM,
+                nbd::Errno::EINVAL => libc::EINVAL,
+                nbd::Errno::ENOMEM => libc::ENOMEM,
+                nbd::Errno::EOVERFLOW => libc::EOVERFLOW,
+                nbd::Errno::ESHUTDOWN => libc::ESHUTDOWN,
+                _ => libc::EIO,
+            };
+            io::Error::from_raw_os_error(raw)
+        }
+        ClientError::Connect { source, .. } => source,
+        other => io::Error::other(other.to_string()),
+    }
+}
+
+/// Splits a 64-bit length into NBD-sized (u32) pieces, each a multiple of 512 bytes.
+fn pieces(offset: u64, len: u64) -> impl Iterator<Item = (u64, u32)> {
+    const MAX: u64 = (u32::MAX as u64) & !511;
+    let mut done = 0u64;
+    std::iter::from_fn(move || {
+        if done >= len {
+            return None;
+        }
+        let n = (len - done).min(MAX);
+        let r = (offset + done, n as u32);
+        done += n;
+        Some(r)
+    })
+}
+
+#[async_trait]
+impl Device for NbdDevice {
+    fn size(&self) -> u64 {
+        self.client.export().size
+    }
+
+    fn describe(&self) -> String {
+        self.client.uri().to_string()
+    }
+
+    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+        self.client.read(offset, len as u32).await.map_err(to_io)
+    }
+
+    async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
+        self.client.write(offset, data, fua).await.map_err(to_io)
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        self.client.flush().await.map_err(to_io)
+    }
+
+    async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        for (o, n) in pieces(offset, len) {
+            self.client.trim(o, n).await.map_err(to_io)?;
+        }
+        Ok(())
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
+        for (o, n) in pieces(offset, len) {
+            self.client
+                .write_zeroes(o, n, may_trim)
+                .await
+                .map_err(to_io)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_range_in_aligned_u32_chunks() {
+        let len = 10u64 << 30;
+        let v: Vec<_> = pieces(4096, len).collect();
+        assert_eq!(v.iter().map(|p| u64::from(p.1)).sum::<u64>(), len);
+        let mut at = 4096;
+        for (o, n) in &v {
+            assert_eq!(*o, at);
+            assert_eq!(n % 512, 0);
+            at += u64::from(*n);
+        }
+        assert_eq!(pieces(0, 0).count(), 0);
+    }
+
+    #[tokio::test]
+    async fn file_device_round_trips_and_zeroes() {
+        let dir = std::env::temp_dir().join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.raw");
+        let d = FileDevice::create(&path, 1 << 20).unwrap();
+        assert!(
+            FileDevice::create(&path, 1 << 20).is_err(),
+            "create must not clobber"
+        );
+        d.write_at(4096, Bytes::from(vec![7u8; 8192]), true)
+            .await
+            .unwrap();
+        assert_eq!(&d.read_at(4096, 8192).await.unwrap()[..], &[7u8; 8192][..]);
+        d.write_zeroes(4096, 4096, true).await.unwrap();
+        d.write_zeroes(8192, 512, false).await.unwrap();
+        let r = d.read_at(4096, 8192).await.unwrap();
+        assert!(r[..4096 + 512].iter().all(|b| *b == 0));
+        assert!(r[4096 + 512..].iter().all(|b| *b == 7));
+        d.flush().await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

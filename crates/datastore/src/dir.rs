@@ -1,0 +1,175 @@
+//! Kind `dir`: a directory (local disk or a shared filesystem such as NFS) in which each volume
+//! is a sparse raw image file named `<volume>.raw`, readable by any tool.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::device::{blocking, FileDevice};
+use crate::{
+    io_err, Capacity, Datastore, DatastoreSpec, Error, Extent, Gate, Kind, OpenMode, Result,
+    VolumeSpec,
+};
+
+pub struct DirDatastore {
+    spec: DatastoreSpec,
+    path: PathBuf,
+    gate: Arc<Gate>,
+}
+
+impl DirDatastore {
+    pub async fn open(spec: DatastoreSpec, mode: OpenMode) -> Result<DirDatastore> {
+        let Kind::Dir { path } = &spec.kind else {
+            unreachable!(
+                "DirDatastore::open called for a {} datastore",
+                spec.kind_name()
+            );
+        };
+        let path = path.clone();
+        let md = std::fs::metadata(&path).map_err(|e| {
+            Error::Invalid(format!(
+                "datastore {:?}: directory {} is not usable ({e}); create it first (mkdir -p {})",
+                spec.name,
+                path.display(),
+                path.display()
+            ))
+        })?;
+        if !md.is_dir() {
+            return Err(Error::Invalid(format!(
+                "datastore {:?}: {} is not a directory",
+                spec.name,
+                path.display()
+            )));
+        }
+        if let OpenMode::Add { .. } = mode {
+            // Prove we can create files there before anything is recorded.
+            let probe = path.join(format!(".vesta-probe-{}", uuid::Uuid::new_v4()));
+            std::fs::write(&probe, b"")
+                .and_then(|_| std::fs::remove_file(&probe))
+                .map_err(|e| {
+                    Error::Invalid(format!(
+                        "datastore {:?}: cannot create files in {}: {e}",
+                        spec.name,
+                        path.display()
+                    ))
+                })?;
+        }
+        Ok(DirDatastore {
+            gate: Arc::new(Gate::new(spec.queue_depth)),
+            spec,
+            path,
+        })
+    }
+
+    fn file_of(&self, v: &VolumeSpec) -> PathBuf {
+        self.path.join(format!("{}.raw", v.name))
+    }
+}
+
+fn statvfs(path: &Path) -> std::io::Result<Capacity> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::other("path contains NUL"))?;
+    // SAFETY: statvfs writes into the zeroed struct we own; `c` is a valid C string.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let total = s.f_blocks * s.f_frsize;
+    let free = s.f_bavail * s.f_frsize;
+    Ok(Capacity {
+        total_bytes: total,
+        free_bytes: free,
+        // Files are sparse: a volume larger than the free space can be created, but only the
+        // free space can ever be written.
+        largest_free_bytes: free,
+    })
+}
+
+#[async_trait]
+impl Datastore for DirDatastore {
+    fn spec(&self) -> &DatastoreSpec {
+        &self.spec
+    }
+
+    fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
+    async fn capacity(&self) -> Result<Capacity> {
+        let p = self.path.clone();
+        blocking(move || statvfs(&p))
+            .await
+            .map_err(io_err(format!("statvfs {}", self.path.display())))
+    }
+
+    async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {
+        let file = self.file_of(v);
+        let size = v.size;
+        let f = file.clone();
+        let dev = blocking(move || FileDevice::create(&f, size))
+            .await
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    Error::Exists(format!(
+                        "{} already exists in datastore {:?} but is not a volume Vesta knows; \
+                         move it away or choose another volume name",
+                        file.display(),
+                        self.spec.name
+                    ))
+                } else {
+                    Error::Io {
+                        what: format!("create {}", file.display()),
+                        source: e,
+                    }
+                }
+            })?;
+        Ok(Extent::new(Arc::new(dev), 0, size, self.gate.clone()))
+    }
+
+    async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
+        let file = self.file_of(v);
+        let f = file.clone();
+        let dev = blocking(move || FileDevice::open(&f)).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound(format!(
+                    "volume {:?}: its image {} is missing from datastore {:?}",
+                    v.name,
+                    file.display(),
+                    self.spec.name
+                ))
+            } else {
+                Error::Io {
+                    what: format!("open {}", file.display()),
+                    source: e,
+                }
+            }
+        })?;
+        use crate::device::Device;
+        if dev.size() < v.size {
+            return Err(Error::Invalid(format!(
+                "volume {:?}: image {} has {} bytes, fewer than the volume's {}",
+                v.name,
+                file.display(),
+                dev.size(),
+                v.size
+            )));
+        }
+        Ok(Extent::new(Arc::new(dev), 0, v.size, self.gate.clone()))
+    }
+
+    async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {
+        let file = self.file_of(v);
+        let f = file.clone();
+        match blocking(move || std::fs::remove_file(&f)).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::Io {
+                what: format!("remove {}", file.display()),
+                source: e,
+            }),
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! Shared backend storage (DESIGN §1): where volumes' bytes live when they leave the host.
+//!
+//! - [`Datastore`]: one datastore of some kind; creates, opens and deletes volume [`Extent`]s.
+//! - [`dir`]: kind `dir`, a directory with one sparse raw image file per volume.
+//! - [`lun`]: kind `lun`, one whole device (path or NBD export) with a label and a volume table;
+//!   each volume a contiguous extent. The format is in [`label`] and `docs/FORMAT.md`.
+//! - [`device`]: the byte-addressed targets underneath: files, block devices, NBD exports.
+//! - [`Extent`]: a volume's bytes on a datastore; every IO through it passes the datastore's
+//!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]).
+
+pub mod device;
+pub mod dir;
+pub mod label;
+pub mod lun;
+pub mod stats;
+
+use std::future::Future;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+use device::Device;
+use stats::{IoStats, Op};
+
+/// Device class, used by migration cost and wear accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    Ssd,
+    #[default]
+    Hdd,
+}
+
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Class::Ssd => "ssd",
+            Class::Hdd => "hdd",
+        })
+    }
+}
+
+impl std::str::FromStr for Class {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Class, String> {
+        match s {
+            "ssd" => Ok(Class::Ssd),
+            "hdd" => Ok(Class::Hdd),
+            _ => Err(format!("class must be ssd or hdd, not {s:?}")),
+        }
+    }
+}
+
+/// Where a datastore's bytes are.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Kind {
+    Dir {
+        path: PathBuf,
+    },
+    Lun {
+        /// A device or file path, or an NBD URI (`nbd://…`, `nbd+unix://…`).
+        target: String,
+        /// The UUID in the LUN's label, recorded when it was added, so a different device
+        /// showing up under the same path is never mistaken for it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lun_id: Option<Uuid>,
+    },
+}
+
+/// Default for `queue_depth`: deep enough for a SAN LUN, shallow enough not to flood one disk.
+pub const QUEUE_DEPTH_DEFAULT: u32 = 64;
+
+/// A datastore as configured and persisted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatastoreSpec {
+    pub name: String,
+    #[serde(flatten)]
+    pub kind: Kind,
+    #[serde(default)]
+    pub class: Class,
+    #[serde(default = "default_queue_depth")]
+    pub queue_depth: u32,
+}
+
+fn default_queue_depth() -> u32 {
+    QUEUE_DEPTH_DEFAULT
+}
+
+impl DatastoreSpec {
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            Kind::Dir { .. } => "dir",
+            Kind::Lun { .. } => "lun",
+        }
+    }
+
+    pub fn location(&self) -> String {
+        match &self.kind {
+            Kind::Dir { path } => path.display().to_string(),
+            Kind::Lun { target, .. } => target.clone(),
+        }
+    }
+}
+
+/// What a datastore needs to know about a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeSpec {
+    pub id: Uuid,
+    pub name: String,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// Largest volume that can still be created.
+    pub largest_free_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "datastore {datastore:?} has no room for {need} bytes (largest free extent: {largest} \
+         bytes); delete volumes there or choose another datastore"
+    )]
+    NoSpace {
+        datastore: String,
+        need: u64,
+        largest: u64,
+    },
+    #[error("{0}")]
+    Exists(String),
+    #[error("{0}")]
+    NotFound(String),
+    /// The target holds data Vesta did not write; adding it would destroy that data.
+    #[error("{0}")]
+    Foreign(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// Whether a datastore is being added for the first time or reopened at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// First time: a blank `lun` is formatted; foreign data is refused unless `force`.
+    Add { force: bool },
+    /// Start-up: the datastore must be exactly what was added before.
+    Reopen,
+}
+
+#[async_trait]
+pub trait Datastore: Send + Sync + 'static {
+    /// The spec, including anything learnt when it was opened (a `lun`'s label UUID).
+    fn spec(&self) -> &DatastoreSpec;
+    fn gate(&self) -> &Arc<Gate>;
+    async fn capacity(&self) -> Result<Capacity>;
+    /// Creates a volume's storage; it reads as zeroes.
+    async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent>;
+    async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent>;
+    async fn delete_volume(&self, v: &VolumeSpec) -> Result<()>;
+    /// Volumes the datastore itself records (a `lun`'s table); empty for kinds that record
+    /// nothing beyond the files themselves.
+    async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
+        Ok(Vec::new())
+    }
+}
+
+/// Opens (or, when adding, prepares) a datastore of any kind.
+pub async fn open(spec: &DatastoreSpec, mode: OpenMode) -> Result<Arc<dyn Datastore>> {
+    if spec.queue_depth == 0 {
+        return Err(Error::Invalid(format!(
+            "datastore {:?}: queue_depth must be at least 1",
+            spec.name
+        )));
+    }
+    Ok(match &spec.kind {
+        Kind::Dir { .. } => Arc::new(dir::DirDatastore::open(spec.clone(), mode).await?),
+        Kind::Lun { .. } => Arc::new(lun::LunDatastore::open(spec.clone(), mode).await?),
+    })
+}
+
+/// Admission and accounting for every IO to one datastore: at most `queue_depth` IOs in
+/// flight, each measured from issue to completion at the device.
+pub struct Gate {
+    slots: Semaphore,
+    queue_depth: u32,
+    pub stats: IoStats,
+}
+
+impl Gate {
+    pub fn new(queue_depth: u32) -> Gate {
+        Gate {
+            slots: Semaphore::new(queue_depth as usize),
+            queue_depth,
+            stats: IoStats::default(),
+        }
+    }
+
+    pub fn queue_depth(&self) -> u32 {
+        self.queue_depth
+    }
+
+    pub async fn run<T>(
+        &self,
+        op: Op,
+        bytes: u64,
+        io: impl Future<Output = io::Result<T>>,
+    ) -> io::Result<T> {
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| io::Error::other("datastore gate closed"))?;
+        let t = self.stats.start();
+        let r = io.await;
+        self.stats.finish(t, op, bytes, r.is_ok());
+        r
+    }
+}
+
+/// A volume's bytes on a datastore: a window `[base, base + size)` of a device.
+#[derive(Clone)]
+pub struct Extent {
+    dev: Arc<dyn Device>,
+    base: u64,
+    size: u64,
+    gate: Arc<Gate>,
+}
+
+impl Extent {
+    pub fn new(dev: Arc<dyn Device>, base: u64, size: u64, gate: Arc<Gate>) -> Extent {
+        Extent {
+            dev,
+            base,
+            size,
+            gate,
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
+    fn check(&self, offset: u64, len: u64) -> io::Result<u64> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(self.base + offset),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "range {offset}+{len} outside extent of {} bytes on {}",
+                    self.size,
+                    self.dev.describe()
+                ),
+            )),
+        }
+    }
+
+    pub async fn read(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+        let at = self.check(offset, len as u64)?;
+        self.gate
+            .run(Op::Read, len as u64, self.dev.read_at(at, len))
+            .await
+    }
+
+    pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
+        let at = self.check(offset, data.len() as u64)?;
+        let n = data.len() as u64;
+        self.gate
+            .run(Op::Write, n, self.dev.write_at(at, data, fua))
+            .await
+    }
+
+    pub async fn flush(&self) -> io::Result<()> {
+        self.gate.run(Op::Flush, 0, self.dev.flush()).await
+    }
+
+    pub async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+        let at = self.check(offset, len)?;
+        self.gate.run(Op::Trim, 0, self.dev.trim(at, len)).await
+    }
+
+    pub async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
+        let at = self.check(offset, len)?;
+        self.gate
+            .run(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, may_trim))
+            .await
+    }
+}
+
+/// Checks a volume or datastore name: what NBD URIs, file names and the LUN table all accept.
+pub fn check_name(what: &str, name: &str) -> Result<()> {
+    let ok_len = !name.is_empty() && name.len() <= label::NAME_MAX;
+    let ok_chars = name
+        .bytes()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'));
+    let ok_start = name
+        .bytes()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphanumeric());
+    if ok_len && ok_chars && ok_start {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "{what} name {name:?} is not valid: use 1 to {} characters from A-Z a-z 0-9 . _ -, \
+             starting with a letter or digit (e.g. web-01)",
+            label::NAME_MAX
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for good in ["demo", "web-01", "a", "DB_2.disk"] {
+            assert!(check_name("volume", good).is_ok(), "{good}");
+        }
+        for bad in ["", "-x", ".x", "a/b", "a b", "ü", &"x".repeat(65)] {
+            assert!(check_name("volume", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn spec_serializes_flat_with_kind_tag() {
+        let s = DatastoreSpec {
+            name: "san".into(),
+            kind: Kind::Lun {
+                target: "nbd://127.0.0.1:10810/x".into(),
+                lun_id: None,
+            },
+            class: Class::Ssd,
+            queue_depth: 16,
+        };
+        let j = serde_json::to_value(&s).unwrap();
+        assert_eq!(j["kind"], "lun");
+        assert_eq!(j["target"], "nbd://127.0.0.1:10810/x");
+        let back: DatastoreSpec = serde_json::from_value(j).unwrap();
+        assert_eq!(back, s);
+    }
+}

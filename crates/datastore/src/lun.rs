@@ -1,0 +1,337 @@
+//! Kind `lun`: one whole device — a block device, a file, or an NBD export served by nbdkit or
+//! qemu-nbd — formatted with a small label and a volume table ([`crate::label`]). Each volume is
+//! one contiguous extent, so its bytes stay plain raw data any tool can read at the recorded
+//! offset.
+//!
+//! Table changes are serialized by a lock here; across hosts they are serialized through the
+//! coordinator, which is the only one who asks a LUN to create or delete volumes.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use tokio::sync::Mutex;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use crate::device::{Device, FileDevice, NbdDevice, NBD_POOL_DEFAULT};
+use crate::label::{self, Entry, Label, LabelError, Table};
+use crate::{
+    io_err, Capacity, Datastore, DatastoreSpec, Error, Extent, Gate, Kind, OpenMode, Result,
+    VolumeSpec,
+};
+
+pub struct LunDatastore {
+    spec: DatastoreSpec,
+    dev: Arc<dyn Device>,
+    label: Label,
+    table: Mutex<Table>,
+    gate: Arc<Gate>,
+}
+
+/// Whether a target string names an NBD export rather than a path.
+pub fn is_nbd_uri(target: &str) -> bool {
+    target.starts_with("nbd://") || target.starts_with("nbd+unix://")
+}
+
+async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
+    if is_nbd_uri(target) {
+        let uri = nbd::uri::NbdUri::parse(target).map_err(|e| Error::Invalid(e.to_string()))?;
+        let d = NbdDevice::connect(&uri, NBD_POOL_DEFAULT)
+            .await
+            .map_err(|e| Error::Invalid(format!("datastore {name:?}: {e}")))?;
+        Ok(Arc::new(d))
+    } else {
+        let p = Path::new(target).to_owned();
+        let d = crate::device::blocking(move || FileDevice::open(&p))
+            .await
+            .map_err(|e| {
+                Error::Invalid(format!(
+                    "datastore {name:?}: cannot open {target} ({e}); give an existing block \
+                     device, a file, or an NBD URI such as nbd://127.0.0.1:10810/lun0"
+                ))
+            })?;
+        Ok(Arc::new(d))
+    }
+}
+
+impl LunDatastore {
+    pub async fn open(mut spec: DatastoreSpec, mode: OpenMode) -> Result<LunDatastore> {
+        let Kind::Lun { target, lun_id } = &spec.kind else {
+            unreachable!(
+                "LunDatastore::open called for a {} datastore",
+                spec.kind_name()
+            );
+        };
+        let (target, recorded_id) = (target.clone(), *lun_id);
+        let name = spec.name.clone();
+        let dev = open_device(&name, &target).await?;
+        if dev.size() < label::DATA_START + label::EXTENT_ALIGN {
+            return Err(Error::Invalid(format!(
+                "datastore {name:?}: {target} has {} bytes; a LUN needs at least {} bytes",
+                dev.size(),
+                label::DATA_START + label::EXTENT_ALIGN
+            )));
+        }
+        let head = dev
+            .read_at(0, label::DATA_START as usize)
+            .await
+            .map_err(io_err(format!("read label of {target}")))?;
+        let decoded = Label::decode(&head[..label::LABEL_LEN]);
+        let slot = |i: usize| {
+            let o = label::TABLE_SLOT_OFFSETS[i] as usize;
+            Table::decode(&head[o..o + label::TABLE_SLOT_LEN])
+        };
+        let (label, table) = match (decoded, mode) {
+            (Ok(l), _) if recorded_id.is_some_and(|id| id != l.lun_id) => {
+                return Err(Error::Invalid(format!(
+                    "datastore {name:?}: {target} holds Vesta LUN {} but {} was added under \
+                     this name; the device behind the target has changed",
+                    l.lun_id,
+                    recorded_id.unwrap_or_default()
+                )))
+            }
+            (Ok(l), _) => {
+                let t = Table::newest([slot(0), slot(1)]).ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "datastore {name:?}: {target} has a Vesta label but neither volume \
+                         table copy is valid"
+                    ))
+                })?;
+                if dev.size() < l.device_size {
+                    return Err(Error::Invalid(format!(
+                        "datastore {name:?}: {target} shrank from {} to {} bytes since it was \
+                         formatted; volumes past the end would be lost",
+                        l.device_size,
+                        dev.size()
+                    )));
+                }
+                if mode != OpenMode::Reopen {
+                    info!(
+                        "datastore {name:?}: adopting existing Vesta LUN {} on {target} with {} \
+                         volume(s)",
+                        l.lun_id,
+                        t.entries.len()
+                    );
+                }
+                (l, t)
+            }
+            (Err(e), OpenMode::Reopen) => {
+                return Err(Error::Invalid(format!(
+                    "datastore {name:?}: {target} no longer carries its Vesta label ({e}); was \
+                     the device wiped or replaced?"
+                )))
+            }
+            (Err(e), OpenMode::Add { force }) => {
+                let blank = head.iter().all(|b| *b == 0);
+                if !blank && !force {
+                    let first = head.iter().position(|b| *b != 0).unwrap_or(0);
+                    let what = match e {
+                        LabelError::NoMagic => "data that is not a Vesta label".to_owned(),
+                        other => format!("a damaged Vesta label ({other})"),
+                    };
+                    return Err(Error::Foreign(format!(
+                        "datastore {name:?}: {target} holds {what} (first non-zero byte at \
+                         offset {first}); formatting it would destroy that data. Pass --force \
+                         to format it anyway"
+                    )));
+                }
+                if !blank {
+                    warn!("datastore {name:?}: formatting {target} over existing data (--force)");
+                }
+                let l = Label {
+                    lun_id: Uuid::new_v4(),
+                    device_size: dev.size(),
+                };
+                let t = Table {
+                    generation: 1,
+                    entries: Vec::new(),
+                };
+                format(&*dev, &l, &t)
+                    .await
+                    .map_err(io_err(format!("format {target}")))?;
+                info!(
+                    "datastore {name:?}: formatted {target} as Vesta LUN {} ({} bytes)",
+                    l.lun_id,
+                    dev.size()
+                );
+                (l, t)
+            }
+        };
+        spec.kind = Kind::Lun {
+            target,
+            lun_id: Some(label.lun_id),
+        };
+        Ok(LunDatastore {
+            gate: Arc::new(Gate::new(spec.queue_depth)),
+            spec,
+            dev,
+            label,
+            table: Mutex::new(table),
+        })
+    }
+
+    pub fn lun_id(&self) -> Uuid {
+        self.label.lun_id
+    }
+
+    /// Writes `t` to its slot and makes it durable. The other slot keeps the previous table,
+    /// so a crash in the middle leaves one valid copy.
+    async fn commit(&self, t: &Table) -> Result<()> {
+        let slot = Table::slot_of(t.generation);
+        self.dev
+            .write_at(
+                label::TABLE_SLOT_OFFSETS[slot],
+                bytes::Bytes::from(t.encode()),
+                true,
+            )
+            .await
+            .map_err(io_err(format!(
+                "write volume table of datastore {:?}",
+                self.spec.name
+            )))
+    }
+
+    fn extent(&self, e: &Entry, size: u64) -> Extent {
+        Extent::new(self.dev.clone(), e.offset, size, self.gate.clone())
+    }
+}
+
+async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
+    // Clear both table slots first so a stale table from an earlier life is never read back.
+    for off in label::TABLE_SLOT_OFFSETS {
+        dev.write_zeroes(off, label::TABLE_SLOT_LEN as u64, false)
+            .await?;
+    }
+    let slot = Table::slot_of(t.generation);
+    dev.write_at(
+        label::TABLE_SLOT_OFFSETS[slot],
+        bytes::Bytes::from(t.encode()),
+        false,
+    )
+    .await?;
+    dev.flush().await?;
+    // The label goes last: a device with a label always has a valid table.
+    dev.write_at(0, bytes::Bytes::from(l.encode()), true)
+        .await?;
+    dev.flush().await
+}
+
+#[async_trait]
+impl Datastore for LunDatastore {
+    fn spec(&self) -> &DatastoreSpec {
+        &self.spec
+    }
+
+    fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
+    async fn capacity(&self) -> Result<Capacity> {
+        let t = self.table.lock().await;
+        let size = self.label.device_size;
+        let (free, largest) = t.free(size);
+        Ok(Capacity {
+            total_bytes: size.saturating_sub(label::DATA_START),
+            free_bytes: free,
+            largest_free_bytes: largest,
+        })
+    }
+
+    async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {
+        let mut t = self.table.lock().await;
+        if t.entries
+            .iter()
+            .any(|e| e.volume_id == v.id || e.name == v.name)
+        {
+            return Err(Error::Exists(format!(
+                "datastore {:?} already holds a volume {:?}",
+                self.spec.name, v.name
+            )));
+        }
+        if t.entries.len() >= label::ENTRIES_MAX {
+            return Err(Error::Invalid(format!(
+                "datastore {:?} holds the most volumes one LUN can ({})",
+                self.spec.name,
+                label::ENTRIES_MAX
+            )));
+        }
+        let Some(offset) = t.allocate(self.label.device_size, v.size) else {
+            return Err(Error::NoSpace {
+                datastore: self.spec.name.clone(),
+                need: v.size,
+                largest: t.free(self.label.device_size).1,
+            });
+        };
+        let entry = Entry {
+            volume_id: v.id,
+            name: v.name.clone(),
+            offset,
+            len: v.size,
+        };
+        // A new volume reads as zeroes, not as whatever an earlier volume left there.
+        self.dev
+            .write_zeroes(offset, v.size, true)
+            .await
+            .map_err(io_err(format!("zero new volume {:?}", v.name)))?;
+        let mut next = t.clone();
+        next.generation += 1;
+        next.entries.push(entry.clone());
+        self.commit(&next).await?;
+        *t = next;
+        Ok(self.extent(&entry, v.size))
+    }
+
+    async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
+        let t = self.table.lock().await;
+        let e = t
+            .entries
+            .iter()
+            .find(|e| e.volume_id == v.id)
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "volume {:?} ({}) is not in the volume table of datastore {:?}",
+                    v.name, v.id, self.spec.name
+                ))
+            })?;
+        if e.len < v.size {
+            return Err(Error::Invalid(format!(
+                "volume {:?}: its extent on {:?} has {} bytes, fewer than the volume's {}",
+                v.name, self.spec.name, e.len, v.size
+            )));
+        }
+        Ok(self.extent(e, v.size))
+    }
+
+    async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {
+        let mut t = self.table.lock().await;
+        let Some(i) = t.entries.iter().position(|e| e.volume_id == v.id) else {
+            return Ok(());
+        };
+        let mut next = t.clone();
+        next.generation += 1;
+        let gone = next.entries.remove(i);
+        self.commit(&next).await?;
+        *t = next;
+        // Give the space back to a thin backend; a hint, so failure only costs space.
+        if let Err(e) = self.dev.trim(gone.offset, gone.len).await {
+            warn!(
+                "datastore {:?}: trim of deleted volume {:?} failed: {e}",
+                self.spec.name, gone.name
+            );
+        }
+        Ok(())
+    }
+
+    async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
+        let t = self.table.lock().await;
+        Ok(t.entries
+            .iter()
+            .map(|e| VolumeSpec {
+                id: e.volume_id,
+                name: e.name.clone(),
+                size: e.len,
+            })
+            .collect())
+    }
+}

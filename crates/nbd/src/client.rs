@@ -1,0 +1,559 @@
+//! A pipelined NBD client with a small pool of connections.
+//!
+//! Each connection has one writer task (requests are queued to it over a channel, so a caller
+//! that gives up never leaves half a request on the wire) and one reader task that matches
+//! simple replies to waiting callers by cookie. Many requests are in flight on each connection.
+//!
+//! The pool uses several connections only when the server advertises `NBD_FLAG_CAN_MULTI_CONN`:
+//! without it, a FLUSH on one connection need not cover writes completed on another, so a
+//! single connection is the only correct choice. A connection that fails is reconnected lazily
+//! by the next request; requests that were in flight on it fail with an error (never a guess).
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::AbortHandle;
+
+use crate::proto::{self, Errno, InfoRequest, Request};
+use crate::uri::{Address, NbdUri};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach NBD server {uri}: {source}")]
+    Connect { uri: String, source: io::Error },
+    #[error("NBD server {uri} refused export: {msg}")]
+    Refused { uri: String, msg: String },
+    #[error("NBD protocol error with {uri}: {msg}")]
+    Protocol { uri: String, msg: String },
+    #[error("NBD server answered {0}")]
+    Server(Errno),
+    #[error("NBD connection lost: {0}")]
+    Disconnected(String),
+}
+
+/// What the server told us about the export.
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteExport {
+    pub size: u64,
+    pub flags: u16,
+    pub block_min: u32,
+    pub block_max: u32,
+}
+
+impl RemoteExport {
+    pub fn can_multi_conn(&self) -> bool {
+        self.flags & proto::FLAG_CAN_MULTI_CONN != 0
+    }
+    pub fn read_only(&self) -> bool {
+        self.flags & proto::FLAG_READ_ONLY != 0
+    }
+}
+
+pub struct Client {
+    uri: NbdUri,
+    export: RemoteExport,
+    conns: Vec<Mutex<Option<Arc<Live>>>>,
+    next: AtomicUsize,
+}
+
+struct Pending {
+    read_len: u32,
+    tx: oneshot::Sender<Result<Bytes, ClientError>>,
+}
+
+struct Outgoing {
+    header: [u8; proto::REQUEST_LEN],
+    payload: Option<Bytes>,
+}
+
+/// One live connection.
+struct Live {
+    tx: mpsc::UnboundedSender<Outgoing>,
+    pending: StdMutex<HashMap<u64, Pending>>,
+    dead: AtomicBool,
+    next_cookie: AtomicU64,
+    tasks: StdMutex<Vec<AbortHandle>>,
+}
+
+impl Live {
+    /// Marks the connection dead and fails everything in flight on it.
+    fn fail(&self, why: &str) {
+        let drained: Vec<Pending> = {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            self.dead.store(true, Ordering::SeqCst);
+            p.drain().map(|(_, v)| v).collect()
+        };
+        for p in drained {
+            let _ = p.tx.send(Err(ClientError::Disconnected(why.to_owned())));
+        }
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+}
+
+trait Duplex: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Duplex for T {}
+
+impl Client {
+    /// Connects and negotiates the first connection; the rest of the pool connects on demand.
+    pub async fn connect(uri: &NbdUri, pool: usize) -> Result<Client, ClientError> {
+        let (export, live) = open_live(uri).await?;
+        let pool = if export.can_multi_conn() {
+            pool.max(1)
+        } else {
+            1
+        };
+        let mut conns = Vec::with_capacity(pool);
+        conns.push(Mutex::new(Some(live)));
+        for _ in 1..pool {
+            conns.push(Mutex::new(None));
+        }
+        Ok(Client {
+            uri: uri.clone(),
+            export,
+            conns,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn export(&self) -> RemoteExport {
+        self.export
+    }
+
+    pub fn uri(&self) -> &NbdUri {
+        &self.uri
+    }
+
+    pub fn pool_size(&self) -> usize {
+        self.conns.len()
+    }
+
+    async fn live(&self) -> Result<Arc<Live>, ClientError> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
+        let mut slot = self.conns[i].lock().await;
+        if let Some(l) = slot.as_ref() {
+            if !l.dead.load(Ordering::SeqCst) {
+                return Ok(l.clone());
+            }
+        }
+        let (export, live) = open_live(&self.uri).await?;
+        if export.size != self.export.size {
+            live.fail("export changed size");
+            return Err(ClientError::Protocol {
+                uri: self.uri.to_string(),
+                msg: format!(
+                    "export size changed from {} to {} across a reconnect",
+                    self.export.size, export.size
+                ),
+            });
+        }
+        *slot = Some(live.clone());
+        Ok(live)
+    }
+
+    async fn call(
+        &self,
+        kind: u16,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: Option<Bytes>,
+    ) -> Result<Bytes, ClientError> {
+        let live = self.live().await?;
+        let cookie = live.next_cookie.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut p = live.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if live.dead.load(Ordering::SeqCst) {
+                return Err(ClientError::Disconnected("connection failed".into()));
+            }
+            let read_len = if kind == proto::CMD_READ { len } else { 0 };
+            p.insert(cookie, Pending { read_len, tx });
+        }
+        let mut b = BytesMut::with_capacity(proto::REQUEST_LEN);
+        Request {
+            flags,
+            kind,
+            cookie,
+            offset,
+            len,
+        }
+        .encode(&mut b);
+        let mut header = [0u8; proto::REQUEST_LEN];
+        header.copy_from_slice(&b);
+        if live.tx.send(Outgoing { header, payload }).is_err() {
+            live.fail("writer stopped");
+        }
+        rx.await
+            .unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into())))
+    }
+
+    fn max_chunk(&self) -> u32 {
+        self.export
+            .block_max
+            .clamp(proto::BLOCK_SIZE_MIN, proto::BLOCK_SIZE_MAX)
+    }
+
+    pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, ClientError> {
+        let max = self.max_chunk();
+        if len <= max {
+            return self.call(proto::CMD_READ, 0, offset, len, None).await;
+        }
+        let mut out = BytesMut::with_capacity(len as usize);
+        let mut done = 0u32;
+        while done < len {
+            let n = (len - done).min(max);
+            let d = self
+                .call(proto::CMD_READ, 0, offset + u64::from(done), n, None)
+                .await?;
+            out.extend_from_slice(&d);
+            done += n;
+        }
+        Ok(out.freeze())
+    }
+
+    pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), ClientError> {
+        let send_fua = self.export.flags & proto::FLAG_SEND_FUA != 0;
+        let flags = if fua && send_fua {
+            proto::CMD_FLAG_FUA
+        } else {
+            0
+        };
+        let max = self.max_chunk() as usize;
+        let mut done = 0usize;
+        while done < data.len() {
+            let n = (data.len() - done).min(max);
+            let chunk = data.slice(done..done + n);
+            self.call(
+                proto::CMD_WRITE,
+                flags,
+                offset + done as u64,
+                n as u32,
+                Some(chunk),
+            )
+            .await?;
+            done += n;
+        }
+        if fua && !send_fua {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    pub async fn flush(&self) -> Result<(), ClientError> {
+        if self.export.flags & proto::FLAG_SEND_FLUSH == 0 {
+            return Ok(()); // the server has no volatile cache to flush
+        }
+        self.call(proto::CMD_FLUSH, 0, 0, 0, None).await.map(|_| ())
+    }
+
+    pub async fn trim(&self, offset: u64, len: u32) -> Result<(), ClientError> {
+        if self.export.flags & proto::FLAG_SEND_TRIM == 0 {
+            return Ok(()); // trim is a hint
+        }
+        self.call(proto::CMD_TRIM, 0, offset, len, None)
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u32,
+        may_trim: bool,
+    ) -> Result<(), ClientError> {
+        if self.export.flags & proto::FLAG_SEND_WRITE_ZEROES != 0 {
+            let flags = if may_trim { 0 } else { proto::CMD_FLAG_NO_HOLE };
+            return self
+                .call(proto::CMD_WRITE_ZEROES, flags, offset, len, None)
+                .await
+                .map(|_| ());
+        }
+        let chunk = (1u32 << 20).min(len);
+        let zeroes = Bytes::from(vec![0u8; chunk as usize]);
+        let mut done = 0u32;
+        while done < len {
+            let n = (len - done).min(chunk);
+            self.write(offset + u64::from(done), zeroes.slice(..n as usize), false)
+                .await?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Sends NBD_CMD_DISC on every open connection.
+    pub async fn disconnect(&self) {
+        for c in &self.conns {
+            if let Some(l) = c.lock().await.take() {
+                let mut b = BytesMut::new();
+                Request {
+                    flags: 0,
+                    kind: proto::CMD_DISC,
+                    cookie: 0,
+                    offset: 0,
+                    len: 0,
+                }
+                .encode(&mut b);
+                let mut header = [0u8; proto::REQUEST_LEN];
+                header.copy_from_slice(&b);
+                let _ = l.tx.send(Outgoing {
+                    header,
+                    payload: None,
+                });
+            }
+        }
+    }
+}
+
+async fn dial(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
+    Ok(match &uri.address {
+        Address::Tcp { host, port } => {
+            let s = TcpStream::connect((host.as_str(), *port)).await?;
+            s.set_nodelay(true)?;
+            Box::new(s)
+        }
+        Address::Unix(p) => Box::new(UnixStream::connect(p).await?),
+    })
+}
+
+async fn open_live(uri: &NbdUri) -> Result<(RemoteExport, Arc<Live>), ClientError> {
+    let s = dial(uri).await.map_err(|source| ClientError::Connect {
+        uri: uri.to_string(),
+        source,
+    })?;
+    let (rd, wr) = tokio::io::split(s);
+    let mut rd = BufReader::with_capacity(128 * 1024, rd);
+    let mut wr = BufWriter::with_capacity(128 * 1024, wr);
+    let export = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        handshake(&mut rd, &mut wr, uri),
+    )
+    .await
+    .map_err(|_| ClientError::Protocol {
+        uri: uri.to_string(),
+        msg: "negotiation timed out".into(),
+    })??;
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    let live = Arc::new(Live {
+        tx,
+        pending: StdMutex::new(HashMap::new()),
+        dead: AtomicBool::new(false),
+        next_cookie: AtomicU64::new(1),
+        tasks: StdMutex::new(Vec::new()),
+    });
+    let w = tokio::spawn(writer(wr, rx, live.clone()));
+    let r = tokio::spawn(reader(rd, live.clone()));
+    live.tasks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend([w.abort_handle(), r.abort_handle()]);
+    Ok((export, live))
+}
+
+async fn writer<W: AsyncWrite + Unpin>(
+    mut wr: BufWriter<W>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    live: Arc<Live>,
+) {
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        let res: io::Result<()> = async {
+            while let Some(o) = next {
+                wr.write_all(&o.header).await?;
+                if let Some(p) = &o.payload {
+                    wr.write_all(p).await?;
+                }
+                next = rx.try_recv().ok();
+            }
+            wr.flush().await
+        }
+        .await;
+        if let Err(e) = res {
+            live.fail(&format!("write failed: {e}"));
+            return;
+        }
+    }
+}
+
+async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
+    let why = loop {
+        let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
+        if let Err(e) = rd.read_exact(&mut h).await {
+            break format!("read failed: {e}");
+        }
+        let Some((errno, cookie)) = proto::decode_simple_reply(&h) else {
+            break "bad reply magic (structured replies were not negotiated)".to_owned();
+        };
+        let pending = live
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&cookie);
+        let Some(p) = pending else {
+            break format!("reply for unknown cookie {cookie:#x}");
+        };
+        if errno.0 != 0 {
+            let _ = p.tx.send(Err(ClientError::Server(errno)));
+            continue;
+        }
+        if p.read_len == 0 {
+            let _ = p.tx.send(Ok(Bytes::new()));
+            continue;
+        }
+        let mut buf = BytesMut::with_capacity(p.read_len as usize);
+        let mut failed = None;
+        while buf.len() < p.read_len as usize {
+            let want = p.read_len as usize - buf.len();
+            match (&mut rd).take(want as u64).read_buf(&mut buf).await {
+                Ok(0) => {
+                    failed = Some("server closed mid-reply".to_owned());
+                    break;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    failed = Some(format!("read failed: {e}"));
+                    break;
+                }
+            }
+        }
+        if let Some(why) = failed {
+            let _ = p.tx.send(Err(ClientError::Disconnected(why.clone())));
+            break why;
+        }
+        let _ = p.tx.send(Ok(buf.freeze()));
+    };
+    live.fail(&why);
+}
+
+async fn handshake<R, W>(rd: &mut R, wr: &mut W, uri: &NbdUri) -> Result<RemoteExport, ClientError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let proto_err = |msg: String| ClientError::Protocol {
+        uri: uri.to_string(),
+        msg,
+    };
+    let io_err = |e: io::Error| ClientError::Protocol {
+        uri: uri.to_string(),
+        msg: format!("during negotiation: {e}"),
+    };
+    let magic = rd.read_u64().await.map_err(io_err)?;
+    let opt = rd.read_u64().await.map_err(io_err)?;
+    if magic != proto::NBDMAGIC || opt != proto::IHAVEOPT {
+        return Err(proto_err(
+            "not a newstyle NBD server (bad greeting magic)".into(),
+        ));
+    }
+    let hflags = rd.read_u16().await.map_err(io_err)?;
+    if hflags & proto::FLAG_FIXED_NEWSTYLE == 0 {
+        return Err(proto_err("server does not speak fixed newstyle".into()));
+    }
+    let no_zeroes = hflags & proto::FLAG_NO_ZEROES != 0;
+    let mut cflags = proto::FLAG_C_FIXED_NEWSTYLE;
+    if no_zeroes {
+        cflags |= proto::FLAG_C_NO_ZEROES;
+    }
+    let mut out = BytesMut::new();
+    out.put_u32(cflags);
+    let mut data = BytesMut::new();
+    InfoRequest {
+        name: uri.export.clone(),
+        requests: vec![proto::INFO_BLOCK_SIZE],
+    }
+    .encode(&mut data);
+    out.put_u64(proto::IHAVEOPT);
+    out.put_u32(proto::OPT_GO);
+    out.put_u32(data.len() as u32);
+    out.put_slice(&data);
+    wr.write_all(&out).await.map_err(io_err)?;
+    wr.flush().await.map_err(io_err)?;
+
+    let mut size = None;
+    let mut flags = 0u16;
+    let (mut block_min, mut block_max) = (1u32, proto::BLOCK_SIZE_MAX);
+    loop {
+        let magic = rd.read_u64().await.map_err(io_err)?;
+        if magic != proto::OPT_REPLY_MAGIC {
+            return Err(proto_err(format!("bad option reply magic {magic:#x}")));
+        }
+        let _opt = rd.read_u32().await.map_err(io_err)?;
+        let kind = rd.read_u32().await.map_err(io_err)?;
+        let len = rd.read_u32().await.map_err(io_err)?;
+        if len > 64 * 1024 {
+            return Err(proto_err(format!("option reply of {len} bytes")));
+        }
+        let mut d = vec![0u8; len as usize];
+        rd.read_exact(&mut d).await.map_err(io_err)?;
+        match kind {
+            proto::REP_ACK => break,
+            proto::REP_INFO if d.len() >= 2 => match proto::be16(&d) {
+                proto::INFO_EXPORT if d.len() >= 12 => {
+                    size = Some(proto::be64(&d[2..10]));
+                    flags = proto::be16(&d[10..12]);
+                }
+                proto::INFO_BLOCK_SIZE if d.len() >= 14 => {
+                    block_min = proto::be32(&d[2..6]);
+                    block_max = proto::be32(&d[10..14]);
+                }
+                _ => {}
+            },
+            proto::REP_ERR_UNSUP => {
+                // An old server without NBD_OPT_GO: fall back to NBD_OPT_EXPORT_NAME.
+                let mut out = BytesMut::new();
+                out.put_u64(proto::IHAVEOPT);
+                out.put_u32(proto::OPT_EXPORT_NAME);
+                out.put_u32(uri.export.len() as u32);
+                out.put_slice(uri.export.as_bytes());
+                wr.write_all(&out).await.map_err(io_err)?;
+                wr.flush().await.map_err(io_err)?;
+                let s = rd.read_u64().await.map_err(io_err)?;
+                flags = rd.read_u16().await.map_err(io_err)?;
+                if !no_zeroes {
+                    let mut z = [0u8; 124];
+                    rd.read_exact(&mut z).await.map_err(io_err)?;
+                }
+                size = Some(s);
+                break;
+            }
+            k if k & (1 << 31) != 0 => {
+                return Err(ClientError::Refused {
+                    uri: uri.to_string(),
+                    msg: format!("error {:#x}: {}", k, String::from_utf8_lossy(&d).trim_end()),
+                })
+            }
+            _ => {}
+        }
+    }
+    let size = size.ok_or_else(|| proto_err("server sent no NBD_INFO_EXPORT".into()))?;
+    Ok(RemoteExport {
+        size,
+        flags,
+        block_min: block_min.max(1),
+        block_max: block_max.max(block_min.max(1)),
+    })
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // The connection tasks hold the connection alive; end them explicitly.
+        for c in &mut self.conns {
+            if let Some(l) = c.get_mut().take() {
+                l.fail("client closed");
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! NBD URIs as standardised by the NBD project's `doc/uri.md`, in the two forms Vesta uses:
+//! `nbd://HOST[:PORT]/EXPORT` and `nbd+unix:///EXPORT?socket=PATH`.
+
+use std::fmt;
+use std::path::PathBuf;
+
+pub const DEFAULT_PORT: u16 = 10809;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Address {
+    Tcp { host: String, port: u16 },
+    Unix(PathBuf),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NbdUri {
+    pub address: Address,
+    pub export: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("bad NBD URI {uri:?}: {reason} (examples: nbd://127.0.0.1:10809/disk, nbd+unix:///disk?socket=/run/nbd.sock)")]
+pub struct UriError {
+    pub uri: String,
+    pub reason: &'static str,
+}
+
+impl NbdUri {
+    pub fn parse(s: &str) -> Result<NbdUri, UriError> {
+        let err = |reason| UriError {
+            uri: s.to_owned(),
+            reason,
+        };
+        if let Some(rest) = s.strip_prefix("nbd+unix://") {
+            let (path_part, query) = rest.split_once('?').ok_or(err("missing ?socket=PATH"))?;
+            let export = path_part.strip_prefix('/').ok_or(err(
+                "nbd+unix URIs have no host: use nbd+unix:///EXPORT?socket=PATH",
+            ))?;
+            let socket = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("socket="))
+                .ok_or(err("missing socket= parameter"))?;
+            if socket.is_empty() {
+                return Err(err("empty socket path"));
+            }
+            return Ok(NbdUri {
+                address: Address::Unix(PathBuf::from(percent_decode(socket))),
+                export: percent_decode(export),
+            });
+        }
+        if let Some(rest) = s.strip_prefix("nbd://") {
+            let (authority, export) = match rest.split_once('/') {
+                Some((a, e)) => (a, e),
+                None => (rest, ""),
+            };
+            if authority.is_empty() {
+                return Err(err("missing host"));
+            }
+            let (host, port) = if let Some(h) = authority.strip_prefix('[') {
+                let (h, p) = h.split_once(']').ok_or(err("unterminated [ipv6] host"))?;
+                (h, p.strip_prefix(':'))
+            } else {
+                match authority.rsplit_once(':') {
+                    Some((h, p)) => (h, Some(p)),
+                    None => (authority, None),
+                }
+            };
+            if host.is_empty() {
+                return Err(err("missing host"));
+            }
+            let port = match port {
+                Some(p) => p.parse().map_err(|_| err("port is not a number"))?,
+                None => DEFAULT_PORT,
+            };
+            return Ok(NbdUri {
+                address: Address::Tcp {
+                    host: host.to_owned(),
+                    port,
+                },
+                export: percent_decode(export),
+            });
+        }
+        Err(err("scheme must be nbd:// or nbd+unix://"))
+    }
+}
+
+impl fmt::Display for NbdUri {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.address {
+            Address::Tcp { host, port } => {
+                if host.contains(':') {
+                    write!(f, "nbd://[{host}]:{port}/{}", self.export)
+                } else {
+                    write!(f, "nbd://{host}:{port}/{}", self.export)
+                }
+            }
+            Address::Unix(p) => write!(
+                f,
+                "nbd+unix:///{}?socket={}",
+                self.export,
+                p.to_string_lossy()
+            ),
+        }
+    }
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = |c: u8| (c as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_tcp_and_unix_forms() {
+        let u = NbdUri::parse("nbd://127.0.0.1:10810/disk").unwrap();
+        assert_eq!(
+            u.address,
+            Address::Tcp {
+                host: "127.0.0.1".into(),
+                port: 10810
+            }
+        );
+        assert_eq!(u.export, "disk");
+        assert_eq!(u.to_string(), "nbd://127.0.0.1:10810/disk");
+
+        let u = NbdUri::parse("nbd://localhost").unwrap();
+        assert_eq!(u.export, "");
+        assert_eq!(
+            u.address,
+            Address::Tcp {
+                host: "localhost".into(),
+                port: DEFAULT_PORT
+            }
+        );
+
+        let u = NbdUri::parse("nbd+unix:///vol%201?socket=/tmp/x.sock").unwrap();
+        assert_eq!(u.address, Address::Unix("/tmp/x.sock".into()));
+        assert_eq!(u.export, "vol 1");
+
+        let u = NbdUri::parse("nbd://[::1]:99/e").unwrap();
+        assert_eq!(
+            u.address,
+            Address::Tcp {
+                host: "::1".into(),
+                port: 99
+            }
+        );
+    }
+
+    #[test]
+    fn rejects_bad_forms_with_a_reason() {
+        for bad in [
+            "http://x/y",
+            "nbd+unix:///x",
+            "nbd+unix://host/x?socket=/s",
+            "nbd://:10/x",
+            "nbd://h:notaport/x",
+            "nbd+unix:///x?socket=",
+        ] {
+            assert!(NbdUri::parse(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+}

@@ -1,0 +1,496 @@
+//! `vesta`: the command line for operators and scripts. Every command talks to `vestad`'s
+//! admin API; `--json` prints the API's answer as is, otherwise a table for people.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use clap::{Parser, Subcommand};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use vesta_api::{self as api, format_size, parse_size};
+
+#[derive(Parser)]
+#[command(name = "vesta", version, about = "Control a Vesta daemon (vestad)")]
+struct Cli {
+    /// Admin API of the vestad to talk to.
+    #[arg(
+        long,
+        env = "VESTA_API",
+        default_value = "http://127.0.0.1:7370",
+        global = true
+    )]
+    api: String,
+    /// Print machine-readable JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Datastores: where volumes' bytes live.
+    #[command(subcommand)]
+    Datastore(DatastoreCmd),
+    /// Volumes: the virtual disks served over NBD.
+    #[command(subcommand)]
+    Volume(VolumeCmd),
+    /// IO rates, latency percentiles and outstanding IOs per volume and datastore.
+    Stats {
+        /// Only this volume (and its datastore).
+        volume: Option<String>,
+    },
+    /// Daemon status: version, addresses, counts.
+    Status,
+}
+
+#[derive(Subcommand)]
+enum DatastoreCmd {
+    /// Add a datastore: a directory of image files, or a whole device / NBD export.
+    Add {
+        name: String,
+        /// A directory; each volume becomes NAME.raw in it.
+        #[arg(long, conflicts_with = "lun", required_unless_present = "lun")]
+        dir: Option<PathBuf>,
+        /// A block device, a file, or an NBD URI (nbd://HOST:PORT/EXPORT,
+        /// nbd+unix:///EXPORT?socket=PATH); Vesta formats it with a label.
+        #[arg(long)]
+        lun: Option<String>,
+        /// Device class, used by migration cost and SSD wear accounting.
+        #[arg(long, value_parser = ["ssd", "hdd"])]
+        class: Option<String>,
+        /// Most IOs Vesta keeps in flight to this datastore.
+        #[arg(long)]
+        queue_depth: Option<u32>,
+        /// Format a LUN even if it holds data that is not Vesta's (destroys that data).
+        #[arg(long)]
+        force: bool,
+    },
+    /// List datastores with capacity and status.
+    List,
+}
+
+#[derive(Subcommand)]
+enum VolumeCmd {
+    /// Create a volume.
+    Create {
+        name: String,
+        /// Size, e.g. 10G, 512M (binary units).
+        #[arg(long)]
+        size: String,
+        /// Datastore to create it on (default: the only one, or `default`).
+        #[arg(long)]
+        datastore: Option<String>,
+        /// Cache policy.
+        #[arg(long)]
+        policy: Option<String>,
+    },
+    /// List volumes.
+    List,
+    /// Show one volume.
+    Show { name: String },
+    /// Delete a volume and its data.
+    Delete {
+        name: String,
+        /// Delete even while clients are attached (they are disconnected).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print the NBD URI a client uses to reach the volume.
+    Url {
+        name: String,
+        /// The TCP URI instead of the unix socket one.
+        #[arg(long)]
+        tcp: bool,
+    },
+}
+
+struct Client {
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    fn new(base: &str) -> Client {
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(600)))
+            .build()
+            .into();
+        Client {
+            base: base.trim_end_matches('/').to_owned(),
+            agent,
+        }
+    }
+
+    fn unreachable(&self, e: ureq::Error) -> anyhow::Error {
+        anyhow!(
+            "cannot reach vestad at {}: {e}. Is it running? Start it with `make run` or \
+             `vestad`, or point --api / VESTA_API at it",
+            self.base
+        )
+    }
+
+    fn answer<T: DeserializeOwned>(
+        &self,
+        r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+    ) -> anyhow::Result<T> {
+        let mut r = r.map_err(|e| self.unreachable(e))?;
+        let status = r.status();
+        let text = r
+            .body_mut()
+            .read_to_string()
+            .context("read vestad's answer")?;
+        if !status.is_success() {
+            let msg = serde_json::from_str::<api::ApiError>(&text)
+                .map(|e| e.error)
+                .unwrap_or(text);
+            bail!("{msg}");
+        }
+        serde_json::from_str(&text)
+            .with_context(|| format!("vestad answered {status} with unexpected JSON"))
+    }
+
+    fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        self.answer(self.agent.get(format!("{}{path}", self.base)).call())
+    }
+
+    fn post<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> anyhow::Result<T> {
+        self.answer(
+            self.agent
+                .post(format!("{}{path}", self.base))
+                .send_json(body),
+        )
+    }
+
+    fn delete<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        self.answer(self.agent.delete(format!("{}{path}", self.base)).call())
+    }
+}
+
+fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// Prints rows as left-aligned columns.
+fn table(header: &[&str], rows: Vec<Vec<String>>) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let s: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<width$}", width = w[i]))
+            .collect();
+        println!("{}", s.join("  ").trim_end());
+    };
+    line(header.iter().map(|s| s.to_string()).collect());
+    for r in rows {
+        line(r);
+    }
+}
+
+fn opt_size(n: Option<u64>) -> String {
+    n.map(format_size).unwrap_or_else(|| "-".into())
+}
+
+fn lat(us: Option<u64>) -> String {
+    match us {
+        None => "-".into(),
+        Some(u) if u < 1000 => format!("{u}us"),
+        Some(u) if u < 1_000_000 => format!("{:.1}ms", u as f64 / 1000.0),
+        Some(u) => format!("{:.1}s", u as f64 / 1e6),
+    }
+}
+
+fn rate(bytes_per_s: f64) -> String {
+    format!("{:.1}", bytes_per_s / (1 << 20) as f64)
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let c = Client::new(&cli.api);
+    match cli.cmd {
+        Cmd::Status => {
+            let s: api::Status = c.get("/v1/status")?;
+            if cli.json {
+                return print_json(&s);
+            }
+            println!("vestad {}", s.version);
+            println!("data dir     {}", s.data_dir);
+            println!("coordinator  {}", s.coordinator);
+            println!("api          http://{}", s.api);
+            println!("nbd unix     {}", s.nbd_unix.as_deref().unwrap_or("-"));
+            println!("nbd tcp      {}", s.nbd_tcp.as_deref().unwrap_or("-"));
+            println!("volumes      {}", s.volumes);
+            println!("datastores   {}", s.datastores);
+        }
+        Cmd::Datastore(DatastoreCmd::Add {
+            name,
+            dir,
+            lun,
+            class,
+            queue_depth,
+            force,
+        }) => {
+            let dir = match dir {
+                Some(d) => Some(
+                    std::path::absolute(&d)
+                        .with_context(|| format!("resolve {}", d.display()))?
+                        .display()
+                        .to_string(),
+                ),
+                None => None,
+            };
+            let req = api::AddDatastore {
+                name,
+                dir,
+                lun,
+                class,
+                queue_depth,
+                force,
+            };
+            let d: api::DatastoreInfo = c.post("/v1/datastores", &req)?;
+            if cli.json {
+                return print_json(&d);
+            }
+            println!(
+                "added datastore {} ({} {}, class {}, queue depth {}, {} free)",
+                d.name,
+                d.kind,
+                d.location,
+                d.class,
+                d.queue_depth,
+                opt_size(d.free_bytes)
+            );
+            if d.volumes > 0 {
+                println!("it holds {} volume(s); see `vesta volume list`", d.volumes);
+            }
+        }
+        Cmd::Datastore(DatastoreCmd::List) => {
+            let v: Vec<api::DatastoreInfo> = c.get("/v1/datastores")?;
+            if cli.json {
+                return print_json(&v);
+            }
+            table(
+                &[
+                    "NAME", "KIND", "CLASS", "QD", "SIZE", "FREE", "VOLUMES", "STATUS", "LOCATION",
+                ],
+                v.into_iter()
+                    .map(|d| {
+                        vec![
+                            d.name,
+                            d.kind,
+                            d.class,
+                            d.queue_depth.to_string(),
+                            opt_size(d.total_bytes),
+                            opt_size(d.free_bytes),
+                            d.volumes.to_string(),
+                            d.status,
+                            d.location,
+                        ]
+                    })
+                    .collect(),
+            );
+        }
+        Cmd::Volume(VolumeCmd::Create {
+            name,
+            size,
+            datastore,
+            policy,
+        }) => {
+            let size = parse_size(&size).map_err(|e| anyhow!("--size: {e}"))?;
+            let req = api::CreateVolume {
+                name,
+                size,
+                datastore,
+                policy,
+            };
+            let v: api::VolumeInfo = c.post("/v1/volumes", &req)?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!(
+                "created volume {} ({}) on datastore {}, policy {}",
+                v.name,
+                format_size(v.size),
+                v.datastore,
+                v.policy
+            );
+            if let Some(u) = v.urls.first() {
+                println!("connect: {u}");
+            }
+        }
+        Cmd::Volume(VolumeCmd::List) => {
+            let v: Vec<api::VolumeInfo> = c.get("/v1/volumes")?;
+            if cli.json {
+                return print_json(&v);
+            }
+            table(
+                &["NAME", "SIZE", "DATASTORE", "POLICY", "CONNS", "STATUS"],
+                v.into_iter()
+                    .map(|v| {
+                        vec![
+                            v.name,
+                            format_size(v.size),
+                            v.datastore,
+                            v.policy,
+                            v.connections.to_string(),
+                            v.status,
+                        ]
+                    })
+                    .collect(),
+            );
+        }
+        Cmd::Volume(VolumeCmd::Show { name }) => {
+            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{name}"))?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("name         {}", v.name);
+            println!("id           {}", v.id);
+            println!("size         {} ({} bytes)", format_size(v.size), v.size);
+            println!("datastore    {}", v.datastore);
+            println!("policy       {}", v.policy);
+            println!("status       {}", v.status);
+            println!("connections  {}", v.connections);
+            for u in &v.urls {
+                println!("url          {u}");
+            }
+        }
+        Cmd::Volume(VolumeCmd::Delete { name, force }) => {
+            let v: api::VolumeInfo = c.delete(&format!(
+                "/v1/volumes/{name}{}",
+                if force { "?force=true" } else { "" }
+            ))?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("deleted volume {} ({})", v.name, format_size(v.size));
+        }
+        Cmd::Volume(VolumeCmd::Url { name, tcp }) => {
+            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{name}"))?;
+            if cli.json {
+                return print_json(&v.urls);
+            }
+            let pick = v.urls.iter().find(|u| {
+                if tcp {
+                    u.starts_with("nbd://")
+                } else {
+                    u.starts_with("nbd+unix://")
+                }
+            });
+            match pick.or(v.urls.first()) {
+                Some(u) => println!("{u}"),
+                None => bail!("vestad has no NBD listener enabled; set [nbd] unix or tcp"),
+            }
+        }
+        Cmd::Stats { volume } => {
+            let path = match &volume {
+                Some(v) => format!("/v1/stats?volume={v}"),
+                None => "/v1/stats".into(),
+            };
+            let r: api::StatsReport = c.get(&path)?;
+            if cli.json {
+                return print_json(&r);
+            }
+            println!("interval {:.1}s", r.interval_s);
+            table(
+                &[
+                    "VOLUME",
+                    "DATASTORE",
+                    "POLICY",
+                    "R-IOPS",
+                    "W-IOPS",
+                    "R-MiB/s",
+                    "W-MiB/s",
+                    "R-P50",
+                    "R-P99",
+                    "W-P50",
+                    "W-P99",
+                    "OIO",
+                    "OIO-AVG",
+                    "ERR",
+                ],
+                r.volumes
+                    .into_iter()
+                    .map(|v| {
+                        vec![
+                            v.name,
+                            v.datastore,
+                            v.policy,
+                            format!("{:.0}", v.io.read_iops),
+                            format!("{:.0}", v.io.write_iops),
+                            rate(v.io.read_bytes_per_s),
+                            rate(v.io.write_bytes_per_s),
+                            lat(v.io.read_latency_us_p50),
+                            lat(v.io.read_latency_us_p99),
+                            lat(v.io.write_latency_us_p50),
+                            lat(v.io.write_latency_us_p99),
+                            v.io.outstanding.to_string(),
+                            format!("{:.1}", v.io.outstanding_mean),
+                            v.io.errors.to_string(),
+                        ]
+                    })
+                    .collect(),
+            );
+            println!();
+            table(
+                &[
+                    "DATASTORE",
+                    "QD",
+                    "R-IOPS",
+                    "W-IOPS",
+                    "R-MiB/s",
+                    "W-MiB/s",
+                    "R-P50",
+                    "R-P99",
+                    "W-P50",
+                    "W-P99",
+                    "OIO",
+                    "OIO-AVG",
+                    "ERR",
+                ],
+                r.datastores
+                    .into_iter()
+                    .map(|d| {
+                        vec![
+                            d.name,
+                            d.queue_depth.to_string(),
+                            format!("{:.0}", d.io.read_iops),
+                            format!("{:.0}", d.io.write_iops),
+                            rate(d.io.read_bytes_per_s),
+                            rate(d.io.write_bytes_per_s),
+                            lat(d.io.read_latency_us_p50),
+                            lat(d.io.read_latency_us_p99),
+                            lat(d.io.write_latency_us_p50),
+                            lat(d.io.write_latency_us_p99),
+                            d.io.outstanding.to_string(),
+                            format!("{:.1}", d.io.outstanding_mean),
+                            d.io.errors.to_string(),
+                        ]
+                    })
+                    .collect(),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vesta: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

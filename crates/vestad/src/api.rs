@@ -1,0 +1,120 @@
+//! The admin HTTP API (routes listed in the `vesta-api` crate). Handlers are thin: parse,
+//! call the daemon, map its error kind to a status code.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Deserialize;
+
+use vesta_api as api;
+
+use crate::daemon::{Daemon, OpError};
+
+impl IntoResponse for OpError {
+    fn into_response(self) -> Response {
+        let status = match &self {
+            OpError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            OpError::NotFound(_) => StatusCode::NOT_FOUND,
+            OpError::Conflict(_) => StatusCode::CONFLICT,
+            OpError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            OpError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        (
+            status,
+            Json(api::ApiError {
+                error: self.to_string(),
+            }),
+        )
+            .into_response()
+    }
+}
+
+type D = State<Arc<Daemon>>;
+
+pub fn router(d: Arc<Daemon>) -> Router {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/datastores", get(list_datastores).post(add_datastore))
+        .route("/v1/volumes", get(list_volumes).post(create_volume))
+        .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
+        .route("/v1/stats", get(stats))
+        .fallback(|| async {
+            OpError::NotFound("no such API path; see the vesta-api crate for the routes".into())
+        })
+        .with_state(d)
+}
+
+async fn status(State(d): D) -> Json<api::Status> {
+    Json(d.status())
+}
+
+async fn list_datastores(State(d): D) -> Json<Vec<api::DatastoreInfo>> {
+    Json(d.datastore_infos().await)
+}
+
+/// Bodies that fail to parse get our error shape, not axum's plain text.
+fn body<T>(b: Result<Json<T>, axum::extract::rejection::JsonRejection>) -> Result<T, OpError> {
+    b.map(|Json(v)| v)
+        .map_err(|e| OpError::BadRequest(format!("bad request body: {}", e.body_text())))
+}
+
+async fn add_datastore(
+    State(d): D,
+    b: Result<Json<api::AddDatastore>, axum::extract::rejection::JsonRejection>,
+) -> Result<(StatusCode, Json<api::DatastoreInfo>), OpError> {
+    let req = body(b)?;
+    Ok((StatusCode::CREATED, Json(d.add_datastore(req).await?)))
+}
+
+async fn list_volumes(State(d): D) -> Json<Vec<api::VolumeInfo>> {
+    Json(d.entries().iter().map(|e| d.volume_info(e)).collect())
+}
+
+async fn create_volume(
+    State(d): D,
+    b: Result<Json<api::CreateVolume>, axum::extract::rejection::JsonRejection>,
+) -> Result<(StatusCode, Json<api::VolumeInfo>), OpError> {
+    let req = body(b)?;
+    Ok((StatusCode::CREATED, Json(d.create_volume(req).await?)))
+}
+
+async fn show_volume(
+    State(d): D,
+    Path(name): Path<String>,
+) -> Result<Json<api::VolumeInfo>, OpError> {
+    let e = d.entry(&name)?;
+    Ok(Json(d.volume_info(&e)))
+}
+
+#[derive(Deserialize)]
+struct DeleteQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+async fn delete_volume(
+    State(d): D,
+    Path(name): Path<String>,
+    Query(q): Query<DeleteQuery>,
+) -> Result<Json<api::VolumeInfo>, OpError> {
+    Ok(Json(d.delete_volume(&name, q.force).await?))
+}
+
+#[derive(Deserialize)]
+struct StatsQuery {
+    volume: Option<String>,
+}
+
+async fn stats(
+    State(d): D,
+    Query(q): Query<StatsQuery>,
+) -> Result<Json<api::StatsReport>, OpError> {
+    if let Some(v) = &q.volume {
+        d.entry(v)?;
+    }
+    Ok(Json(crate::stats::report(&d, q.volume.as_deref())))
+}

@@ -1,0 +1,287 @@
+//! `vestad`'s configuration: a TOML file given with `--config`, or the embedded default.
+//!
+//! The embedded default needs no external service: data in `./vesta-data`, one `dir` datastore
+//! named `default` under it, NBD on `<data_dir>/nbd.sock` and `127.0.0.1:10809`, the admin API
+//! on `127.0.0.1:7370`. A file only has to name what differs. Relative paths inside the data
+//! directory (the socket, `dir` datastores) are resolved against `data_dir`; `data_dir` itself
+//! against the working directory. Unknown keys are errors, so a typo never silently does
+//! nothing.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use datastore::{Class, DatastoreSpec, Kind, QUEUE_DEPTH_DEFAULT};
+
+pub const API_DEFAULT: &str = "127.0.0.1:7370";
+pub const NBD_TCP_DEFAULT: &str = "127.0.0.1:10809";
+pub const NBD_UNIX_DEFAULT: &str = "nbd.sock";
+pub const DATA_DIR_DEFAULT: &str = "vesta-data";
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub nbd: NbdConfig,
+    pub api: ApiConfig,
+    pub stats: StatsConfig,
+    #[serde(rename = "datastore")]
+    pub datastores: Vec<DatastoreConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NbdConfig {
+    /// Unix socket path, relative to `data_dir` unless absolute; empty disables it.
+    pub unix: String,
+    /// TCP listen address; empty disables it.
+    pub tcp: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StatsConfig {
+    /// Length of a statistics interval in seconds (2–10).
+    pub interval_s: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatastoreConfig {
+    pub name: String,
+    /// `dir` or `lun`.
+    pub kind: String,
+    /// For `dir`: the directory (relative to `data_dir` unless absolute).
+    pub path: Option<PathBuf>,
+    /// For `lun`: a device or file path, or an NBD URI.
+    pub target: Option<String>,
+    pub class: Option<String>,
+    pub queue_depth: Option<u32>,
+    /// Format a `lun` even if it holds foreign data.
+    #[serde(default)]
+    pub force: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            data_dir: PathBuf::from(DATA_DIR_DEFAULT),
+            nbd: NbdConfig::default(),
+            api: ApiConfig::default(),
+            stats: StatsConfig::default(),
+            datastores: vec![DatastoreConfig {
+                name: "default".into(),
+                kind: "dir".into(),
+                path: Some(PathBuf::from("datastores/default")),
+                target: None,
+                class: None,
+                queue_depth: None,
+                force: false,
+            }],
+        }
+    }
+}
+
+impl Default for NbdConfig {
+    fn default() -> NbdConfig {
+        NbdConfig {
+            unix: NBD_UNIX_DEFAULT.into(),
+            tcp: NBD_TCP_DEFAULT.into(),
+        }
+    }
+}
+
+impl Default for ApiConfig {
+    fn default() -> ApiConfig {
+        ApiConfig {
+            listen: API_DEFAULT.into(),
+        }
+    }
+}
+
+impl Default for StatsConfig {
+    fn default() -> StatsConfig {
+        StatsConfig { interval_s: 2.0 }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("read config file {}", path.display()))?;
+        Config::parse(&text).with_context(|| format!("config file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> anyhow::Result<Config> {
+        let c: Config = toml::from_str(text)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if !(2.0..=10.0).contains(&self.stats.interval_s) {
+            bail!(
+                "stats.interval_s = {} is out of range: use 2 to 10 seconds",
+                self.stats.interval_s
+            );
+        }
+        let mut seen = std::collections::HashSet::new();
+        for d in &self.datastores {
+            if !seen.insert(&d.name) {
+                bail!(
+                    "datastore {:?} is defined twice; give each a unique name",
+                    d.name
+                );
+            }
+            self.datastore_spec(d)?;
+        }
+        Ok(())
+    }
+
+    pub fn stats_interval(&self) -> Duration {
+        Duration::from_secs_f64(self.stats.interval_s)
+    }
+
+    /// Resolves a path against the data directory.
+    pub fn in_data_dir(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_owned()
+        } else {
+            self.data_dir.join(p)
+        }
+    }
+
+    pub fn nbd_unix_path(&self) -> Option<PathBuf> {
+        (!self.nbd.unix.is_empty()).then(|| self.in_data_dir(Path::new(&self.nbd.unix)))
+    }
+
+    /// The spec a configured datastore stands for.
+    pub fn datastore_spec(&self, d: &DatastoreConfig) -> anyhow::Result<DatastoreSpec> {
+        datastore::check_name("datastore", &d.name)?;
+        let kind = match (d.kind.as_str(), &d.path, &d.target) {
+            ("dir", Some(p), None) => Kind::Dir {
+                path: self.in_data_dir(p),
+            },
+            ("lun", None, Some(t)) => Kind::Lun {
+                target: t.clone(),
+                lun_id: None,
+            },
+            ("dir", _, _) => bail!(
+                "datastore {:?}: kind \"dir\" takes `path = \"/some/dir\"` and no `target`",
+                d.name
+            ),
+            ("lun", _, _) => bail!(
+                "datastore {:?}: kind \"lun\" takes `target = \"/dev/sdX\"` or \
+                 `target = \"nbd://host:port/export\"` and no `path`",
+                d.name
+            ),
+            (other, _, _) => bail!(
+                "datastore {:?}: unknown kind {other:?}; use \"dir\" or \"lun\"",
+                d.name
+            ),
+        };
+        let class = match &d.class {
+            Some(c) => c
+                .parse::<Class>()
+                .map_err(|e| anyhow::anyhow!("datastore {:?}: {e}", d.name))?,
+            None => Class::default(),
+        };
+        let queue_depth = d.queue_depth.unwrap_or(QUEUE_DEPTH_DEFAULT);
+        if queue_depth == 0 {
+            bail!("datastore {:?}: queue_depth must be at least 1", d.name);
+        }
+        Ok(DatastoreSpec {
+            name: d.name.clone(),
+            kind,
+            class,
+            queue_depth,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_is_self_contained() {
+        let c = Config::default();
+        c.validate().unwrap();
+        assert_eq!(
+            c.nbd_unix_path(),
+            Some(PathBuf::from("vesta-data/nbd.sock"))
+        );
+        let spec = c.datastore_spec(&c.datastores[0]).unwrap();
+        assert_eq!(
+            spec.kind,
+            Kind::Dir {
+                path: PathBuf::from("vesta-data/datastores/default")
+            }
+        );
+    }
+
+    #[test]
+    fn a_file_names_only_what_differs() {
+        let c = Config::parse(
+            r#"
+            data_dir = "/srv/vesta"
+            [nbd]
+            tcp = ""
+            [[datastore]]
+            name = "san"
+            kind = "lun"
+            target = "nbd://127.0.0.1:10810/lun0"
+            class = "ssd"
+            queue_depth = 16
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.api.listen, API_DEFAULT);
+        assert_eq!(c.nbd.tcp, "");
+        assert_eq!(
+            c.nbd_unix_path(),
+            Some(PathBuf::from("/srv/vesta/nbd.sock"))
+        );
+        assert_eq!(c.datastores.len(), 1);
+        let s = c.datastore_spec(&c.datastores[0]).unwrap();
+        assert_eq!(s.class, Class::Ssd);
+        assert_eq!(s.queue_depth, 16);
+    }
+
+    #[test]
+    fn mistakes_name_the_field() {
+        let e = format!("{:#}", Config::parse("dat_dir = \"x\"").unwrap_err());
+        assert!(e.contains("dat_dir"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("[[datastore]]\nname=\"a\"\nkind=\"dir\"\ntarget=\"x\"").unwrap_err()
+        );
+        assert!(e.contains("path"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("[[datastore]]\nname=\"a\"\nkind=\"nfs\"\npath=\"x\"").unwrap_err()
+        );
+        assert!(e.contains("unknown kind"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("[stats]\ninterval_s = 60").unwrap_err()
+        );
+        assert!(e.contains("interval_s"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse(
+                "[[datastore]]\nname=\"a\"\nkind=\"dir\"\npath=\"x\"\n[[datastore]]\nname=\"a\"\nkind=\"dir\"\npath=\"y\""
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("twice"), "{e}");
+    }
+}

@@ -1,0 +1,750 @@
+//! The daemon's state: datastores and volumes in service, and every operation the admin API
+//! offers on them. Records live in the coordinator; this keeps the open objects.
+//!
+//! Admin operations that change records are serialized by one async lock, so two concurrent
+//! requests can never both create the same name or delete a volume while it is being created.
+//! The IO path never takes that lock: connections look volumes up in a read-locked map.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::Notify;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use cluster::{Coordinator, Policy, VolumeRecord};
+use datastore::{Datastore, DatastoreSpec, Kind, OpenMode};
+use engine::Volume;
+use nbd::StopHandle;
+use vesta_api as api;
+
+use crate::config::Config;
+use crate::stats::Sampler;
+
+/// What went wrong with an admin request, by the HTTP status it maps to.
+#[derive(Debug)]
+pub enum OpError {
+    BadRequest(String),
+    NotFound(String),
+    Conflict(String),
+    Unavailable(String),
+    Internal(String),
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpError::BadRequest(m)
+            | OpError::NotFound(m)
+            | OpError::Conflict(m)
+            | OpError::Unavailable(m)
+            | OpError::Internal(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<datastore::Error> for OpError {
+    fn from(e: datastore::Error) -> OpError {
+        use datastore::Error as E;
+        match e {
+            E::Invalid(m) | E::Foreign(m) => OpError::BadRequest(m),
+            E::Exists(m) => OpError::Conflict(m),
+            E::NotFound(m) => OpError::NotFound(m),
+            e @ E::NoSpace { .. } => OpError::Conflict(e.to_string()),
+            e @ E::Io { .. } => OpError::Unavailable(e.to_string()),
+        }
+    }
+}
+
+impl From<cluster::Error> for OpError {
+    fn from(e: cluster::Error) -> OpError {
+        match e {
+            cluster::Error::Exists(m) => OpError::Conflict(m),
+            cluster::Error::NotFound(m) => OpError::NotFound(m),
+            other => OpError::Internal(other.to_string()),
+        }
+    }
+}
+
+pub type OpResult<T> = Result<T, OpError>;
+
+/// An open datastore, or why it could not be opened.
+type Opened = Result<Arc<dyn Datastore>, String>;
+
+/// A datastore in service, or why it is not.
+struct DsEntry {
+    spec: DatastoreSpec,
+    store: Opened,
+}
+
+/// A volume in service.
+pub struct VolumeEntry {
+    pub record: VolumeRecord,
+    /// The open volume, or why it could not be opened.
+    pub volume: Result<Arc<Volume>, String>,
+    attached: AtomicU32,
+    detached: Notify,
+    /// Fired when the volume is deleted with force: its connections end.
+    pub stop: StopHandle,
+}
+
+impl VolumeEntry {
+    fn new(record: VolumeRecord, volume: Result<Arc<Volume>, String>) -> VolumeEntry {
+        VolumeEntry {
+            record,
+            volume,
+            attached: AtomicU32::new(0),
+            detached: Notify::new(),
+            stop: StopHandle::new(),
+        }
+    }
+
+    pub fn connections(&self) -> u32 {
+        self.attached.load(Ordering::SeqCst)
+    }
+
+    /// Waits until no connection is attached, or `limit` passes. True if none is left.
+    async fn wait_detached(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let notified = self.detached.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.connections() == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.connections() == 0;
+            }
+        }
+    }
+}
+
+/// A connection's hold on a volume; dropping it detaches.
+pub struct Attachment {
+    pub entry: Arc<VolumeEntry>,
+    pub volume: Arc<Volume>,
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        if self.entry.attached.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.entry.detached.notify_waiters();
+        }
+    }
+}
+
+/// Where clients reach the NBD server, known once the listeners are bound.
+#[derive(Debug, Clone, Default)]
+pub struct NbdAddrs {
+    pub unix: Option<PathBuf>,
+    pub tcp: Option<std::net::SocketAddr>,
+}
+
+pub struct Daemon {
+    pub config: Config,
+    pub coord: Arc<dyn Coordinator>,
+    datastores: RwLock<BTreeMap<String, DsEntry>>,
+    volumes: RwLock<BTreeMap<String, Arc<VolumeEntry>>>,
+    admin: tokio::sync::Mutex<()>,
+    pub nbd: OnceLock<NbdAddrs>,
+    pub api_addr: OnceLock<std::net::SocketAddr>,
+    pub sampler: Mutex<Sampler>,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// How long a forced delete waits for the volume's connections to finish in-flight IO.
+const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
+
+impl Daemon {
+    /// Opens every datastore and volume the coordinator records, adding configured datastores
+    /// that are new. Failures of single datastores or volumes are reported, not fatal: the
+    /// rest keep serving.
+    pub async fn start(config: Config, coord: Arc<dyn Coordinator>) -> anyhow::Result<Daemon> {
+        let d = Daemon {
+            sampler: Mutex::new(Sampler::default()),
+            config,
+            coord,
+            datastores: RwLock::new(BTreeMap::new()),
+            volumes: RwLock::new(BTreeMap::new()),
+            admin: tokio::sync::Mutex::new(()),
+            nbd: OnceLock::new(),
+            api_addr: OnceLock::new(),
+        };
+        let state = d.coord.state().await?;
+        for dc in &d.config.datastores {
+            let spec = d.config.datastore_spec(dc)?;
+            match state.datastores.iter().find(|s| s.name == spec.name) {
+                Some(rec) if !same_location(rec, &spec) => anyhow::bail!(
+                    "datastore {:?}: the config says {} {} but it was added as {} {}; put the \
+                     config back, or give the new location another datastore name",
+                    spec.name,
+                    spec.kind_name(),
+                    spec.location(),
+                    rec.kind_name(),
+                    rec.location()
+                ),
+                Some(rec) => {
+                    // Class and queue depth follow the config.
+                    let mut rec = rec.clone();
+                    if rec.class != spec.class || rec.queue_depth != spec.queue_depth {
+                        rec.class = spec.class;
+                        rec.queue_depth = spec.queue_depth;
+                        d.coord.update_datastore(rec).await?;
+                    }
+                }
+                None => {
+                    if let Kind::Dir { path } = &spec.kind {
+                        std::fs::create_dir_all(path).map_err(|e| {
+                            anyhow::anyhow!("create datastore directory {}: {e}", path.display())
+                        })?;
+                    }
+                    let store = datastore::open(&spec, OpenMode::Add { force: dc.force })
+                        .await
+                        .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
+                    d.coord.add_datastore(store.spec().clone()).await?;
+                    info!(
+                        "added configured datastore {:?} ({} {})",
+                        spec.name,
+                        spec.kind_name(),
+                        spec.location()
+                    );
+                }
+            }
+        }
+        let state = d.coord.state().await?;
+        for spec in state.datastores {
+            let store = match datastore::open(&spec, OpenMode::Reopen).await {
+                Ok(s) => Ok(s),
+                Err(e) => {
+                    warn!("datastore {:?} is unavailable: {e}", spec.name);
+                    Err(e.to_string())
+                }
+            };
+            d.datastores
+                .write()
+                .expect("lock")
+                .insert(spec.name.clone(), DsEntry { spec, store });
+        }
+        for rec in state.volumes {
+            let volume = d.open_volume(&rec).await;
+            if let Err(e) = &volume {
+                warn!("volume {:?} cannot serve IO: {e}", rec.name);
+            }
+            d.volumes
+                .write()
+                .expect("lock")
+                .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
+        }
+        Ok(d)
+    }
+
+    fn store(&self, name: &str) -> OpResult<Arc<dyn Datastore>> {
+        let ds = self.datastores.read().expect("lock");
+        match ds.get(name) {
+            Some(DsEntry { store: Ok(s), .. }) => Ok(s.clone()),
+            Some(DsEntry { store: Err(e), .. }) => Err(OpError::Unavailable(format!(
+                "datastore {name:?} is unavailable: {e}"
+            ))),
+            None => Err(OpError::NotFound(format!(
+                "no datastore named {name:?}; known datastores: {}",
+                known(ds.keys())
+            ))),
+        }
+    }
+
+    async fn open_volume(&self, rec: &VolumeRecord) -> Result<Arc<Volume>, String> {
+        let store = self.store(&rec.datastore).map_err(|e| e.to_string())?;
+        let extent = store
+            .open_volume(&rec.spec())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Arc::new(Volume::new(
+            rec.id,
+            rec.name.clone(),
+            rec.policy,
+            extent,
+        )))
+    }
+
+    pub fn entry(&self, name: &str) -> OpResult<Arc<VolumeEntry>> {
+        let v = self.volumes.read().expect("lock");
+        v.get(name).cloned().ok_or_else(|| {
+            OpError::NotFound(format!(
+                "no volume named {name:?}; known volumes: {}",
+                known(v.keys())
+            ))
+        })
+    }
+
+    pub fn entries(&self) -> Vec<Arc<VolumeEntry>> {
+        self.volumes
+            .read()
+            .expect("lock")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn datastore_names(&self) -> Vec<String> {
+        self.datastores
+            .read()
+            .expect("lock")
+            .keys()
+            .cloned()
+            .collect()
+    }
+
+    pub fn datastore_gates(&self) -> Vec<(String, Arc<datastore::Gate>)> {
+        self.datastores
+            .read()
+            .expect("lock")
+            .iter()
+            .filter_map(|(n, e)| e.store.as_ref().ok().map(|s| (n.clone(), s.gate().clone())))
+            .collect()
+    }
+
+    /// Attaches a connection to a volume (for NBD_OPT_GO). Counting happens under the map's
+    /// read lock, and deletion checks the count under its write lock, so a volume can never be
+    /// deleted between being looked up and being attached.
+    pub fn attach(&self, name: &str) -> Result<Attachment, String> {
+        let v = self.volumes.read().expect("lock");
+        let entry = v
+            .get(name)
+            .ok_or_else(|| format!("no volume named {name:?}"))?;
+        let volume = entry
+            .volume
+            .as_ref()
+            .map_err(|e| format!("volume {name:?} cannot serve IO: {e}"))?
+            .clone();
+        entry.attached.fetch_add(1, Ordering::SeqCst);
+        Ok(Attachment {
+            entry: entry.clone(),
+            volume,
+        })
+    }
+
+    pub fn urls(&self, name: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(a) = self.nbd.get() {
+            if let Some(p) = &a.unix {
+                out.push(format!("nbd+unix:///{name}?socket={}", p.display()));
+            }
+            if let Some(t) = &a.tcp {
+                out.push(format!("nbd://{t}/{name}"));
+            }
+        }
+        out
+    }
+
+    pub fn volume_info(&self, e: &VolumeEntry) -> api::VolumeInfo {
+        api::VolumeInfo {
+            name: e.record.name.clone(),
+            id: e.record.id.to_string(),
+            size: e.record.size,
+            datastore: e.record.datastore.clone(),
+            policy: e.record.policy.to_string(),
+            status: match &e.volume {
+                Ok(_) => "ok".into(),
+                Err(m) => m.clone(),
+            },
+            connections: e.connections(),
+            created_unix: e.record.created_unix,
+            urls: self.urls(&e.record.name),
+        }
+    }
+
+    pub async fn datastore_infos(&self) -> Vec<api::DatastoreInfo> {
+        let list: Vec<(DatastoreSpec, Opened)> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .map(|e| (e.spec.clone(), e.store.clone()))
+            .collect();
+        let counts = {
+            let v = self.volumes.read().expect("lock");
+            let mut m: BTreeMap<String, usize> = BTreeMap::new();
+            for e in v.values() {
+                *m.entry(e.record.datastore.clone()).or_default() += 1;
+            }
+            m
+        };
+        let mut out = Vec::with_capacity(list.len());
+        for (spec, store) in list {
+            let (status, cap) = match &store {
+                Ok(s) => match s.capacity().await {
+                    Ok(c) => ("ok".to_owned(), Some(c)),
+                    Err(e) => (e.to_string(), None),
+                },
+                Err(e) => (e.clone(), None),
+            };
+            out.push(datastore_info(
+                store.as_ref().map(|s| s.spec()).unwrap_or(&spec),
+                status,
+                cap,
+                counts.get(&spec.name).copied().unwrap_or(0),
+            ));
+        }
+        out
+    }
+
+    pub async fn add_datastore(&self, req: api::AddDatastore) -> OpResult<api::DatastoreInfo> {
+        let _admin = self.admin.lock().await;
+        datastore::check_name("datastore", &req.name)?;
+        if self
+            .datastores
+            .read()
+            .expect("lock")
+            .contains_key(&req.name)
+        {
+            return Err(OpError::Conflict(format!(
+                "a datastore named {:?} already exists; choose another name",
+                req.name
+            )));
+        }
+        let kind = match (req.dir, req.lun) {
+            (Some(dir), None) => {
+                let p = PathBuf::from(&dir);
+                let path = if p.is_absolute() {
+                    p
+                } else {
+                    return Err(OpError::BadRequest(format!(
+                        "--dir {dir:?} must be an absolute path (vestad may run in another \
+                         directory than the CLI), e.g. --dir /srv/vesta/{}",
+                        req.name
+                    )));
+                };
+                Kind::Dir { path }
+            }
+            (None, Some(target)) => Kind::Lun {
+                target,
+                lun_id: None,
+            },
+            _ => {
+                return Err(OpError::BadRequest(
+                    "give exactly one of --dir PATH or --lun PATH_OR_NBD_URI".into(),
+                ))
+            }
+        };
+        let class = match req.class.as_deref() {
+            Some(c) => c.parse().map_err(OpError::BadRequest)?,
+            None => datastore::Class::default(),
+        };
+        let queue_depth = req.queue_depth.unwrap_or(datastore::QUEUE_DEPTH_DEFAULT);
+        let spec = DatastoreSpec {
+            name: req.name.clone(),
+            kind,
+            class,
+            queue_depth,
+        };
+        // A LUN must not be added twice under two names.
+        let store = datastore::open(&spec, OpenMode::Add { force: req.force }).await?;
+        let spec = store.spec().clone();
+        if let Kind::Lun {
+            lun_id: Some(id), ..
+        } = &spec.kind
+        {
+            let ds = self.datastores.read().expect("lock");
+            if let Some(other) = ds
+                .values()
+                .find(|e| matches!(&e.spec.kind, Kind::Lun { lun_id: Some(o), .. } if o == id))
+            {
+                return Err(OpError::Conflict(format!(
+                    "that LUN is already datastore {:?}",
+                    other.spec.name
+                )));
+            }
+        }
+        self.coord.add_datastore(spec.clone()).await?;
+        info!(
+            "added datastore {:?} ({} {}, class {}, queue depth {})",
+            spec.name,
+            spec.kind_name(),
+            spec.location(),
+            spec.class,
+            spec.queue_depth
+        );
+        self.datastores.write().expect("lock").insert(
+            spec.name.clone(),
+            DsEntry {
+                spec: spec.clone(),
+                store: Ok(store.clone()),
+            },
+        );
+        self.import_recorded_volumes(&store).await;
+        let cap = store.capacity().await.ok();
+        let n = self
+            .volumes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|e| e.record.datastore == spec.name)
+            .count();
+        Ok(datastore_info(&spec, "ok".into(), cap, n))
+    }
+
+    /// A re-added LUN brings its volumes back: each volume in its table that the coordinator
+    /// does not know is recorded again (policy `uncached`), unless its name is taken.
+    async fn import_recorded_volumes(&self, store: &Arc<dyn Datastore>) {
+        let Ok(found) = store.recorded_volumes().await else {
+            return;
+        };
+        for v in found {
+            let (id_known, name_taken) = {
+                let m = self.volumes.read().expect("lock");
+                (
+                    m.values().any(|e| e.record.id == v.id),
+                    m.contains_key(&v.name),
+                )
+            };
+            if id_known {
+                continue;
+            }
+            if name_taken {
+                warn!(
+                    "datastore {:?} holds volume {:?} ({}) but that name is taken; its extent \
+                     is kept untouched",
+                    store.spec().name,
+                    v.name,
+                    v.id
+                );
+                continue;
+            }
+            let rec = VolumeRecord {
+                id: v.id,
+                name: v.name.clone(),
+                size: v.size,
+                datastore: store.spec().name.clone(),
+                policy: Policy::Uncached,
+                created_unix: now_unix(),
+            };
+            if let Err(e) = self.coord.create_volume(rec.clone()).await {
+                warn!("could not import volume {:?}: {e}", v.name);
+                continue;
+            }
+            let volume = self.open_volume(&rec).await;
+            info!(
+                "imported volume {:?} ({}) from datastore {:?}",
+                rec.name,
+                api::format_size(rec.size),
+                rec.datastore
+            );
+            self.volumes
+                .write()
+                .expect("lock")
+                .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
+        }
+    }
+
+    pub async fn create_volume(&self, req: api::CreateVolume) -> OpResult<api::VolumeInfo> {
+        let _admin = self.admin.lock().await;
+        datastore::check_name("volume", &req.name)?;
+        if self.volumes.read().expect("lock").contains_key(&req.name) {
+            return Err(OpError::Conflict(format!(
+                "a volume named {:?} already exists; choose another name or delete it first",
+                req.name
+            )));
+        }
+        if req.size == 0 || !req.size.is_multiple_of(engine::SECTOR) {
+            return Err(OpError::BadRequest(format!(
+                "volume size {} is not a positive multiple of 512 bytes, e.g. 10G",
+                req.size
+            )));
+        }
+        let policy: Policy = match req.policy.as_deref() {
+            Some(p) => p.parse().map_err(OpError::BadRequest)?,
+            None => Policy::default(),
+        };
+        let ds_name = match req.datastore {
+            Some(d) => d,
+            None => {
+                let names = self.datastore_names();
+                match names.as_slice() {
+                    [only] => only.clone(),
+                    [] => {
+                        return Err(OpError::BadRequest(
+                            "there are no datastores; add one with `vesta datastore add`".into(),
+                        ))
+                    }
+                    many => {
+                        if many.iter().any(|n| n == "default") {
+                            "default".to_owned()
+                        } else {
+                            return Err(OpError::BadRequest(format!(
+                                "choose a datastore with --datastore; known datastores: {}",
+                                many.join(", ")
+                            )));
+                        }
+                    }
+                }
+            }
+        };
+        let store = self.store(&ds_name)?;
+        let rec = VolumeRecord {
+            id: Uuid::new_v4(),
+            name: req.name.clone(),
+            size: req.size,
+            datastore: ds_name.clone(),
+            policy,
+            created_unix: now_unix(),
+        };
+        let extent = store.create_volume(&rec.spec()).await?;
+        if let Err(e) = self.coord.create_volume(rec.clone()).await {
+            // Roll back so the datastore holds nothing the coordinator does not know.
+            if let Err(e2) = store.delete_volume(&rec.spec()).await {
+                warn!("rollback of volume {:?} failed: {e2}", rec.name);
+            }
+            return Err(e.into());
+        }
+        let volume = Arc::new(Volume::new(rec.id, rec.name.clone(), policy, extent));
+        let entry = Arc::new(VolumeEntry::new(rec.clone(), Ok(volume)));
+        self.volumes
+            .write()
+            .expect("lock")
+            .insert(rec.name.clone(), entry.clone());
+        info!(
+            "created volume {:?} ({}) on datastore {:?}, policy {}",
+            rec.name,
+            api::format_size(rec.size),
+            ds_name,
+            policy
+        );
+        Ok(self.volume_info(&entry))
+    }
+
+    pub async fn delete_volume(&self, name: &str, force: bool) -> OpResult<api::VolumeInfo> {
+        let _admin = self.admin.lock().await;
+        let entry = {
+            let mut v = self.volumes.write().expect("lock");
+            let Some(entry) = v.get(name).cloned() else {
+                return Err(OpError::NotFound(format!(
+                    "no volume named {name:?}; known volumes: {}",
+                    known(v.keys())
+                )));
+            };
+            let n = entry.connections();
+            if n > 0 && !force {
+                return Err(OpError::Conflict(format!(
+                    "volume {name:?} has {n} client connection(s) attached; disconnect them \
+                     first, or pass --force to cut them off and delete it"
+                )));
+            }
+            v.remove(name);
+            entry
+        };
+        let info = self.volume_info(&entry);
+        if entry.connections() > 0 {
+            info!(
+                "volume {name:?}: detaching {} connection(s) for a forced delete",
+                entry.connections()
+            );
+            entry.stop.stop();
+            if !entry.wait_detached(FORCE_DETACH_WAIT).await {
+                warn!("volume {name:?}: connections still attached after {FORCE_DETACH_WAIT:?}; deleting anyway");
+            }
+        }
+        // Storage first, record second: a crash in between leaves a record whose storage is
+        // gone (reported, and deletable), never storage nobody knows about.
+        if let Ok(store) = self.store(&entry.record.datastore) {
+            if let Err(e) = store.delete_volume(&entry.record.spec()).await {
+                // Put it back: nothing was deleted.
+                self.volumes
+                    .write()
+                    .expect("lock")
+                    .insert(name.to_owned(), entry.clone());
+                return Err(e.into());
+            }
+        }
+        self.coord.delete_volume(name).await?;
+        info!("deleted volume {name:?}");
+        Ok(info)
+    }
+
+    /// Flushes every volume: called at shutdown after connections drained.
+    pub async fn flush_all(&self) {
+        for e in self.entries() {
+            if let Ok(v) = &e.volume {
+                if let Err(err) = v.flush().await {
+                    warn!(
+                        "volume {:?}: flush at shutdown failed: {err}",
+                        e.record.name
+                    );
+                }
+            }
+        }
+    }
+
+    pub fn status(&self) -> api::Status {
+        let nbd = self.nbd.get().cloned().unwrap_or_default();
+        api::Status {
+            version: env!("CARGO_PKG_VERSION").into(),
+            data_dir: self.config.data_dir.display().to_string(),
+            coordinator: self.coord.kind().into(),
+            nbd_unix: nbd.unix.map(|p| p.display().to_string()),
+            nbd_tcp: nbd.tcp.map(|a| a.to_string()),
+            api: self
+                .api_addr
+                .get()
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
+            volumes: self.volumes.read().expect("lock").len(),
+            datastores: self.datastores.read().expect("lock").len(),
+        }
+    }
+}
+
+fn same_location(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
+    match (&a.kind, &b.kind) {
+        (Kind::Dir { path: x }, Kind::Dir { path: y }) => {
+            x == y
+                || match (std::fs::canonicalize(x), std::fs::canonicalize(y)) {
+                    (Ok(x), Ok(y)) => x == y,
+                    _ => false,
+                }
+        }
+        (Kind::Lun { target: x, .. }, Kind::Lun { target: y, .. }) => x == y,
+        _ => false,
+    }
+}
+
+fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
+    let v: Vec<&str> = names.map(|s| s.as_str()).collect();
+    if v.is_empty() {
+        "(none)".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+fn datastore_info(
+    spec: &DatastoreSpec,
+    status: String,
+    cap: Option<datastore::Capacity>,
+    volumes: usize,
+) -> api::DatastoreInfo {
+    api::DatastoreInfo {
+        name: spec.name.clone(),
+        kind: spec.kind_name().into(),
+        location: spec.location(),
+        class: spec.class.to_string(),
+        queue_depth: spec.queue_depth,
+        status,
+        total_bytes: cap.map(|c| c.total_bytes),
+        free_bytes: cap.map(|c| c.free_bytes),
+        volumes,
+        lun_id: match &spec.kind {
+            Kind::Lun { lun_id, .. } => lun_id.map(|u| u.to_string()),
+            Kind::Dir { .. } => None,
+        },
+    }
+}

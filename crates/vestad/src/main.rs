@@ -1,0 +1,242 @@
+//! `vestad`: the Vesta daemon. Wires config, coordinator, datastores and volumes, the NBD
+//! listeners and the admin API together, and shuts them down in order on SIGTERM:
+//! stop accepting, let every connection finish its in-flight requests, flush every volume,
+//! exit 0.
+
+mod api;
+mod config;
+mod daemon;
+mod exports;
+mod stats;
+
+use std::future::IntoFuture;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use clap::Parser;
+use tokio::net::TcpListener;
+use tracing::{error, info, warn};
+
+use cluster::local::LocalCoordinator;
+use nbd::server::{self as nbd_server, ConnTracker};
+use nbd::StopHandle;
+
+use crate::config::Config;
+use crate::daemon::{Daemon, NbdAddrs};
+use crate::exports::Exports;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "vestad",
+    version,
+    about = "Vesta daemon: serves virtual disks over NBD",
+    long_about = "Vesta daemon: serves virtual disks over NBD.\n\nWithout --config it runs the \
+                  embedded default: data in ./vesta-data, a `dir` datastore named `default`, \
+                  NBD on ./vesta-data/nbd.sock and 127.0.0.1:10809, admin API on \
+                  127.0.0.1:7370. Flags override the config file."
+)]
+struct Args {
+    /// TOML configuration file.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Data directory (state, sockets, the default datastore).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Admin API listen address, e.g. 127.0.0.1:7370 (port 0 picks a free one).
+    #[arg(long)]
+    api: Option<String>,
+    /// NBD TCP listen address; empty disables TCP.
+    #[arg(long)]
+    nbd_tcp: Option<String>,
+    /// NBD unix socket path (relative to the data dir); empty disables it.
+    #[arg(long)]
+    nbd_unix: Option<String>,
+}
+
+/// How long shutdown waits for connections to finish their in-flight requests.
+const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+/// Written into the data directory once every listener is up; scripts and tests wait for it.
+const READY_FILE: &str = "vestad.json";
+
+fn main() -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("VESTA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("vestad")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("vestad: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("vestad: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Holds an exclusive lock on the data directory for the life of the process, so two daemons
+/// never share one state file and one set of volumes.
+fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
+    let path = dir.join("vestad.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    // SAFETY: flock on a valid fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        return Err(anyhow!(
+            "another vestad (pid {}) is using data directory {}; stop it or pass another \
+             --data-dir",
+            holder.trim(),
+            dir.display()
+        ));
+    }
+    f.set_len(0)?;
+    std::io::Write::write_all(&mut &f, std::process::id().to_string().as_bytes())?;
+    Ok(f)
+}
+
+async fn bind_tcp(addr: &str, what: &str, flag: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.map_err(|e| {
+        anyhow!("cannot listen for {what} on {addr}: {e}; is another vestad running? choose another address with {flag}")
+    })
+}
+
+fn write_ready(dir: &Path, d: &Daemon) -> anyhow::Result<()> {
+    let s = d.status();
+    let body = serde_json::json!({
+        "pid": std::process::id(),
+        "api": s.api,
+        "nbd_unix": s.nbd_unix,
+        "nbd_tcp": s.nbd_tcp,
+    });
+    let tmp = dir.join(format!("{READY_FILE}.tmp"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&body)?)?;
+    std::fs::rename(&tmp, dir.join(READY_FILE))?;
+    Ok(())
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let mut config = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(d) = args.data_dir {
+        config.data_dir = d;
+    }
+    if let Some(a) = args.api {
+        config.api.listen = a;
+    }
+    if let Some(t) = args.nbd_tcp {
+        config.nbd.tcp = t;
+    }
+    if let Some(u) = args.nbd_unix {
+        config.nbd.unix = u;
+    }
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("create data directory {}", config.data_dir.display()))?;
+    // Absolute from here on, so URLs and recorded paths mean the same from any directory.
+    config.data_dir = std::fs::canonicalize(&config.data_dir)?;
+    let data_dir = config.data_dir.clone();
+    let _lock = lock_data_dir(&data_dir)?;
+    let _ = std::fs::remove_file(data_dir.join(READY_FILE));
+
+    let coord = Arc::new(LocalCoordinator::open(&data_dir)?);
+    let daemon = Arc::new(Daemon::start(config.clone(), coord).await?);
+
+    let stop = StopHandle::new();
+    let (tracker, waiter) = ConnTracker::new();
+    let exports = Arc::new(Exports(daemon.clone()));
+    let mut addrs = NbdAddrs::default();
+    if let Some(path) = config.nbd_unix_path() {
+        let l = nbd_server::bind_unix(&path)
+            .with_context(|| format!("listen for NBD on unix socket {}", path.display()))?;
+        tokio::spawn(nbd_server::serve_unix(
+            l,
+            exports.clone(),
+            stop.subscribe(),
+            tracker.clone(),
+        ));
+        addrs.unix = Some(path);
+    }
+    if !config.nbd.tcp.is_empty() {
+        let l = bind_tcp(&config.nbd.tcp, "NBD", "[nbd] tcp or --nbd-tcp").await?;
+        addrs.tcp = Some(l.local_addr()?);
+        tokio::spawn(nbd_server::serve_tcp(
+            l,
+            exports.clone(),
+            stop.subscribe(),
+            tracker.clone(),
+        ));
+    }
+    drop(tracker);
+    let _ = daemon.nbd.set(addrs.clone());
+
+    let api_listener =
+        bind_tcp(&config.api.listen, "the admin API", "[api] listen or --api").await?;
+    let _ = daemon.api_addr.set(api_listener.local_addr()?);
+    let mut api_stop = stop.subscribe();
+    let api = tokio::spawn(
+        axum::serve(api_listener, api::router(daemon.clone()))
+            .with_graceful_shutdown(async move { api_stop.wait().await })
+            .into_future(),
+    );
+    tokio::spawn(stats::run(daemon.clone(), stop.subscribe()));
+
+    write_ready(&data_dir, &daemon)?;
+    let st = daemon.status();
+    info!(
+        "vestad ready: data {}, API http://{}, NBD {}{}, {} volume(s) on {} datastore(s)",
+        data_dir.display(),
+        st.api,
+        st.nbd_unix.as_deref().unwrap_or("-"),
+        st.nbd_tcp.map(|t| format!(" and {t}")).unwrap_or_default(),
+        st.volumes,
+        st.datastores
+    );
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let which = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    info!("{which}: shutting down; draining in-flight IO");
+    stop.stop();
+    if tokio::time::timeout(DRAIN_LIMIT, waiter.wait())
+        .await
+        .is_err()
+    {
+        warn!("connections still busy after {DRAIN_LIMIT:?}; flushing and exiting anyway");
+    }
+    daemon.flush_all().await;
+    let _ = api.await;
+    if let Some(p) = &addrs.unix {
+        let _ = std::fs::remove_file(p);
+    }
+    let _ = std::fs::remove_file(data_dir.join(READY_FILE));
+    info!("vestad stopped cleanly");
+    Ok(())
+}

@@ -1,0 +1,437 @@
+//! The test rig: real processes on one machine (DESIGN §10).
+//!
+//! - [`Vestad`]: a daemon on a fresh data directory with OS-chosen ports, driven through the
+//!   real `vesta` CLI.
+//! - [`Nbdkit`]: an emulated SAN LUN (`nbdkit file` with filters such as `delay` or `error`).
+//! - [`run`]/[`sh`]: real clients (`qemu-io`, `qemu-img`, `nbdsh`, `nbdinfo`, `fio`).
+//! - [`raw`]: a hand-driven NBD connection for protocol negatives no real client would send.
+//!
+//! Binaries come from `VESTA_BIN_DIR` (set by `make test`), else from the workspace's
+//! `target/release` or `target/debug`, whichever holds a `vestad`.
+
+pub mod raw;
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Directory holding the project's binaries.
+pub fn bin_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("VESTA_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target");
+    for p in ["release", "debug"] {
+        if root.join(p).join("vestad").exists() {
+            return root.join(p);
+        }
+    }
+    panic!("no vestad binary found: run `make build` (or `cargo build --workspace`) first");
+}
+
+pub fn bin(name: &str) -> PathBuf {
+    bin_dir().join(name)
+}
+
+/// A scratch directory removed when dropped, unless the test is panicking (kept for a post
+/// mortem, and its path printed).
+pub struct Scratch(pub PathBuf);
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+impl Scratch {
+    pub fn new(tag: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!(
+            "vt-{tag}-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = fs::remove_dir_all(&p);
+        fs::create_dir_all(&p).expect("create scratch dir");
+        Scratch(p)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn join(&self, p: &str) -> PathBuf {
+        self.0.join(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept scratch dir for inspection: {}", self.0.display());
+        } else {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Waits until `f` returns Some, or panics after `limit` with `what`.
+pub fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if start.elapsed() > limit {
+            panic!("timed out after {limit:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs a command to completion, capturing output.
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+}
+
+/// Runs a command and panics with its output unless it succeeds; returns stdout.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a shell snippet.
+pub fn sh(script: &str) -> Output {
+    run(Command::new("bash").arg("-c").arg(script))
+}
+
+/// A running `vestad` on its own data directory.
+pub struct Vestad {
+    child: Option<Child>,
+    pub scratch: Scratch,
+    pub data_dir: PathBuf,
+    pub api: String,
+    pub nbd_unix: PathBuf,
+    pub nbd_tcp: String,
+    extra_args: Vec<String>,
+}
+
+/// How a test wants its daemon.
+#[derive(Default, Clone)]
+pub struct VestadOpts {
+    /// TOML written to `vestad.toml` and passed with `--config` (data_dir is set by the rig).
+    pub config: Option<String>,
+}
+
+impl Vestad {
+    pub fn start() -> Vestad {
+        Vestad::start_with(VestadOpts::default())
+    }
+
+    pub fn start_with(opts: VestadOpts) -> Vestad {
+        let scratch = Scratch::new("vestad");
+        let data_dir = scratch.join("data");
+        let mut extra = vec![
+            "--data-dir".to_owned(),
+            data_dir.display().to_string(),
+            "--api".to_owned(),
+            "127.0.0.1:0".to_owned(),
+            "--nbd-tcp".to_owned(),
+            "127.0.0.1:0".to_owned(),
+        ];
+        if let Some(c) = &opts.config {
+            let p = scratch.join("vestad.toml");
+            fs::write(&p, c).expect("write config");
+            extra.push("--config".into());
+            extra.push(p.display().to_string());
+        }
+        let mut v = Vestad {
+            child: None,
+            scratch,
+            data_dir,
+            api: String::new(),
+            nbd_unix: PathBuf::new(),
+            nbd_tcp: String::new(),
+            extra_args: extra,
+        };
+        v.launch();
+        v
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.scratch.join("vestad.log")
+    }
+
+    /// Starts (or restarts) the daemon on the same data directory and waits until ready.
+    pub fn launch(&mut self) {
+        assert!(self.child.is_none(), "vestad already running");
+        let ready = self.data_dir.join("vestad.json");
+        let _ = fs::remove_file(&ready);
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("open log");
+        let child = Command::new(bin("vestad"))
+            .args(&self.extra_args)
+            .env("VESTA_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn vestad");
+        self.child = Some(child);
+        let info: Value = wait_for(Duration::from_secs(30), "vestad to become ready", || {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    panic!("vestad exited with {st} during start-up:\n{}", self.log());
+                }
+            }
+            let s = fs::read_to_string(&ready).ok()?;
+            serde_json::from_str(&s).ok()
+        });
+        self.api = format!("http://{}", info["api"].as_str().expect("api address"));
+        self.nbd_unix = PathBuf::from(info["nbd_unix"].as_str().expect("nbd unix socket"));
+        self.nbd_tcp = info["nbd_tcp"].as_str().unwrap_or_default().to_owned();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Runs `vesta` against this daemon.
+    pub fn vesta(&self, args: &[&str]) -> Output {
+        run(Command::new(bin("vesta"))
+            .arg("--api")
+            .arg(&self.api)
+            .args(args))
+    }
+
+    /// Runs `vesta`, panicking on failure; returns stdout.
+    pub fn vesta_ok(&self, args: &[&str]) -> String {
+        let out = self.vesta(args);
+        if !out.status.success() {
+            panic!(
+                "vesta {args:?} failed: {}\n--- vestad log ---\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                self.log()
+            );
+        }
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs `vesta` expecting failure; returns stderr.
+    pub fn vesta_err(&self, args: &[&str]) -> String {
+        let out = self.vesta(args);
+        assert!(
+            !out.status.success(),
+            "vesta {args:?} should have failed but printed {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    pub fn vesta_json(&self, args: &[&str]) -> Value {
+        let mut a = vec!["--json"];
+        a.extend_from_slice(args);
+        let s = self.vesta_ok(&a);
+        serde_json::from_str(&s).unwrap_or_else(|e| panic!("vesta {args:?}: bad JSON {e}: {s}"))
+    }
+
+    /// Creates a volume and returns its unix-socket URI.
+    pub fn create_volume(&self, name: &str, size: &str) -> String {
+        self.vesta_ok(&["volume", "create", name, "--size", size]);
+        self.url(name)
+    }
+
+    pub fn url(&self, name: &str) -> String {
+        format!("nbd+unix:///{name}?socket={}", self.nbd_unix.display())
+    }
+
+    pub fn tcp_url(&self, name: &str) -> String {
+        format!("nbd://{}/{name}", self.nbd_tcp)
+    }
+
+    /// SIGKILL, the crash of a host's daemon.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for exit; returns the exit status.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        signal(c.id(), libc::SIGTERM);
+        let start = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().expect("wait") {
+                return st;
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = c.kill();
+                panic!("vestad did not exit within 60s of SIGTERM:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Sends a signal to a process.
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid and a signal number.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+impl Drop for Vestad {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- vestad log ---\n{}", self.log());
+        }
+        self.kill9();
+    }
+}
+
+/// An `nbdkit` serving a file as an emulated SAN LUN on a unix socket.
+pub struct Nbdkit {
+    child: Child,
+    pub scratch: Scratch,
+    pub image: PathBuf,
+    pub socket: PathBuf,
+}
+
+impl Nbdkit {
+    /// Serves a new sparse image of `size` bytes with extra arguments (filters and their
+    /// parameters, e.g. `["--filter=delay", "delay-write=2ms"]`, placed before the plugin).
+    pub fn start(size: u64, filter_args: &[&str], plugin_params: &[&str]) -> Nbdkit {
+        let scratch = Scratch::new("nbdkit");
+        let image = scratch.join("lun.img");
+        let f = fs::File::create(&image).expect("create image");
+        f.set_len(size).expect("size image");
+        Nbdkit::serve(scratch, image, filter_args, plugin_params)
+    }
+
+    pub fn serve(
+        scratch: Scratch,
+        image: PathBuf,
+        filter_args: &[&str],
+        plugin_params: &[&str],
+    ) -> Nbdkit {
+        let socket = scratch.join("nbdkit.sock");
+        let log = fs::File::create(scratch.join("nbdkit.log")).expect("log");
+        let child = Command::new("nbdkit")
+            .arg("-f")
+            .arg("--unix")
+            .arg(&socket)
+            .args(filter_args)
+            .arg("file")
+            .arg(&image)
+            .args(plugin_params)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn nbdkit (is it installed? run `make deps`)");
+        let mut k = Nbdkit {
+            child,
+            scratch,
+            image,
+            socket,
+        };
+        let sock = k.socket.clone();
+        wait_for(Duration::from_secs(10), "nbdkit socket", || {
+            if let Ok(Some(st)) = k.child.try_wait() {
+                let mut s = String::new();
+                let _ = fs::File::open(k.scratch.join("nbdkit.log"))
+                    .and_then(|mut f| f.read_to_string(&mut s));
+                panic!("nbdkit exited with {st}: {s}");
+            }
+            sock.exists().then_some(())
+        });
+        k
+    }
+
+    pub fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.socket.display())
+    }
+
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs `qemu-io` commands against a URI; returns the output, panicking on failure or on any
+/// "Pattern verification failed" line.
+pub fn qemu_io(url: &str, cmds: &[&str]) -> String {
+    let mut c = Command::new("qemu-io");
+    c.arg("-f").arg("raw");
+    for cmd in cmds {
+        c.arg("-c").arg(cmd);
+    }
+    c.arg(url);
+    let out = run_ok(&mut c);
+    assert!(
+        !out.contains("Pattern verification failed") && !out.contains("failed:"),
+        "qemu-io reported a failure:\n{out}"
+    );
+    out
+}
+
+/// `nbdsh` as a command: Debian's python3-libnbd installs the `nbd` module for the system
+/// Python only, so the system Python goes first on PATH whatever else (pyenv) is installed.
+pub fn nbdsh_cmd() -> Command {
+    let mut c = Command::new("nbdsh");
+    let path = std::env::var("PATH").unwrap_or_default();
+    c.env("PATH", format!("/usr/bin:{path}"));
+    c
+}
+
+/// Runs an `nbdsh` Python snippet with `h` connected to `url`; panics on failure.
+pub fn nbdsh(url: &str, script: &str) -> String {
+    run_ok(nbdsh_cmd().arg("-u").arg(url).arg("-c").arg(script))
+}
+
+/// Reads a file fully.
+pub fn read_file(p: &Path) -> Vec<u8> {
+    fs::read(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so tests need no RNG crate.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
