@@ -1,9 +1,16 @@
 //! Byte-addressed storage targets: a file or block device, or an NBD export.
 //!
 //! [`Device`] is the seam where tests put a failing target and where every datastore kind gets
-//! its bytes. File IO is blocking, so [`FileDevice`] runs it on tokio's blocking pool and never
-//! on a reactor thread: a `pwrite` that stalls in page-cache writeback must not stall every
-//! other connection served by that thread.
+//! its bytes.
+//!
+//! # Where blocking file IO runs
+//!
+//! File IO blocks, and must never run on a reactor thread: a `pwrite` that stalls in page-cache
+//! writeback would stall every task that thread serves. But handing each IO to a pool thread
+//! and waking the reactor afterwards costs two thread hops, which more than doubles the
+//! latency of a 4 KiB write (measured in `docs/BENCHMARKS.md`). So threads that exist to block —
+//! the NBD server's per-connection threads — mark themselves with [`may_block_here`], and
+//! [`blocking`] runs IO inline on such a thread and on the blocking pool everywhere else.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -33,12 +40,33 @@ pub trait Device: Send + Sync + 'static {
     async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()>;
 }
 
-/// Runs blocking IO on the blocking pool.
+thread_local! {
+    static MAY_BLOCK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the current thread marked as one where blocking IO may run inline. Only
+/// threads that are not reactor threads may use this.
+pub fn may_block_here<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            MAY_BLOCK.with(|m| m.set(self.0));
+        }
+    }
+    let _reset = Reset(MAY_BLOCK.with(|m| m.replace(true)));
+    f()
+}
+
+/// Runs blocking IO: inline on a thread marked with [`may_block_here`], else on the blocking
+/// pool.
 pub async fn blocking<T, F>(f: F) -> io::Result<T>
 where
     F: FnOnce() -> io::Result<T> + Send + 'static,
     T: Send + 'static,
 {
+    if MAY_BLOCK.with(|m| m.get()) {
+        return f();
+    }
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r,
         Err(e) => Err(io::Error::other(format!("blocking IO task failed: {e}"))),

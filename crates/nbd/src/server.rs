@@ -2,12 +2,15 @@
 //!
 //! # Shape of a connection
 //!
-//! One task reads: it negotiates, then decodes request headers (and WRITE payloads) in a loop,
-//! validates each against the export, and spawns one task per valid request. Request tasks run
-//! concurrently, so a slow request never holds up independent ones; ordering between
+//! Negotiation is async, on the reactor. Once a client enters transmission, the connection
+//! gets a thread of its own that reads requests with blocking reads, validates each against
+//! the export, and polls it once inline (see [`ExportSet::on_connection_thread`]). What
+//! completes in that poll — a page-cache read or write — is answered on the spot, so the common
+//! 4 KiB IO costs no thread hop, as in nbdkit. What is still pending (network IO to a datastore,
+//! a wait in the engine) moves to the runtime as a task, so a slow request never holds up
+//! independent ones; its reply goes through the connection's reply thread. Ordering between
 //! overlapping requests is the export's business (the engine's gatekeeper), as the protocol
-//! allows any completion order. Each request task hands its reply to a single writer task over
-//! a channel; the writer batches whatever replies are ready into one socket write.
+//! allows any completion order.
 //!
 //! Memory is bounded per connection: a request may not start (its payload is not even read)
 //! until it holds a slot of [`IN_FLIGHT_REQUESTS_MAX`] and its share of
@@ -16,9 +19,10 @@
 //! # Ending a connection
 //!
 //! On `NBD_CMD_DISC`, end of stream, a protocol violation, or a stop signal (daemon shutdown,
-//! volume deleted with `--force`), the reader stops taking requests and drops its side of the
-//! reply channel; the writer keeps sending replies until every in-flight request has finished
-//! and then closes the socket. In-flight writes are thus always completed, never abandoned.
+//! volume deleted with `--force`, which shut the socket's read side), the connection thread
+//! stops taking requests; the reply thread keeps sending replies until every in-flight request
+//! has finished, and then the socket closes. In-flight writes are thus always completed, never
+//! abandoned.
 //!
 //! # Bad input
 //!
@@ -33,8 +37,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::io::{Read as _, Write as _};
+use std::sync::{mpsc as std_mpsc, Mutex as StdMutex};
+
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
@@ -146,6 +153,12 @@ pub trait ExportSet: Send + Sync + 'static {
     /// Attaches a connection for `NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME`. The error is a message
     /// for the client and the log.
     fn open(&self, name: &str) -> Result<(ExportInfo, Self::Export), String>;
+    /// Runs `f` — the first poll of a request — on a connection thread: a thread the server
+    /// dedicates to one connection, never a reactor thread. Implementations may let their IO
+    /// block inline there.
+    fn on_connection_thread<R>(&self, f: impl FnOnce() -> R) -> R {
+        f()
+    }
 }
 
 /// Who is on the other end, for log lines.
@@ -158,26 +171,69 @@ impl std::fmt::Display for Peer {
     }
 }
 
-/// A stream the server can split into independently owned halves.
-pub trait Stream: Send + 'static {
-    type Read: AsyncRead + Unpin + Send + 'static;
-    type Write: AsyncWrite + Unpin + Send + 'static;
-    fn into_halves(self) -> (Self::Read, Self::Write);
+/// A stream the server negotiates on asynchronously and then hands to a connection thread.
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    /// The same socket in blocking mode, off the reactor.
+    fn into_blocking(self) -> io::Result<StdConn>;
 }
 
 impl Stream for TcpStream {
-    type Read = tokio::net::tcp::OwnedReadHalf;
-    type Write = tokio::net::tcp::OwnedWriteHalf;
-    fn into_halves(self) -> (Self::Read, Self::Write) {
-        self.into_split()
+    fn into_blocking(self) -> io::Result<StdConn> {
+        let s = self.into_std()?;
+        s.set_nonblocking(false)?;
+        Ok(StdConn::Tcp(s))
     }
 }
 
 impl Stream for UnixStream {
-    type Read = tokio::net::unix::OwnedReadHalf;
-    type Write = tokio::net::unix::OwnedWriteHalf;
-    fn into_halves(self) -> (Self::Read, Self::Write) {
-        self.into_split()
+    fn into_blocking(self) -> io::Result<StdConn> {
+        let s = self.into_std()?;
+        s.set_nonblocking(false)?;
+        Ok(StdConn::Unix(s))
+    }
+}
+
+/// A connected socket in blocking mode, owned by a connection's threads.
+pub enum StdConn {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl StdConn {
+    fn try_clone(&self) -> io::Result<StdConn> {
+        Ok(match self {
+            StdConn::Tcp(s) => StdConn::Tcp(s.try_clone()?),
+            StdConn::Unix(s) => StdConn::Unix(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
+        match self {
+            StdConn::Tcp(s) => s.shutdown(how),
+            StdConn::Unix(s) => s.shutdown(how),
+        }
+    }
+}
+
+impl io::Read for StdConn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            StdConn::Tcp(s) => s.read(buf),
+            StdConn::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl io::Write for StdConn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            StdConn::Tcp(s) => s.write(buf),
+            StdConn::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -308,18 +364,19 @@ fn spawn_conn<X: ExportSet, S: Stream>(
 }
 
 /// Serves one connection from negotiation to close.
+///
+/// Negotiation runs here, on the reactor. The transmission phase runs on a thread of its own
+/// ([`transmission`]); this task only waits for it, and cuts off its reading (shutting down
+/// the socket's read side) when the server or the export stops.
 pub async fn serve_connection<X: ExportSet, S: Stream>(
-    s: S,
+    mut s: S,
     peer: Peer,
     exports: Arc<X>,
     stop: Stop,
 ) {
-    let (rd, wr) = s.into_halves();
-    let mut rd = BufReader::with_capacity(128 * 1024, rd);
-    let mut wr = BufWriter::with_capacity(128 * 1024, wr);
     let negotiated = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        negotiate(&mut rd, &mut wr, &*exports, &peer, &stop),
+        negotiate(&mut s, &*exports, &peer, &stop),
     )
     .await;
     let (name, info, export) = match negotiated {
@@ -342,7 +399,48 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
         }
     };
     debug!("nbd {peer}: attached to export {name:?}");
-    transmission(rd, wr, peer, name, info, export, stop).await;
+    let conn = match s.into_blocking() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("nbd {peer}: cannot hand the connection to a thread: {e}");
+            return;
+        }
+    };
+    let closer = match conn.try_clone() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("nbd {peer}: cannot duplicate the socket: {e}");
+            return;
+        }
+    };
+    let mut gone = export.stop_signal();
+    let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::runtime::Handle::current();
+    let p = peer.clone();
+    let n = name.clone();
+    let spawned = std::thread::Builder::new()
+        .name("nbd-conn".into())
+        .spawn(move || {
+            transmission(conn, p, n, info, export, exports, handle);
+            let _ = done_tx.send(());
+        });
+    if let Err(e) = spawned {
+        warn!("nbd {peer}: cannot start a connection thread: {e}");
+        return;
+    }
+    let mut stop = stop;
+    tokio::select! {
+        _ = &mut done_rx => return,
+        _ = stop.wait() => {
+            info!("nbd {peer}: closing connection to {name:?}: server stopping");
+        }
+        _ = gone.wait() => {
+            info!("nbd {peer}: closing connection to {name:?}: export removed");
+        }
+    }
+    // Reading ends at the next request boundary; in-flight requests still complete.
+    let _ = closer.shutdown(std::net::Shutdown::Read);
+    let _ = done_rx.await;
 }
 
 type Negotiated<E> = Option<(String, ExportInfo, E)>;
@@ -351,17 +449,14 @@ fn invalid(msg: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg.into())
 }
 
-async fn negotiate<X: ExportSet, R, W>(
-    rd: &mut R,
-    wr: &mut W,
+/// Reads are unbuffered (option traffic is tiny) so that no byte of the transmission phase is
+/// left behind in a buffer when the socket moves to its connection thread.
+async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
     exports: &X,
     peer: &Peer,
     stop: &Stop,
-) -> io::Result<Negotiated<X::Export>>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
+) -> io::Result<Negotiated<X::Export>> {
     let mut out = BytesMut::with_capacity(256);
     {
         use bytes::BufMut;
@@ -369,28 +464,28 @@ where
         out.put_u64(proto::IHAVEOPT);
         out.put_u16(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES);
     }
-    wr.write_all(&out).await?;
-    wr.flush().await?;
-    let client_flags = rd.read_u32().await?;
+    s.write_all(&out).await?;
+    s.flush().await?;
+    let client_flags = s.read_u32().await?;
     if client_flags & !(proto::FLAG_C_FIXED_NEWSTYLE | proto::FLAG_C_NO_ZEROES) != 0 {
         return Err(invalid(format!("unknown client flags {client_flags:#x}")));
     }
     let no_zeroes = client_flags & proto::FLAG_C_NO_ZEROES != 0;
 
     for _ in 0..OPTIONS_MAX {
-        let magic = rd.read_u64().await?;
+        let magic = s.read_u64().await?;
         if magic != proto::IHAVEOPT {
             return Err(invalid(format!("bad option magic {magic:#x}")));
         }
-        let option = rd.read_u32().await?;
-        let len = rd.read_u32().await?;
+        let option = s.read_u32().await?;
+        let len = s.read_u32().await?;
         if len > OPTION_LEN_MAX {
             return Err(invalid(format!(
                 "option {option} carries {len} bytes, more than {OPTION_LEN_MAX}"
             )));
         }
         let mut data = vec![0u8; len as usize];
-        rd.read_exact(&mut data).await?;
+        s.read_exact(&mut data).await?;
 
         out.clear();
         let reply = |out: &mut BytesMut, kind: u32, payload: &[u8]| {
@@ -402,8 +497,8 @@ where
                 proto::REP_ERR_SHUTDOWN,
                 b"server is shutting down",
             );
-            wr.write_all(&out).await?;
-            wr.flush().await?;
+            s.write_all(&out).await?;
+            s.flush().await?;
             continue;
         }
         match option {
@@ -421,15 +516,15 @@ where
                         out.put_bytes(0, 124);
                     }
                 }
-                wr.write_all(&out).await?;
-                wr.flush().await?;
+                s.write_all(&out).await?;
+                s.flush().await?;
                 return Ok(Some((name, info, export)));
             }
             proto::OPT_ABORT => {
                 reply(&mut out, proto::REP_ACK, &[]);
                 // The client may already have closed; a failed write here is not an error.
-                let _ = wr.write_all(&out).await;
-                let _ = wr.flush().await;
+                let _ = s.write_all(&out).await;
+                let _ = s.flush().await;
                 return Ok(None);
             }
             proto::OPT_LIST => {
@@ -456,8 +551,8 @@ where
                         proto::REP_ERR_INVALID,
                         b"malformed NBD_OPT_INFO/NBD_OPT_GO payload",
                     );
-                    wr.write_all(&out).await?;
-                    wr.flush().await?;
+                    s.write_all(&out).await?;
+                    s.flush().await?;
                     continue;
                 };
                 let opened = if option == proto::OPT_GO {
@@ -507,8 +602,8 @@ where
                         );
                         reply(&mut out, proto::REP_ACK, &[]);
                         if let Some(export) = export {
-                            wr.write_all(&out).await?;
-                            wr.flush().await?;
+                            s.write_all(&out).await?;
+                            s.flush().await?;
                             return Ok(Some((req.name, info, export)));
                         }
                     }
@@ -521,22 +616,22 @@ where
                 reply(&mut out, proto::REP_ERR_UNSUP, b"option not supported");
             }
         }
-        wr.write_all(&out).await?;
-        wr.flush().await?;
+        s.write_all(&out).await?;
+        s.flush().await?;
     }
     Err(invalid(format!("more than {OPTIONS_MAX} options")))
 }
 
-/// A reply on its way to the writer, holding the request's budget until it is written.
+/// A reply ready for the wire, holding its request's budget until it is written.
 struct Reply {
     header: [u8; proto::SIMPLE_REPLY_LEN],
     data: Option<Bytes>,
-    _budget: Budget,
+    _budget: Option<Budget>,
 }
 
 struct Budget {
-    _slot: Option<OwnedSemaphorePermit>,
-    _bytes: Option<OwnedSemaphorePermit>,
+    _slot: OwnedSemaphorePermit,
+    _bytes: OwnedSemaphorePermit,
 }
 
 fn reply_header(errno: Errno, cookie: u64) -> [u8; proto::SIMPLE_REPLY_LEN] {
@@ -547,111 +642,207 @@ fn reply_header(errno: Errno, cookie: u64) -> [u8; proto::SIMPLE_REPLY_LEN] {
     h
 }
 
-/// The obligation to answer one request. If a request task ends without answering (a bug that
-/// panicked), dropping the slot answers EIO so the client is never left waiting.
-struct ReplySlot {
-    tx: mpsc::UnboundedSender<Reply>,
-    cookie: u64,
-    budget: Option<Budget>,
-}
-
-impl ReplySlot {
-    fn send(mut self, errno: Errno, data: Option<Bytes>) {
-        let budget = self.budget.take().expect("reply sent once");
-        let _ = self.tx.send(Reply {
-            header: reply_header(errno, self.cookie),
-            data,
+impl Reply {
+    fn error(errno: Errno, cookie: u64, budget: Option<Budget>) -> Reply {
+        Reply {
+            header: reply_header(errno, cookie),
+            data: None,
             _budget: budget,
-        });
+        }
     }
 }
 
-impl Drop for ReplySlot {
+/// The obligation to answer a request that moved to the runtime. If its task ends without
+/// answering (a bug that panicked), dropping this answers EIO so the client never waits
+/// forever.
+struct Answer {
+    tx: std_mpsc::Sender<Reply>,
+    cookie: u64,
+    sent: bool,
+}
+
+impl Answer {
+    fn send(mut self, r: Reply) {
+        self.sent = true;
+        let _ = self.tx.send(r);
+    }
+}
+
+impl Drop for Answer {
     fn drop(&mut self) {
-        if let Some(budget) = self.budget.take() {
-            let _ = self.tx.send(Reply {
-                header: reply_header(Errno::EIO, self.cookie),
-                data: None,
-                _budget: budget,
-            });
+        if !self.sent {
+            let _ = self.tx.send(Reply::error(Errno::EIO, self.cookie, None));
         }
     }
 }
 
-async fn writer_loop<W: AsyncWrite + Unpin>(
-    mut wr: BufWriter<W>,
-    mut rx: mpsc::UnboundedReceiver<Reply>,
-    peer: Peer,
-) {
-    let mut broken = false;
-    while let Some(first) = rx.recv().await {
-        if broken {
-            continue; // keep draining so request tasks release their budgets
-        }
-        let mut next = Some(first);
-        while let Some(r) = next {
-            let res = async {
-                wr.write_all(&r.header).await?;
-                if let Some(d) = &r.data {
-                    wr.write_all(d).await?;
-                }
-                io::Result::Ok(())
-            }
-            .await;
-            if let Err(e) = res {
-                debug!("nbd {peer}: writing reply failed: {e}");
-                broken = true;
-                break;
-            }
-            next = rx.try_recv().ok();
-        }
-        if !broken {
-            if let Err(e) = wr.flush().await {
-                debug!("nbd {peer}: writing reply failed: {e}");
-                broken = true;
-            }
-        }
-    }
-    let _ = wr.shutdown().await;
+/// The socket's write side, shared by the connection thread (replies completed inline) and
+/// the reply thread (replies completed on the runtime). A reply is always written whole under
+/// the lock, so replies never interleave.
+struct Out {
+    w: std::io::BufWriter<StdConn>,
+    broken: bool,
 }
 
-/// Why the reader stopped taking requests.
+impl Out {
+    fn put(&mut self, r: &Reply, peer: &Peer) {
+        if self.broken {
+            return;
+        }
+        let res = self.w.write_all(&r.header).and_then(|_| match &r.data {
+            Some(d) => self.w.write_all(d),
+            None => Ok(()),
+        });
+        if let Err(e) = res {
+            debug!("nbd {peer}: writing reply failed: {e}");
+            self.broken = true;
+        }
+    }
+
+    fn flush(&mut self, peer: &Peer) {
+        if self.broken {
+            return;
+        }
+        if let Err(e) = self.w.flush() {
+            debug!("nbd {peer}: writing reply failed: {e}");
+            self.broken = true;
+        }
+    }
+}
+
+fn lock(out: &StdMutex<Out>) -> std::sync::MutexGuard<'_, Out> {
+    out.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why the connection thread stopped taking requests.
 enum End {
     Disc,
     Eof,
-    Stopped,
     Violation(String),
     Io(io::Error),
 }
 
-async fn transmission<E: Export, R, W>(
-    mut rd: BufReader<R>,
-    wr: BufWriter<W>,
+/// Runs one request to its reply.
+async fn execute<E: Export>(
+    export: Arc<E>,
+    req: Request,
+    data: Option<Bytes>,
+    budget: Budget,
+) -> Reply {
+    let fua = req.flags & proto::CMD_FLAG_FUA != 0;
+    let done = |r: CmdResult<()>| match r {
+        Ok(()) => Errno(0),
+        Err(e) => e.errno,
+    };
+    let (errno, payload) = match req.kind {
+        proto::CMD_READ => match export.read(req.offset, req.len).await {
+            Ok(d) if d.len() == req.len as usize => (Errno(0), Some(d)),
+            Ok(d) => {
+                warn!(
+                    "export returned {} bytes for a READ of {}; answering EIO",
+                    d.len(),
+                    req.len
+                );
+                (Errno::EIO, None)
+            }
+            Err(e) => (e.errno, None),
+        },
+        proto::CMD_WRITE => {
+            let data = data.unwrap_or_default();
+            (done(export.write(req.offset, data, fua).await), None)
+        }
+        proto::CMD_FLUSH => (done(export.flush().await), None),
+        proto::CMD_TRIM => (done(export.trim(req.offset, req.len, fua).await), None),
+        proto::CMD_WRITE_ZEROES => {
+            let may_trim = req.flags & proto::CMD_FLAG_NO_HOLE == 0;
+            (
+                done(
+                    export
+                        .write_zeroes(req.offset, req.len, may_trim, fua)
+                        .await,
+                ),
+                None,
+            )
+        }
+        _ => (Errno::EINVAL, None),
+    };
+    Reply {
+        header: reply_header(errno, req.cookie),
+        data: payload,
+        _budget: Some(budget),
+    }
+}
+
+/// The transmission phase, on the connection's own thread.
+///
+/// This thread reads requests with blocking reads and polls each request once, inline, inside
+/// [`ExportSet::on_connection_thread`] — where the export may do blocking file IO, because
+/// this is not a reactor thread. A request that completes in that poll (a page-cache read or
+/// write) is answered directly, with no thread hop at all; one that is still pending (network
+/// IO, a wait) is handed to the runtime and answered by the reply thread when it completes, so
+/// it never holds up the requests behind it.
+fn transmission<X: ExportSet>(
+    conn: StdConn,
     peer: Peer,
     name: String,
     info: ExportInfo,
-    export: E,
-    mut stop: Stop,
-) where
-    R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
-{
+    export: X::Export,
+    exports: Arc<X>,
+    handle: tokio::runtime::Handle,
+) {
+    let _rt = handle.enter();
     let export = Arc::new(export);
-    let (tx, rx) = mpsc::unbounded_channel();
-    let writer = tokio::spawn(writer_loop(wr, rx, peer.clone()));
+    let (rd, wr) = match conn.try_clone() {
+        Ok(w) => (conn, w),
+        Err(e) => {
+            warn!("nbd {peer}: cannot duplicate the socket: {e}");
+            return;
+        }
+    };
+    let out = Arc::new(StdMutex::new(Out {
+        w: std::io::BufWriter::with_capacity(128 * 1024, wr),
+        broken: false,
+    }));
+    let (tx, rx) = std_mpsc::channel::<Reply>();
+    let reply_thread = {
+        let out = out.clone();
+        let peer = peer.clone();
+        std::thread::Builder::new()
+            .name("nbd-reply".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut o = lock(&out);
+                    o.put(&first, &peer);
+                    drop(first);
+                    while let Ok(more) = rx.try_recv() {
+                        o.put(&more, &peer);
+                    }
+                    o.flush(&peer);
+                }
+            })
+    };
+    let reply_thread = match reply_thread {
+        Ok(t) => t,
+        Err(e) => {
+            warn!("nbd {peer}: cannot start a reply thread: {e}");
+            return;
+        }
+    };
     let slots = Arc::new(Semaphore::new(IN_FLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_MAX / BUDGET_UNIT));
-    let mut export_gone = export.stop_signal();
+    let mut rd = std::io::BufReader::with_capacity(128 * 1024, rd);
+    let waker = std::task::Waker::noop();
+    let mut unflushed = false;
 
     let end = loop {
+        // Replies written inline are flushed before this thread could block on the socket,
+        // and batched while the client keeps requests queued.
+        if unflushed && rd.buffer().len() < proto::REQUEST_LEN {
+            lock(&out).flush(&peer);
+            unflushed = false;
+        }
         let mut hdr = [0u8; proto::REQUEST_LEN];
-        let got = tokio::select! {
-            biased;
-            _ = stop.wait() => break End::Stopped,
-            _ = export_gone.wait() => break End::Stopped,
-            r = read_header(&mut rd, &mut hdr) => r,
-        };
-        match got {
+        match read_header(&mut rd, &mut hdr) {
             Ok(true) => {}
             Ok(false) => break End::Eof,
             Err(e) => break End::Io(e),
@@ -677,29 +868,27 @@ async fn transmission<E: Export, R, W>(
             proto::CMD_READ | proto::CMD_WRITE => req.len.min(proto::BLOCK_SIZE_MAX) as usize,
             _ => 0,
         };
+        let units = payload_len.div_ceil(BUDGET_UNIT).max(1) as u32;
         let budget = Budget {
-            _slot: Some(slots.clone().acquire_owned().await.expect("never closed")),
-            _bytes: Some(
-                bytes
-                    .clone()
-                    .acquire_many_owned(payload_len.div_ceil(BUDGET_UNIT).max(1) as u32)
-                    .await
-                    .expect("never closed"),
-            ),
+            _slot: slots
+                .clone()
+                .try_acquire_owned()
+                .or_else(|_| handle.block_on(slots.clone().acquire_owned()))
+                .expect("never closed"),
+            _bytes: bytes
+                .clone()
+                .try_acquire_many_owned(units)
+                .or_else(|_| handle.block_on(bytes.clone().acquire_many_owned(units)))
+                .expect("never closed"),
         };
         let data = if req.kind == proto::CMD_WRITE {
-            let mut buf = BytesMut::with_capacity(req.len as usize);
-            if let Err(e) = read_payload(&mut rd, &mut buf, req.len as usize).await {
+            let mut buf = vec![0u8; req.len as usize];
+            if let Err(e) = rd.read_exact(&mut buf) {
                 break End::Io(e);
             }
-            Some(buf.freeze())
+            Some(Bytes::from(buf))
         } else {
             None
-        };
-        let slot = ReplySlot {
-            tx: tx.clone(),
-            cookie: req.cookie,
-            budget: Some(budget),
         };
         if let Err(e) = validate(&req, &info) {
             warn!(
@@ -708,79 +897,74 @@ async fn transmission<E: Export, R, W>(
                 e.errno,
                 e.msg
             );
-            slot.send(e.errno, None);
+            lock(&out).put(&Reply::error(e.errno, req.cookie, Some(budget)), &peer);
+            unflushed = true;
             continue;
         }
-        let export = export.clone();
-        tokio::spawn(async move {
-            let fua = req.flags & proto::CMD_FLAG_FUA != 0;
-            match req.kind {
-                proto::CMD_READ => match export.read(req.offset, req.len).await {
-                    Ok(d) if d.len() == req.len as usize => slot.send(Errno(0), Some(d)),
-                    Ok(d) => {
-                        warn!(
-                            "export returned {} bytes for a READ of {}; answering EIO",
-                            d.len(),
-                            req.len
-                        );
-                        slot.send(Errno::EIO, None)
-                    }
-                    Err(e) => slot.send(e.errno, None),
-                },
-                proto::CMD_WRITE => {
-                    let data = data.unwrap_or_default();
-                    answer(slot, export.write(req.offset, data, fua).await)
-                }
-                proto::CMD_FLUSH => answer(slot, export.flush().await),
-                proto::CMD_TRIM => answer(slot, export.trim(req.offset, req.len, fua).await),
-                proto::CMD_WRITE_ZEROES => {
-                    let may_trim = req.flags & proto::CMD_FLAG_NO_HOLE == 0;
-                    answer(
-                        slot,
-                        export
-                            .write_zeroes(req.offset, req.len, may_trim, fua)
-                            .await,
-                    )
-                }
-                _ => unreachable!("validate admits only known commands"),
-            }
+        let mut fut = Box::pin(execute(export.clone(), req, data, budget));
+        let polled = exports.on_connection_thread(|| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                fut.as_mut()
+                    .poll(&mut std::task::Context::from_waker(waker))
+            }))
         });
+        match polled {
+            Ok(std::task::Poll::Ready(reply)) => {
+                lock(&out).put(&reply, &peer);
+                unflushed = true;
+            }
+            Ok(std::task::Poll::Pending) => {
+                let answer = Answer {
+                    tx: tx.clone(),
+                    cookie: req.cookie,
+                    sent: false,
+                };
+                handle.spawn(async move {
+                    let reply = fut.await;
+                    answer.send(reply);
+                });
+            }
+            Err(_) => {
+                warn!(
+                    "nbd {peer} export {name:?}: {} panicked; answering EIO",
+                    proto::command_name(req.kind)
+                );
+                drop(fut);
+                lock(&out).put(&Reply::error(Errno::EIO, req.cookie, None), &peer);
+                unflushed = true;
+            }
+        }
     };
 
     match &end {
         End::Disc => debug!("nbd {peer}: client disconnected from {name:?}"),
-        End::Eof => debug!("nbd {peer}: connection to {name:?} closed by client"),
-        End::Stopped => {
-            info!("nbd {peer}: closing connection to {name:?}: export or server stopping")
-        }
+        End::Eof => debug!("nbd {peer}: connection to {name:?} closed"),
         End::Violation(why) => warn!("nbd {peer} export {name:?}: closing connection: {why}"),
         End::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
             warn!("nbd {peer} export {name:?}: client disconnected in the middle of a request")
         }
         End::Io(e) => warn!("nbd {peer} export {name:?}: closing connection: {e}"),
     }
-    // Stop taking requests; the writer ends once every in-flight request has replied.
+    // Stop taking requests; the reply thread ends once every in-flight request has replied.
+    lock(&out).flush(&peer);
     drop(tx);
-    drop(rd);
-    let _ = writer.await;
-    drop(export);
-}
-
-fn answer(slot: ReplySlot, r: CmdResult<()>) {
-    match r {
-        Ok(()) => slot.send(Errno(0), None),
-        Err(e) => slot.send(e.errno, None),
-    }
+    let _ = reply_thread.join();
+    let o = lock(&out);
+    let _ = o.w.get_ref().shutdown(std::net::Shutdown::Both);
 }
 
 /// Reads one request header. `Ok(false)` on a clean end of stream before any byte of it.
-async fn read_header<R: AsyncRead + Unpin>(
+fn read_header<R: std::io::Read>(
     rd: &mut R,
     hdr: &mut [u8; proto::REQUEST_LEN],
 ) -> io::Result<bool> {
     let mut got = 0;
     while got < hdr.len() {
-        let n = rd.read(&mut hdr[got..]).await?;
+        let n = match rd.read(&mut hdr[got..]) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
         if n == 0 {
             if got == 0 {
                 return Ok(false);
@@ -790,22 +974,6 @@ async fn read_header<R: AsyncRead + Unpin>(
         got += n;
     }
     Ok(true)
-}
-
-async fn read_payload<R: AsyncRead + Unpin>(
-    rd: &mut R,
-    buf: &mut BytesMut,
-    len: usize,
-) -> io::Result<()> {
-    while buf.len() < len {
-        // `read_buf` may overshoot into spare capacity; `take` limits it to this payload.
-        let want = len - buf.len();
-        let n = (&mut *rd).take(want as u64).read_buf(buf).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-    }
-    Ok(())
 }
 
 /// Checks a request against the protocol and the export. Everything an [`Export`] may assume

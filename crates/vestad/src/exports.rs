@@ -48,6 +48,11 @@ impl ExportSet for Exports {
         let a = self.0.attach(name)?;
         Ok((export_info(&a), a))
     }
+
+    fn on_connection_thread<R>(&self, f: impl FnOnce() -> R) -> R {
+        // Connection threads exist to block: file IO runs inline there (datastore::device).
+        datastore::device::may_block_here(f)
+    }
 }
 
 /// Maps an engine error to the errno the client sees, logging it once here where it is handled.

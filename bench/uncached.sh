@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Uncached data path against nbdkit, side by side (issue 2's benchmark).
+#
+# fio --ioengine=nbd, 4 KiB random writes and reads at QD1 and QD32, against
+#   - vestad, policy uncached, on a `dir` datastore, and
+#   - nbdkit's file plugin on an image in the same directory (same disk),
+# both over a unix socket, both images preallocated with data first so reads hit real blocks.
+# Prints a Markdown table with ratios (vestad / nbdkit) and writes raw fio JSON to $OUT.
+#
+#   bench/uncached.sh                 # 10 s per run
+#   RUNTIME=30 bench/uncached.sh      # longer runs
+#
+# Targets (issue 2): vestad IOPS at QD32 >= 0.9x nbdkit; vestad mean latency at QD1 <= 1.1x.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${VESTA_BIN_DIR:-target/release}
+RUNTIME=${RUNTIME:-10}
+SIZE=${SIZE:-1G}
+OUT=${OUT:-bench/out/uncached}
+rm -rf "$OUT" && mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+cleanup() {
+    [ -n "${VPID:-}" ] && kill -TERM "$VPID" 2>/dev/null && wait "$VPID" 2>/dev/null || true
+    [ -n "${KPID:-}" ] && kill "$KPID" 2>/dev/null && wait "$KPID" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 &
+VPID=$!
+for _ in $(seq 100); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
+API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+"$BIN/vesta" --api "$API" volume create bench --size "$SIZE" >/dev/null
+VURI="nbd+unix:///bench?socket=$OUT/vesta/nbd.sock"
+
+truncate -s "$SIZE" "$OUT/nbdkit.img"
+nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 &
+KPID=$!
+for _ in $(seq 100); do [ -S "$OUT/nbdkit.sock" ] && break; sleep 0.1; done
+KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
+
+fill() { fio --name=fill --ioengine=nbd --uri="$1" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null; }
+fill "$VURI"
+fill "$KURI"
+
+# run NAME URI RW QD -> prints "iops lat_us"
+run() {
+    local json="$OUT/$1-$3-qd$4.json"
+    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs=4k --iodepth="$4" \
+        --size="$SIZE" --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
+        --output-format=json --output="$json"
+    python3 - "$json" "$3" <<'EOF'
+import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]
+side = "write" if "write" in sys.argv[2] else "read"
+print(f'{j[side]["iops"]:.0f} {j[side]["lat_ns"]["mean"] / 1000:.1f}')
+EOF
+}
+
+echo "| workload | vestad IOPS | nbdkit IOPS | IOPS ratio | vestad mean lat (us) | nbdkit mean lat (us) | latency ratio |"
+echo "|---|---:|---:|---:|---:|---:|---:|"
+for rw in randwrite randread; do
+    for qd in 1 32; do
+        read -r vi vl < <(run vestad "$VURI" "$rw" "$qd")
+        read -r ki kl < <(run nbdkit "$KURI" "$rw" "$qd")
+        python3 -c "print(f'| 4k $rw QD$qd | $vi | $ki | {$vi/$ki:.2f} | $vl | $kl | {$vl/$kl:.2f} |')"
+    done
+done
