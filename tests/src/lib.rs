@@ -6,8 +6,9 @@
 //! - [`run`]/[`sh`]: real clients (`qemu-io`, `qemu-img`, `nbdsh`, `nbdinfo`, `fio`).
 //! - [`raw`]: a hand-driven NBD connection for protocol negatives no real client would send.
 //!
-//! Binaries come from `VESTA_BIN_DIR` (set by `make test`), else from the workspace's
-//! `target/release` or `target/debug`, whichever holds a `vestad`.
+//! Binaries come from `VESTA_BIN_DIR` (set by `make test`), else from the workspace's target
+//! directory of the profile the tests are built with. `cargo test -p vesta-tests` alone does
+//! not rebuild them: use `make test`, or `cargo test --workspace`.
 
 pub mod raw;
 
@@ -25,15 +26,21 @@ pub fn bin_dir() -> PathBuf {
     if let Ok(d) = std::env::var("VESTA_BIN_DIR") {
         return PathBuf::from(d);
     }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
-        .join("target");
-    for p in ["release", "debug"] {
-        if root.join(p).join("vestad").exists() {
-            return root.join(p);
-        }
-    }
-    panic!("no vestad binary found: run `make build` (or `cargo build --workspace`) first");
+        .join("target")
+        .join(profile);
+    assert!(
+        dir.join("vestad").exists(),
+        "no vestad in {}: run `make test`, or `cargo test --workspace`",
+        dir.display()
+    );
+    dir
 }
 
 pub fn bin(name: &str) -> PathBuf {
@@ -278,8 +285,13 @@ impl Vestad {
 
     /// SIGTERM and wait for exit; returns the exit status.
     pub fn terminate(&mut self) -> ExitStatus {
+        signal(self.pid(), libc::SIGTERM);
+        self.terminate_wait()
+    }
+
+    /// Waits for a daemon that was already signalled to exit; returns the exit status.
+    pub fn terminate_wait(&mut self) -> ExitStatus {
         let mut c = self.child.take().expect("running");
-        signal(c.id(), libc::SIGTERM);
         let start = Instant::now();
         loop {
             if let Some(st) = c.try_wait().expect("wait") {

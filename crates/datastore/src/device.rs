@@ -301,7 +301,10 @@ pub fn to_io(e: ClientError) -> io::Error {
             };
             io::Error::from_raw_os_error(raw)
         }
-        ClientError::Connect { source, .. } => source,
+        ClientError::Connect { uri, source } => io::Error::new(
+            source.kind(),
+            format!("cannot reach NBD server {uri}: {source}"),
+        ),
         other => io::Error::other(other.to_string()),
     }
 }

@@ -1,0 +1,367 @@
+//! The operator surface: `vesta` commands as written in the README, their `--json` forms, and
+//! errors that name the problem and the fix.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use vesta_tests::raw::Raw;
+use vesta_tests::{bin, run_ok, wait_for, Nbdkit, Scratch, Vestad};
+
+#[test]
+fn volume_lifecycle_through_the_cli() {
+    let v = Vestad::start();
+    let out = v.vesta_ok(&["volume", "create", "web01", "--size", "2G"]);
+    assert!(
+        out.contains("created volume web01 (2 GiB) on datastore default"),
+        "{out}"
+    );
+
+    let list = v.vesta_ok(&["volume", "list"]);
+    let row = list.lines().find(|l| l.starts_with("web01")).expect(&list);
+    assert!(row.contains("2 GiB") && row.contains("default") && row.contains("uncached"));
+
+    let j = v.vesta_json(&["volume", "show", "web01"]);
+    assert_eq!(j["name"], "web01");
+    assert_eq!(j["size"], 2u64 << 30);
+    assert_eq!(j["datastore"], "default");
+    assert_eq!(j["policy"], "uncached");
+    assert_eq!(j["status"], "ok");
+    assert_eq!(j["connections"], 0);
+
+    let url = v.vesta_ok(&["volume", "url", "web01"]);
+    assert_eq!(url.trim(), v.url("web01"));
+    let tcp = v.vesta_ok(&["volume", "url", "web01", "--tcp"]);
+    assert_eq!(tcp.trim(), v.tcp_url("web01"));
+    let urls = v.vesta_json(&["volume", "url", "web01"]);
+    assert_eq!(urls.as_array().unwrap().len(), 2);
+
+    let out = v.vesta_ok(&["volume", "delete", "web01"]);
+    assert!(out.contains("deleted volume web01"), "{out}");
+    assert!(!v.data_dir.join("datastores/default/web01.raw").exists());
+    let j = v.vesta_json(&["volume", "list"]);
+    assert_eq!(j.as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn errors_name_the_problem_and_the_fix() {
+    let v = Vestad::start();
+    v.create_volume("a", "1M");
+
+    let e = v.vesta_err(&[
+        "volume",
+        "create",
+        "b",
+        "--size",
+        "1M",
+        "--datastore",
+        "nope",
+    ]);
+    assert!(
+        e.contains("no datastore named \"nope\"") && e.contains("known datastores: default"),
+        "{e}"
+    );
+
+    let e = v.vesta_err(&["volume", "create", "b", "--size", "10X"]);
+    assert!(e.contains("bad size") && e.contains("e.g. 10G"), "{e}");
+
+    let e = v.vesta_err(&["volume", "create", "a", "--size", "1M"]);
+    assert!(e.contains("already exists"), "{e}");
+
+    let e = v.vesta_err(&["volume", "create", "b/c", "--size", "1M"]);
+    assert!(e.contains("not valid") && e.contains("e.g. web-01"), "{e}");
+
+    let e = v.vesta_err(&["volume", "create", "b", "--size", "1000"]);
+    assert!(e.contains("multiple of 512"), "{e}");
+
+    let e = v.vesta_err(&["volume", "create", "b", "--size", "1M", "--policy", "fast"]);
+    assert!(
+        e.contains("unknown policy") && e.contains("uncached"),
+        "{e}"
+    );
+
+    let e = v.vesta_err(&["volume", "show", "zzz"]);
+    assert!(
+        e.contains("no volume named \"zzz\"") && e.contains("known volumes: a"),
+        "{e}"
+    );
+
+    let e = v.vesta_err(&["datastore", "add", "default", "--dir", "/tmp"]);
+    assert!(e.contains("already exists"), "{e}");
+
+    let e = v.vesta_err(&["datastore", "add", "x", "--dir", "/nonexistent/vesta"]);
+    assert!(e.contains("mkdir -p"), "{e}");
+
+    // Nothing above changed anything.
+    let j = v.vesta_json(&["volume", "list"]);
+    assert_eq!(j.as_array().unwrap().len(), 1);
+    let j = v.vesta_json(&["datastore", "list"]);
+    assert_eq!(j.as_array().unwrap().len(), 1);
+
+    // And a daemon that is not there is explained.
+    let out = vesta_tests::run(Command::new(bin("vesta")).args([
+        "--api",
+        "http://127.0.0.1:9",
+        "volume",
+        "list",
+    ]));
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.contains("cannot reach vestad") && e.contains("VESTA_API"),
+        "{e}"
+    );
+}
+
+#[test]
+fn delete_is_refused_while_attached_unless_forced() {
+    let v = Vestad::start();
+    v.create_volume("busy", "1M");
+    let (mut r, _) = Raw::go(&v.nbd_unix, "busy");
+    assert_eq!(v.vesta_json(&["volume", "show", "busy"])["connections"], 1);
+    let e = v.vesta_err(&["volume", "delete", "busy"]);
+    assert!(
+        e.contains("1 client connection(s) attached") && e.contains("--force"),
+        "{e}"
+    );
+    assert!(v.data_dir.join("datastores/default/busy.raw").exists());
+    // The connection still works after the refused delete.
+    r.request(0, vesta_tests::raw::CMD_READ, 1, 0, 512);
+    assert_eq!(r.reply().unwrap(), (0, 1));
+    r.read_n(512);
+
+    v.vesta_ok(&["volume", "delete", "busy", "--force"]);
+    assert!(r.closed(), "a forced delete disconnects the client");
+    assert!(!v.data_dir.join("datastores/default/busy.raw").exists());
+    let e = v.vesta_err(&["volume", "show", "busy"]);
+    assert!(e.contains("no volume named"), "{e}");
+}
+
+#[test]
+fn dir_and_lun_datastores_are_added_and_listed() {
+    let v = Vestad::start();
+    let s = Scratch::new("dirds");
+    std::fs::create_dir_all(s.join("ds2")).unwrap();
+    // A relative --dir is made absolute by the CLI.
+    let out = vesta_tests::run(Command::new(bin("vesta")).current_dir(s.path()).args([
+        "--api",
+        &v.api,
+        "datastore",
+        "add",
+        "local2",
+        "--dir",
+        "ds2",
+        "--class",
+        "ssd",
+    ]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let k = Nbdkit::start(256 << 20, &[], &[]);
+    let j = v.vesta_json(&[
+        "datastore",
+        "add",
+        "san",
+        "--lun",
+        &k.uri(),
+        "--queue-depth",
+        "8",
+    ]);
+    assert_eq!(j["kind"], "lun");
+    assert_eq!(j["queue_depth"], 8);
+    assert_eq!(j["status"], "ok");
+    assert!(j["lun_id"].is_string());
+    // Capacity: the device minus Vesta's 4 MiB of label and tables.
+    assert_eq!(j["total_bytes"], (256u64 << 20) - (4 << 20));
+
+    let list = v.vesta_json(&["datastore", "list"]);
+    let names: Vec<&str> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["default", "local2", "san"]);
+    let local2 = &list[1];
+    assert_eq!(local2["location"], s.join("ds2").display().to_string());
+    assert_eq!(local2["class"], "ssd");
+    let table = v.vesta_ok(&["datastore", "list"]);
+    assert!(table.lines().next().unwrap().starts_with("NAME"), "{table}");
+
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "v1",
+        "--size",
+        "100M",
+        "--datastore",
+        "san",
+    ]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "v2",
+        "--size",
+        "1M",
+        "--datastore",
+        "local2",
+    ]);
+    assert!(s.join("ds2/v2.raw").exists());
+    let e = v.vesta_err(&[
+        "volume",
+        "create",
+        "v3",
+        "--size",
+        "200M",
+        "--datastore",
+        "san",
+    ]);
+    assert!(
+        e.contains("no room") && e.contains("largest free extent"),
+        "{e}"
+    );
+    // The same LUN cannot be added twice.
+    let e = v.vesta_err(&["datastore", "add", "san2", "--lun", &k.uri()]);
+    assert!(e.contains("already datastore \"san\""), "{e}");
+}
+
+#[test]
+fn a_lun_with_foreign_data_is_refused_without_force() {
+    let k = Nbdkit::start(64 << 20, &[], &[]);
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&k.image)
+            .unwrap();
+        use std::io::{Seek, SeekFrom, Write};
+        f.seek(SeekFrom::Start(1234)).unwrap();
+        f.write_all(b"an ext4 superblock, say").unwrap();
+    }
+    let v = Vestad::start();
+    let e = v.vesta_err(&["datastore", "add", "old", "--lun", &k.uri()]);
+    assert!(e.contains("offset 1234") && e.contains("--force"), "{e}");
+    // Refusal changed nothing on the device.
+    let img = std::fs::read(&k.image).unwrap();
+    assert_eq!(&img[1234..1257], b"an ext4 superblock, say");
+    assert!(img[..1234].iter().all(|b| *b == 0));
+    assert_eq!(
+        v.vesta_json(&["datastore", "list"])
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    v.vesta_ok(&["datastore", "add", "old", "--lun", &k.uri(), "--force"]);
+    let img = std::fs::read(&k.image).unwrap();
+    assert_eq!(&img[..8], b"VESTALUN");
+}
+
+#[test]
+fn a_re_added_lun_brings_its_volumes_back() {
+    let k = Nbdkit::start(64 << 20, &[], &[]);
+    let lun_id;
+    {
+        let v = Vestad::start();
+        lun_id = v.vesta_json(&["datastore", "add", "san", "--lun", &k.uri()])["lun_id"].clone();
+        v.vesta_ok(&[
+            "volume",
+            "create",
+            "keep",
+            "--size",
+            "4M",
+            "--datastore",
+            "san",
+        ]);
+        vesta_tests::qemu_io(&v.url("keep"), &["write -P 0x42 0 1M"]);
+        // This host's state is then lost with it.
+    }
+    let v = Vestad::start();
+    let j = v.vesta_json(&["datastore", "add", "san-again", "--lun", &k.uri()]);
+    assert_eq!(j["lun_id"], lun_id, "the LUN is adopted, not reformatted");
+    assert_eq!(j["volumes"], 1);
+    let vol = v.vesta_json(&["volume", "show", "keep"]);
+    assert_eq!(vol["datastore"], "san-again");
+    assert_eq!(vol["size"], 4 << 20);
+    vesta_tests::qemu_io(&v.url("keep"), &["read -P 0x42 0 1M"]);
+}
+
+fn spawn_fio(uri: &str, seconds: u32) -> Child {
+    Command::new("fio")
+        .args([
+            "--name=load",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randrw",
+            "--bs=4k",
+            "--iodepth=8",
+            "--size=32M",
+            "--time_based",
+            &format!("--runtime={seconds}"),
+            "--output=/dev/null",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn fio")
+}
+
+#[test]
+fn stats_report_rates_latency_and_outstanding_ios() {
+    let v = Vestad::start();
+    v.create_volume("load", "64M");
+    v.create_volume("idle", "1M");
+    let mut fio = spawn_fio(&v.url("load"), 6);
+    // Wait for an interval in which fio was running throughout.
+    let j = wait_for(Duration::from_secs(20), "a stats interval with IO", || {
+        let j = v.vesta_json(&["stats"]);
+        (j["volumes"][1]["io"]["write_iops"].as_f64()? > 100.0
+            && j["volumes"][1]["io"]["read_iops"].as_f64()? > 100.0)
+            .then_some(j)
+    });
+    let _ = fio.wait();
+    assert!(j["interval_s"].as_f64().unwrap() >= 1.5);
+    let load = &j["volumes"][1];
+    assert_eq!(load["name"], "load");
+    assert!(load["io"]["read_latency_us_p50"].as_u64().is_some());
+    assert!(
+        load["io"]["write_latency_us_p99"].as_u64().unwrap()
+            >= load["io"]["write_latency_us_p50"].as_u64().unwrap()
+    );
+    assert!(load["io"]["outstanding_mean"].as_f64().unwrap() > 0.0);
+    assert!(load["io"]["writes_total"].as_u64().unwrap() > 0);
+    let idle = &j["volumes"][0];
+    assert_eq!(idle["name"], "idle");
+    assert_eq!(idle["io"]["writes_total"], 0);
+    let ds = &j["datastores"][0];
+    assert_eq!(ds["name"], "default");
+    assert!(ds["io"]["write_iops"].as_f64().unwrap() > 100.0);
+
+    // One volume only, and the human table.
+    let one = v.vesta_json(&["stats", "load"]);
+    assert_eq!(one["volumes"].as_array().unwrap().len(), 1);
+    let table = v.vesta_ok(&["stats"]);
+    assert!(
+        table.contains("VOLUME") && table.contains("R-P99") && table.contains("DATASTORE"),
+        "{table}"
+    );
+    let e = v.vesta_err(&["stats", "nope"]);
+    assert!(e.contains("no volume named"), "{e}");
+}
+
+#[test]
+fn status_reports_addresses_and_counts() {
+    let v = Vestad::start();
+    v.create_volume("a", "1M");
+    let j = v.vesta_json(&["status"]);
+    assert_eq!(j["coordinator"], "local");
+    assert_eq!(j["volumes"], 1);
+    assert_eq!(j["datastores"], 1);
+    assert_eq!(j["nbd_unix"], v.nbd_unix.display().to_string());
+    assert_eq!(format!("http://{}", j["api"].as_str().unwrap()), v.api);
+    let out = run_ok(Command::new(bin("vesta")).args(["--api", &v.api, "status"]));
+    assert!(out.contains("coordinator  local"), "{out}");
+}
