@@ -325,70 +325,78 @@ impl Drop for Vestad {
 
 /// An `nbdkit` serving a file as an emulated SAN LUN on a unix socket.
 pub struct Nbdkit {
-    child: Child,
+    child: Option<Child>,
     pub scratch: Scratch,
     pub image: PathBuf,
     pub socket: PathBuf,
+    args: Vec<String>,
 }
 
 impl Nbdkit {
-    /// Serves a new sparse image of `size` bytes with extra arguments (filters and their
-    /// parameters, e.g. `["--filter=delay", "delay-write=2ms"]`, placed before the plugin).
+    /// Serves a new sparse image of `size` bytes. `filter_args` go before the plugin (e.g.
+    /// `["--filter=delay"]`), `plugin_params` after the image (e.g. `["delay-write=2ms"]`).
     pub fn start(size: u64, filter_args: &[&str], plugin_params: &[&str]) -> Nbdkit {
         let scratch = Scratch::new("nbdkit");
         let image = scratch.join("lun.img");
         let f = fs::File::create(&image).expect("create image");
         f.set_len(size).expect("size image");
-        Nbdkit::serve(scratch, image, filter_args, plugin_params)
+        let mut args: Vec<String> = filter_args.iter().map(|s| s.to_string()).collect();
+        args.push("file".into());
+        args.push(image.display().to_string());
+        args.extend(plugin_params.iter().map(|s| s.to_string()));
+        let mut k = Nbdkit {
+            child: None,
+            socket: scratch.join("nbdkit.sock"),
+            scratch,
+            image,
+            args,
+        };
+        k.restart();
+        k
     }
 
-    pub fn serve(
-        scratch: Scratch,
-        image: PathBuf,
-        filter_args: &[&str],
-        plugin_params: &[&str],
-    ) -> Nbdkit {
-        let socket = scratch.join("nbdkit.sock");
-        let log = fs::File::create(scratch.join("nbdkit.log")).expect("log");
+    /// (Re)starts serving the same image on the same socket.
+    pub fn restart(&mut self) {
+        self.stop();
+        let _ = fs::remove_file(&self.socket);
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.scratch.join("nbdkit.log"))
+            .expect("log");
         let child = Command::new("nbdkit")
             .arg("-f")
             .arg("--unix")
-            .arg(&socket)
-            .args(filter_args)
-            .arg("file")
-            .arg(&image)
-            .args(plugin_params)
+            .arg(&self.socket)
+            .args(&self.args)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup"))
             .stderr(log)
             .spawn()
             .expect("spawn nbdkit (is it installed? run `make deps`)");
-        let mut k = Nbdkit {
-            child,
-            scratch,
-            image,
-            socket,
-        };
-        let sock = k.socket.clone();
+        self.child = Some(child);
+        let sock = self.socket.clone();
         wait_for(Duration::from_secs(10), "nbdkit socket", || {
-            if let Ok(Some(st)) = k.child.try_wait() {
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
                 let mut s = String::new();
-                let _ = fs::File::open(k.scratch.join("nbdkit.log"))
+                let _ = fs::File::open(self.scratch.join("nbdkit.log"))
                     .and_then(|mut f| f.read_to_string(&mut s));
                 panic!("nbdkit exited with {st}: {s}");
             }
             sock.exists().then_some(())
         });
-        k
     }
 
     pub fn uri(&self) -> String {
         format!("nbd+unix:///?socket={}", self.socket.display())
     }
 
+    /// SIGKILL: the LUN disappears (its socket file stays, refusing connections).
     pub fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

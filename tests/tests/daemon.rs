@@ -227,4 +227,11 @@ fn a_datastore_down_at_start_up_is_reported_and_the_rest_serve() {
         "an unavailable volume must not be served"
     );
     qemu_io(&v.url("local"), &["write -P 1 0 512", "read -P 1 0 512"]);
+
+    // When the LUN is back, its datastore and volume recover without a restart of vestad.
+    k.restart();
+    wait_for(Duration::from_secs(15), "the volume to recover", || {
+        (v.vesta_json(&["volume", "show", "onsan"])["status"] == "ok").then_some(())
+    });
+    qemu_io(&v.url("onsan"), &["write -P 2 0 512", "read -P 2 0 512"]);
 }

@@ -33,7 +33,7 @@
 
 use std::future::Future;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,7 +64,8 @@ const OPTIONS_MAX: usize = 256;
 /// Option payloads larger than this are not read (the longest legal one is a 4 KiB name).
 const OPTION_LEN_MAX: u32 = 64 * 1024;
 /// Connections the server accepts at once; beyond that new ones are closed with a log line.
-pub const CONNECTIONS_MAX: usize = 4096;
+/// Each connection in transmission costs two OS threads (reader and replies).
+pub const CONNECTIONS_MAX: usize = 1024;
 
 /// An error a command completes with: the errno sent to the client and a message for the log.
 #[derive(Debug, Clone)]
@@ -1045,13 +1046,6 @@ pub fn validate(req: &Request, info: &ExportInfo) -> CmdResult<()> {
         ));
     }
     Ok(())
-}
-
-/// Where a server listens.
-#[derive(Debug, Clone)]
-pub enum ListenAddr {
-    Tcp(std::net::SocketAddr),
-    Unix(PathBuf),
 }
 
 #[cfg(test)]

@@ -670,6 +670,55 @@ impl Daemon {
         Ok(info)
     }
 
+    /// Tries again to open datastores that were unavailable, and the volumes on them. Volumes
+    /// that failed to open had no connections (they cannot be attached), so their entries are
+    /// simply replaced.
+    pub async fn retry_unavailable(&self) {
+        let down: Vec<DatastoreSpec> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|e| e.store.is_err())
+            .map(|e| e.spec.clone())
+            .collect();
+        for spec in down {
+            let Ok(store) = datastore::open(&spec, OpenMode::Reopen).await else {
+                continue;
+            };
+            info!("datastore {:?} is available again", spec.name);
+            self.datastores.write().expect("lock").insert(
+                spec.name.clone(),
+                DsEntry {
+                    spec: spec.clone(),
+                    store: Ok(store),
+                },
+            );
+        }
+        let broken: Vec<VolumeRecord> = self
+            .entries()
+            .into_iter()
+            .filter(|e| e.volume.is_err())
+            .map(|e| e.record.clone())
+            .collect();
+        for rec in broken {
+            let Ok(volume) = self.open_volume(&rec).await else {
+                continue;
+            };
+            info!("volume {:?} can serve IO again", rec.name);
+            let mut v = self.volumes.write().expect("lock");
+            // Only if it is still the same, unattachable entry (not deleted meanwhile).
+            if v.get(&rec.name)
+                .is_some_and(|e| e.volume.is_err() && e.record.id == rec.id)
+            {
+                v.insert(
+                    rec.name.clone(),
+                    Arc::new(VolumeEntry::new(rec, Ok(volume))),
+                );
+            }
+        }
+    }
+
     /// Flushes every volume: called at shutdown after connections drained.
     pub async fn flush_all(&self) {
         for e in self.entries() {

@@ -138,6 +138,18 @@ fn write_ready(dir: &Path, d: &Daemon) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How often datastores that are down are tried again.
+const RETRY_EVERY: Duration = Duration::from_secs(3);
+
+async fn retry_unavailable(d: Arc<Daemon>, mut stop: nbd::Stop) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(RETRY_EVERY) => d.retry_unavailable().await,
+            _ = stop.wait() => return,
+        }
+    }
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = match &args.config {
         Some(p) => Config::load(p)?,
@@ -204,6 +216,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .into_future(),
     );
     tokio::spawn(stats::run(daemon.clone(), stop.subscribe()));
+    tokio::spawn(retry_unavailable(daemon.clone(), stop.subscribe()));
 
     write_ready(&data_dir, &daemon)?;
     let st = daemon.status();
