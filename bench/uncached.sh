@@ -2,9 +2,11 @@
 # Uncached data path against nbdkit, side by side (issue 2's benchmark).
 #
 # fio --ioengine=nbd, 4 KiB random writes and reads at QD1 and QD32, against
-#   - vestad, policy uncached, on a `dir` datastore, and
-#   - nbdkit's file plugin on an image in the same directory (same disk),
-# both over a unix socket, both images preallocated with data first so reads hit real blocks.
+#   - vestad, policy uncached, on a `dir` datastore,
+#   - nbdkit's file plugin, and qemu-nbd (raw, writeback cache), on images in the same
+#     directory (same disk),
+# all over a unix socket, all images preallocated with data first so reads hit real blocks;
+# and the raw image file itself through fio's io_uring engine (no NBD at all).
 # Prints a Markdown table with ratios (vestad / nbdkit) and writes raw fio JSON to $OUT.
 #
 #   bench/uncached.sh                 # 10 s per run
@@ -23,6 +25,7 @@ OUT=$(cd "$OUT" && pwd)
 cleanup() {
     [ -n "${VPID:-}" ] && kill -TERM "$VPID" 2>/dev/null && wait "$VPID" 2>/dev/null || true
     [ -n "${KPID:-}" ] && kill "$KPID" 2>/dev/null && wait "$KPID" 2>/dev/null || true
+    [ -n "${QPID:-}" ] && kill "$QPID" 2>/dev/null && wait "$QPID" 2>/dev/null || true
 }
 trap cleanup EXIT
 
@@ -39,14 +42,29 @@ KPID=$!
 for _ in $(seq 100); do [ -S "$OUT/nbdkit.sock" ] && break; sleep 0.1; done
 KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
 
+truncate -s "$SIZE" "$OUT/qemu-nbd.img"
+qemu-nbd -f raw --cache=writeback --aio=threads --shared=4 --persistent -x bench \
+    --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 &
+QPID=$!
+for _ in $(seq 100); do [ -S "$OUT/qemu-nbd.sock" ] && break; sleep 0.1; done
+QURI="nbd+unix:///bench?socket=$OUT/qemu-nbd.sock"
+
+truncate -s "$SIZE" "$OUT/raw.img"
+
 fill() { fio --name=fill --ioengine=nbd --uri="$1" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null; }
 fill "$VURI"
 fill "$KURI"
+fill "$QURI"
+fio --name=fill --ioengine=io_uring --filename="$OUT/raw.img" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null
 
-# run NAME URI RW QD -> prints "iops lat_us"
+# run NAME URI RW QD -> prints "iops lat_us"; a URI starting with / is a file for io_uring.
 run() {
-    local json="$OUT/$1-$3-qd$4.json"
-    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs=4k --iodepth="$4" \
+    local json="$OUT/$1-$3-qd$4.json" target
+    case "$2" in
+        /*) target=(--ioengine=io_uring --filename="$2") ;;
+        *) target=(--ioengine=nbd --uri="$2") ;;
+    esac
+    fio --name="$1" "${target[@]}" --rw="$3" --bs=4k --iodepth="$4" \
         --size="$SIZE" --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
         --output-format=json --output="$json"
     python3 - "$json" "$3" <<'EOF'
@@ -57,12 +75,14 @@ print(f'{j[side]["iops"]:.0f} {j[side]["lat_ns"]["mean"] / 1000:.1f}')
 EOF
 }
 
-echo "| workload | vestad IOPS | nbdkit IOPS | IOPS ratio | vestad mean lat (us) | nbdkit mean lat (us) | latency ratio |"
-echo "|---|---:|---:|---:|---:|---:|---:|"
+echo "| workload | vestad IOPS | nbdkit IOPS | **IOPS ratio** | vestad lat (us) | nbdkit lat (us) | **lat ratio** | qemu-nbd IOPS / lat (us) | raw file io_uring IOPS / lat (us) |"
+echo "|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 for rw in randwrite randread; do
     for qd in 1 32; do
         read -r vi vl < <(run vestad "$VURI" "$rw" "$qd")
         read -r ki kl < <(run nbdkit "$KURI" "$rw" "$qd")
-        python3 -c "print(f'| 4k $rw QD$qd | $vi | $ki | {$vi/$ki:.2f} | $vl | $kl | {$vl/$kl:.2f} |')"
+        read -r qi ql < <(run qemu-nbd "$QURI" "$rw" "$qd")
+        read -r ri rl < <(run raw "$OUT/raw.img" "$rw" "$qd")
+        python3 -c "print(f'| 4k $rw QD$qd | $vi | $ki | **{$vi/$ki:.2f}** | $vl | $kl | **{$vl/$kl:.2f}** | $qi / $ql | $ri / $rl |')"
     done
 done
