@@ -235,3 +235,43 @@ fn a_datastore_down_at_start_up_is_reported_and_the_rest_serve() {
     });
     qemu_io(&v.url("onsan"), &["write -P 2 0 512", "read -P 2 0 512"]);
 }
+
+#[test]
+fn a_volume_on_a_datastore_that_is_down_is_only_forgotten_with_force() {
+    let mut k = Nbdkit::start(64 << 20, &[], &[]);
+    let v = Vestad::start();
+    v.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri()]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "gone",
+        "--size",
+        "1M",
+        "--datastore",
+        "san",
+    ]);
+    k.stop();
+    // The running daemon learns the datastore is down on its next IO to it.
+    let io = run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write 0 512"])
+        .arg(v.url("gone")));
+    assert!(!io.status.success());
+    let mut v = v;
+    assert!(v.terminate().success());
+    v.launch();
+    let e = v.vesta_err(&["volume", "delete", "gone"]);
+    assert!(
+        e.contains("cannot be deleted now") && e.contains("--force"),
+        "{e}"
+    );
+    assert_eq!(
+        v.vesta_json(&["volume", "list"]).as_array().unwrap().len(),
+        1
+    );
+    v.vesta_ok(&["volume", "delete", "gone", "--force"]);
+    assert_eq!(
+        v.vesta_json(&["volume", "list"]).as_array().unwrap().len(),
+        0
+    );
+    assert!(v.log().contains("leaving its storage there"));
+}

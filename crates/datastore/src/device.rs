@@ -11,6 +11,10 @@
 //! latency of a 4 KiB write (measured in `docs/BENCHMARKS.md`). So threads that exist to block —
 //! the NBD server's per-connection threads — mark themselves with [`may_block_here`], and
 //! [`blocking`] runs IO inline on such a thread and on the blocking pool everywhere else.
+//!
+//! Only plain reads and writes take that inline path. Operations that can take long —
+//! `fdatasync` (FLUSH, FUA), zeroing, trimming — always go to the pool via [`on_pool`], so they
+//! never hold up the requests queued behind them on a connection.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -57,6 +61,18 @@ pub fn may_block_here<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Runs slow blocking IO on the blocking pool, wherever it is called from.
+pub async fn on_pool<T, F>(f: F) -> io::Result<T>
+where
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r,
+        Err(e) => Err(io::Error::other(format!("blocking IO task failed: {e}"))),
+    }
+}
+
 /// Runs blocking IO: inline on a thread marked with [`may_block_here`], else on the blocking
 /// pool.
 pub async fn blocking<T, F>(f: F) -> io::Result<T>
@@ -67,10 +83,7 @@ where
     if MAY_BLOCK.with(|m| m.get()) {
         return f();
     }
-    match tokio::task::spawn_blocking(f).await {
-        Ok(r) => r,
-        Err(e) => Err(io::Error::other(format!("blocking IO task failed: {e}"))),
-    }
+    on_pool(f).await
 }
 
 /// A regular file or a block device.
@@ -110,17 +123,24 @@ impl FileDevice {
         })
     }
 
-    /// Creates a new sparse file of `size` bytes; fails if the path exists.
+    /// Creates a new sparse file of `size` bytes; fails if the path exists, and leaves nothing
+    /// behind if it fails after creating the file.
     pub fn create(path: &Path, size: u64) -> io::Result<FileDevice> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(path)?;
-        file.set_len(size)?;
-        file.sync_all()?;
-        if let Some(dir) = path.parent() {
-            File::open(dir)?.sync_all()?;
+        let sized = file
+            .set_len(size)
+            .and_then(|_| file.sync_all())
+            .and_then(|_| match path.parent() {
+                Some(dir) => File::open(dir)?.sync_all(),
+                None => Ok(()),
+            });
+        if let Err(e) = sized {
+            let _ = std::fs::remove_file(path);
+            return Err(e);
         }
         Ok(FileDevice {
             file: Arc::new(file),
@@ -193,19 +213,19 @@ impl Device for FileDevice {
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
         let f = self.file.clone();
-        blocking(move || {
-            f.write_all_at(&data, offset)?;
-            if fua {
-                f.sync_data()?;
-            }
-            Ok(())
-        })
-        .await
+        if fua {
+            return on_pool(move || {
+                f.write_all_at(&data, offset)?;
+                f.sync_data()
+            })
+            .await;
+        }
+        blocking(move || f.write_all_at(&data, offset)).await
     }
 
     async fn flush(&self) -> io::Result<()> {
         let f = self.file.clone();
-        blocking(move || f.sync_data()).await
+        on_pool(move || f.sync_data()).await
     }
 
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -213,7 +233,7 @@ impl Device for FileDevice {
             return Ok(()); // a hint; block devices keep their data
         }
         let f = self.file.clone();
-        blocking(move || {
+        on_pool(move || {
             match fallocate(
                 &f,
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
@@ -230,7 +250,7 @@ impl Device for FileDevice {
     async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
         let f = self.file.clone();
         let regular = self.regular;
-        blocking(move || {
+        on_pool(move || {
             if regular {
                 let mode = if may_trim {
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE

@@ -29,7 +29,23 @@ impl DirDatastore {
             );
         };
         let path = path.clone();
-        let md = std::fs::metadata(&path).map_err(|e| {
+        // Off the reactor: a hung NFS mount must not stall it.
+        let (p, probe_too) = (path.clone(), matches!(mode, OpenMode::Add { .. }));
+        let checked = blocking(move || {
+            let md = std::fs::metadata(&p)?;
+            if probe_too && md.is_dir() {
+                // Prove we can create files there before anything is recorded.
+                let probe = p.join(format!(".vesta-probe-{}", uuid::Uuid::new_v4()));
+                std::fs::write(&probe, b"")
+                    .and_then(|_| std::fs::remove_file(&probe))
+                    .map_err(|e| {
+                        std::io::Error::new(e.kind(), format!("cannot create files: {e}"))
+                    })?;
+            }
+            Ok(md)
+        })
+        .await;
+        let md = checked.map_err(|e| {
             Error::Invalid(format!(
                 "datastore {:?}: directory {} is not usable ({e}); create it first (mkdir -p {})",
                 spec.name,
@@ -43,19 +59,6 @@ impl DirDatastore {
                 spec.name,
                 path.display()
             )));
-        }
-        if let OpenMode::Add { .. } = mode {
-            // Prove we can create files there before anything is recorded.
-            let probe = path.join(format!(".vesta-probe-{}", uuid::Uuid::new_v4()));
-            std::fs::write(&probe, b"")
-                .and_then(|_| std::fs::remove_file(&probe))
-                .map_err(|e| {
-                    Error::Invalid(format!(
-                        "datastore {:?}: cannot create files in {}: {e}",
-                        spec.name,
-                        path.display()
-                    ))
-                })?;
         }
         Ok(DirDatastore {
             gate: Arc::new(Gate::new(spec.queue_depth)),

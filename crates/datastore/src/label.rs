@@ -164,6 +164,41 @@ impl Table {
         })
     }
 
+    /// Checks that every extent is aligned, inside `device_size`, and overlaps no other. A
+    /// table that passes its checksum but fails this was written wrong, and is never used.
+    pub fn check(&self, device_size: u64) -> Result<(), String> {
+        let mut spans: Vec<(u64, u64, &str)> = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let end = e
+                .len
+                .checked_next_multiple_of(EXTENT_ALIGN)
+                .and_then(|l| e.offset.checked_add(l));
+            match end {
+                Some(end)
+                    if e.offset >= DATA_START
+                        && e.offset % EXTENT_ALIGN == 0
+                        && end <= device_size
+                        && e.len > 0 =>
+                {
+                    spans.push((e.offset, end, &e.name))
+                }
+                _ => {
+                    return Err(format!(
+                        "volume {:?} has an impossible extent {}+{} on a {device_size}-byte device",
+                        e.name, e.offset, e.len
+                    ))
+                }
+            }
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[0].1 > w[1].0 {
+                return Err(format!("volumes {:?} and {:?} overlap", w[0].2, w[1].2));
+            }
+        }
+        Ok(())
+    }
+
     /// The slot generation `g` is written to.
     pub fn slot_of(generation: u64) -> usize {
         (generation % 2) as usize
@@ -274,6 +309,36 @@ mod tests {
     }
 
     #[test]
+    fn impossible_tables_are_caught() {
+        let size = DATA_START + (10 << 20);
+        let ok = Table {
+            generation: 1,
+            entries: vec![
+                entry(1, DATA_START, 1 << 20),
+                entry(2, DATA_START + (1 << 20), 5),
+            ],
+        };
+        assert_eq!(ok.check(size), Ok(()));
+        for bad in [
+            vec![entry(1, 0, 1 << 20)],              // over the label
+            vec![entry(1, DATA_START + 1, 512)],     // misaligned
+            vec![entry(1, DATA_START, 11 << 20)],    // past the end
+            vec![entry(1, u64::MAX - 511, 1 << 20)], // overflow
+            vec![
+                entry(1, DATA_START, 2 << 20),
+                entry(2, DATA_START + (1 << 20), 512),
+            ], // overlap
+            vec![entry(1, DATA_START, 0)],           // empty
+        ] {
+            let t = Table {
+                generation: 1,
+                entries: bad,
+            };
+            assert!(t.check(size).is_err(), "{t:?}");
+        }
+    }
+
+    #[test]
     fn allocation_is_first_fit_and_aligned() {
         let size = DATA_START + (10 << 20);
         let mut t = Table::default();
@@ -321,6 +386,7 @@ mod tests {
                     None => prop_assert!(largest < s.next_multiple_of(EXTENT_ALIGN), "free {free} largest {largest}"),
                 }
             }
+            prop_assert_eq!(t.check(device), Ok(()));
             let enc = t.encode();
             prop_assert_eq!(Table::decode(&enc), Some(t));
         }

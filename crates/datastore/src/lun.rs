@@ -98,6 +98,12 @@ impl LunDatastore {
                          table copy is valid"
                     ))
                 })?;
+                t.check(l.device_size).map_err(|why| {
+                    Error::Invalid(format!(
+                        "datastore {name:?}: the volume table on {target} is inconsistent \
+                         ({why}); refusing to use it"
+                    ))
+                })?;
                 if dev.size() < l.device_size {
                     return Err(Error::Invalid(format!(
                         "datastore {name:?}: {target} shrank from {} to {} bytes since it was \

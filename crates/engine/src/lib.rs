@@ -10,8 +10,11 @@
 //! lets the server advertise `NBD_FLAG_CAN_MULTI_CONN`.
 
 use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::sync::Notify;
 use uuid::Uuid;
 
 use cluster::Policy;
@@ -26,6 +29,9 @@ pub enum Error {
     /// The caller broke the volume's contract (a range outside it, a misaligned IO).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The volume is being deleted: it takes no more IO.
+    #[error("volume is being deleted")]
+    Revoked,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -40,6 +46,22 @@ pub struct Volume {
     policy: Policy,
     store: Extent,
     stats: IoStats,
+    /// Set once, by [`Volume::revoke`]; no IO starts afterwards.
+    revoked: AtomicBool,
+    /// IOs between [`Volume::enter`] and the end of their datastore IO.
+    in_flight: AtomicU64,
+    drained: Notify,
+}
+
+/// One IO inside the volume; dropping it lets a revocation know when the last one is done.
+struct InFlight<'a>(&'a Volume);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.drained.notify_waiters();
+        }
+    }
 }
 
 impl Volume {
@@ -51,6 +73,40 @@ impl Volume {
             policy,
             store,
             stats: IoStats::default(),
+            revoked: AtomicBool::new(false),
+            in_flight: AtomicU64::new(0),
+            drained: Notify::new(),
+        }
+    }
+
+    /// Admits one IO, unless the volume is revoked. The count goes up before the flag is read
+    /// and [`Volume::revoke`] sets the flag before it reads the count (both sequentially
+    /// consistent), so an IO either sees the revocation or is waited for by it.
+    fn enter(&self) -> Result<InFlight<'_>> {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        let guard = InFlight(self);
+        if self.revoked.load(Ordering::SeqCst) {
+            return Err(Error::Revoked);
+        }
+        Ok(guard)
+    }
+
+    /// Stops the volume taking IO, and waits up to `limit` for the IOs already issued to its
+    /// datastore to finish. Only when this returns true may the volume's storage be freed: an
+    /// IO still in flight could otherwise land in whatever is allocated there next.
+    pub async fn revoke(&self, limit: Duration) -> bool {
+        self.revoked.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.in_flight.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, drained).await.is_err() {
+                return self.in_flight.load(Ordering::SeqCst) == 0;
+            }
         }
     }
 
@@ -94,6 +150,7 @@ impl Volume {
         bytes: u64,
         io: impl std::future::Future<Output = io::Result<T>>,
     ) -> Result<T> {
+        let _in = self.enter()?;
         let t = self.stats.start();
         let r = io.await;
         self.stats.finish(t, op, bytes, r.is_ok());
@@ -168,5 +225,82 @@ impl Volume {
                 .await
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use async_trait::async_trait;
+    use datastore::device::Device;
+    use datastore::Gate;
+
+    /// A device whose writes wait until the test lets them go.
+    struct Held {
+        release: Arc<Notify>,
+        writes: AtomicU64,
+    }
+
+    #[async_trait]
+    impl Device for Held {
+        fn size(&self) -> u64 {
+            1 << 20
+        }
+        fn describe(&self) -> String {
+            "held".into()
+        }
+        async fn read_at(&self, _: u64, len: usize) -> io::Result<Bytes> {
+            Ok(Bytes::from(vec![0; len]))
+        }
+        async fn write_at(&self, _: u64, _: Bytes, _: bool) -> io::Result<()> {
+            self.release.notified().await;
+            self.writes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        async fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+        async fn trim(&self, _: u64, _: u64) -> io::Result<()> {
+            Ok(())
+        }
+        async fn write_zeroes(&self, _: u64, _: u64, _: bool) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn revoke_waits_for_in_flight_io_and_refuses_new_io() {
+        let dev = Arc::new(Held {
+            release: Arc::new(Notify::new()),
+            writes: AtomicU64::new(0),
+        });
+        let extent = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let v = Arc::new(Volume::new(
+            Uuid::nil(),
+            "v".into(),
+            Policy::Uncached,
+            extent,
+        ));
+        let w = {
+            let v = v.clone();
+            tokio::spawn(async move { v.write(0, Bytes::from(vec![1; 512]), false).await })
+        };
+        while v.in_flight.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // The write is held at the device: a revocation must not report the volume drained.
+        assert!(!v.revoke(Duration::from_millis(50)).await);
+        assert!(matches!(v.read(0, 512).await, Err(Error::Revoked)));
+        dev.release.notify_waiters();
+        assert!(v.revoke(Duration::from_secs(5)).await);
+        w.await.unwrap().unwrap();
+        assert_eq!(dev.writes.load(Ordering::SeqCst), 1);
+        assert!(matches!(
+            v.write(0, Bytes::from(vec![1; 512]), false).await,
+            Err(Error::Revoked)
+        ));
+        assert_eq!(dev.writes.load(Ordering::SeqCst), 1);
     }
 }

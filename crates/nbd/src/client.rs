@@ -8,6 +8,14 @@
 //! without it, a FLUSH on one connection need not cover writes completed on another, so a
 //! single connection is the only correct choice. A connection that fails is reconnected lazily
 //! by the next request; requests that were in flight on it fail with an error (never a guess).
+//!
+//! A server that stops answering is treated like one that closed: a request with no reply
+//! within [`REQUEST_TIMEOUT`] fails its connection and everything in flight on it.
+//!
+//! Durability across reconnects: a write acknowledged without FUA sits in the server's cache
+//! until a FLUSH, and a FLUSH on a new connection does not cover writes acknowledged on one
+//! that died. So when a connection dies holding such writes, the next [`Client::flush`] fails
+//! with EIO (as `fsync` reports lost writeback), instead of claiming they are durable.
 
 use std::collections::HashMap;
 use std::io;
@@ -19,6 +27,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::AbortHandle;
+
+/// A request with no reply after this long fails its connection.
+pub const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// Connecting (TCP or unix) must succeed within this long.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 use crate::proto::{self, Errno, InfoRequest, Request};
 use crate::uri::{Address, NbdUri};
@@ -60,6 +73,17 @@ pub struct Client {
     export: RemoteExport,
     conns: Vec<Mutex<Option<Arc<Live>>>>,
     next: AtomicUsize,
+    dur: Arc<Durability>,
+}
+
+/// Which acknowledged writes a FLUSH has covered. Writes are numbered as they are
+/// acknowledged; `flushed_upto` is the highest number known covered by a successful FLUSH.
+#[derive(Default)]
+struct Durability {
+    write_seq: AtomicU64,
+    flushed_upto: AtomicU64,
+    /// A connection died holding acknowledged, unflushed writes.
+    lost: AtomicBool,
 }
 
 struct Pending {
@@ -79,6 +103,9 @@ struct Live {
     dead: AtomicBool,
     next_cookie: AtomicU64,
     tasks: StdMutex<Vec<AbortHandle>>,
+    dur: Arc<Durability>,
+    /// Number of the newest write acknowledged on this connection without FUA.
+    max_acked: AtomicU64,
 }
 
 impl Live {
@@ -89,6 +116,9 @@ impl Live {
             self.dead.store(true, Ordering::SeqCst);
             p.drain().map(|(_, v)| v).collect()
         };
+        if self.max_acked.load(Ordering::SeqCst) > self.dur.flushed_upto.load(Ordering::SeqCst) {
+            self.dur.lost.store(true, Ordering::SeqCst);
+        }
         for p in drained {
             let _ = p.tx.send(Err(ClientError::Disconnected(why.to_owned())));
         }
@@ -109,7 +139,8 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Duplex for T {}
 impl Client {
     /// Connects and negotiates the first connection; the rest of the pool connects on demand.
     pub async fn connect(uri: &NbdUri, pool: usize) -> Result<Client, ClientError> {
-        let (export, live) = open_live(uri).await?;
+        let dur = Arc::new(Durability::default());
+        let (export, live) = open_live(uri, &dur).await?;
         let pool = if export.can_multi_conn() {
             pool.max(1)
         } else {
@@ -125,6 +156,7 @@ impl Client {
             export,
             conns,
             next: AtomicUsize::new(0),
+            dur,
         })
     }
 
@@ -148,7 +180,7 @@ impl Client {
                 return Ok(l.clone());
             }
         }
-        let (export, live) = open_live(&self.uri).await?;
+        let (export, live) = open_live(&self.uri, &self.dur).await?;
         if export.size != self.export.size {
             live.fail("export changed size");
             return Err(ClientError::Protocol {
@@ -172,6 +204,27 @@ impl Client {
         payload: Option<Bytes>,
     ) -> Result<Bytes, ClientError> {
         let live = self.live().await?;
+        let r = self.call_on(&live, kind, flags, offset, len, payload).await;
+        let modifies = matches!(
+            kind,
+            proto::CMD_WRITE | proto::CMD_TRIM | proto::CMD_WRITE_ZEROES
+        );
+        if r.is_ok() && modifies && flags & proto::CMD_FLAG_FUA == 0 {
+            let n = self.dur.write_seq.fetch_add(1, Ordering::SeqCst) + 1;
+            live.max_acked.fetch_max(n, Ordering::SeqCst);
+        }
+        r
+    }
+
+    async fn call_on(
+        &self,
+        live: &Arc<Live>,
+        kind: u16,
+        flags: u16,
+        offset: u64,
+        len: u32,
+        payload: Option<Bytes>,
+    ) -> Result<Bytes, ClientError> {
         let cookie = live.next_cookie.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         {
@@ -196,8 +249,18 @@ impl Client {
         if live.tx.send(Outgoing { header, payload }).is_err() {
             live.fail("writer stopped");
         }
-        rx.await
-            .unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into())))
+        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+            Ok(r) => r.unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into()))),
+            Err(_) => {
+                let why = format!(
+                    "no reply to {} within {}s",
+                    proto::command_name(kind),
+                    REQUEST_TIMEOUT.as_secs()
+                );
+                live.fail(&why);
+                Err(ClientError::Disconnected(why))
+            }
+        }
     }
 
     fn max_chunk(&self) -> u32 {
@@ -252,11 +315,18 @@ impl Client {
         Ok(())
     }
 
+    /// Makes every acknowledged write durable, or fails with EIO if some acknowledged write
+    /// may have been lost with a connection (reported once, like a failed `fsync`).
     pub async fn flush(&self) -> Result<(), ClientError> {
-        if self.export.flags & proto::FLAG_SEND_FLUSH == 0 {
-            return Ok(()); // the server has no volatile cache to flush
+        let covered = self.dur.write_seq.load(Ordering::SeqCst);
+        if self.export.flags & proto::FLAG_SEND_FLUSH != 0 {
+            self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
         }
-        self.call(proto::CMD_FLUSH, 0, 0, 0, None).await.map(|_| ())
+        self.dur.flushed_upto.fetch_max(covered, Ordering::SeqCst);
+        if self.dur.lost.swap(false, Ordering::SeqCst) {
+            return Err(ClientError::Server(Errno::EIO));
+        }
+        Ok(())
     }
 
     pub async fn trim(&self, offset: u64, len: u32) -> Result<(), ClientError> {
@@ -318,6 +388,17 @@ impl Client {
 }
 
 async fn dial(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
+    tokio::time::timeout(CONNECT_TIMEOUT, dial_now(uri))
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connect timed out after {}s", CONNECT_TIMEOUT.as_secs()),
+            ))
+        })
+}
+
+async fn dial_now(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
     Ok(match &uri.address {
         Address::Tcp { host, port } => {
             let s = TcpStream::connect((host.as_str(), *port)).await?;
@@ -328,7 +409,10 @@ async fn dial(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
     })
 }
 
-async fn open_live(uri: &NbdUri) -> Result<(RemoteExport, Arc<Live>), ClientError> {
+async fn open_live(
+    uri: &NbdUri,
+    dur: &Arc<Durability>,
+) -> Result<(RemoteExport, Arc<Live>), ClientError> {
     let s = dial(uri).await.map_err(|source| ClientError::Connect {
         uri: uri.to_string(),
         source,
@@ -353,13 +437,16 @@ async fn open_live(uri: &NbdUri) -> Result<(RemoteExport, Arc<Live>), ClientErro
         dead: AtomicBool::new(false),
         next_cookie: AtomicU64::new(1),
         tasks: StdMutex::new(Vec::new()),
+        dur: dur.clone(),
+        max_acked: AtomicU64::new(0),
     });
-    let w = tokio::spawn(writer(wr, rx, live.clone()));
-    let r = tokio::spawn(reader(rd, live.clone()));
-    live.tasks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .extend([w.abort_handle(), r.abort_handle()]);
+    {
+        // Registered before either task can call `fail`, which takes this lock to abort them.
+        let mut tasks = live.tasks.lock().unwrap_or_else(|e| e.into_inner());
+        let w = tokio::spawn(writer(wr, rx, live.clone()));
+        let r = tokio::spawn(reader(rd, live.clone()));
+        tasks.extend([w.abort_handle(), r.abort_handle()]);
+    }
     Ok((export, live))
 }
 

@@ -55,6 +55,14 @@ pub const IN_FLIGHT_REQUESTS_MAX: usize = 256;
 /// Payload bytes one connection may have in flight, in both directions together. Twice the
 /// largest request, so one maximal request never blocks behind another.
 pub const IN_FLIGHT_BYTES_MAX: usize = 2 * proto::BLOCK_SIZE_MAX as usize;
+/// Payload bytes all connections together may have in flight: without it, a thousand
+/// connections each within their own budget could still hold tens of GiB.
+pub const IN_FLIGHT_BYTES_TOTAL_MAX: usize = 512 << 20;
+/// A reply the client does not read within this long ends the connection, so a client that
+/// stops reading cannot hold its budget (and a connection thread) forever.
+pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Rejected requests logged in full per connection; later ones are only counted.
+const REJECTIONS_LOGGED: u64 = 8;
 /// Unit in which the byte budget is counted (semaphore permits are `u32`).
 const BUDGET_UNIT: usize = 4096;
 /// A client that has not finished negotiating by then is disconnected (slow-loris guard).
@@ -208,6 +216,13 @@ impl StdConn {
         })
     }
 
+    fn set_write_timeout(&self, t: Duration) -> io::Result<()> {
+        match self {
+            StdConn::Tcp(s) => s.set_write_timeout(Some(t)),
+            StdConn::Unix(s) => s.set_write_timeout(Some(t)),
+        }
+    }
+
     fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
         match self {
             StdConn::Tcp(s) => s.shutdown(how),
@@ -244,6 +259,8 @@ pub struct ConnTracker {
     /// Never sent on: the channel closes when the last clone is dropped, which is the signal.
     _alive: mpsc::Sender<()>,
     slots: Arc<Semaphore>,
+    /// The server-wide payload budget ([`IN_FLIGHT_BYTES_TOTAL_MAX`]).
+    bytes: Arc<Semaphore>,
 }
 
 pub struct ConnWaiter {
@@ -257,6 +274,7 @@ impl ConnTracker {
             ConnTracker {
                 _alive: tx,
                 slots: Arc::new(Semaphore::new(CONNECTIONS_MAX)),
+                bytes: Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT)),
             },
             ConnWaiter { rx },
         )
@@ -358,7 +376,7 @@ fn spawn_conn<X: ExportSet, S: Stream>(
     let stop = stop.clone();
     let tracker = tracker.clone();
     tokio::spawn(async move {
-        serve_connection(s, peer, exports, stop).await;
+        serve_connection(s, peer, exports, stop, tracker.bytes.clone()).await;
         drop(slot);
         drop(tracker);
     });
@@ -367,13 +385,16 @@ fn spawn_conn<X: ExportSet, S: Stream>(
 /// Serves one connection from negotiation to close.
 ///
 /// Negotiation runs here, on the reactor. The transmission phase runs on a thread of its own
-/// ([`transmission`]); this task only waits for it, and cuts off its reading (shutting down
-/// the socket's read side) when the server or the export stops.
+/// ([`transmission`]); this task only waits for it. When the server stops it cuts off the
+/// connection's reading, so in-flight requests still complete and reply; when the export is
+/// removed it shuts the socket down both ways, so not even a reply blocked on a client that
+/// stopped reading keeps the connection alive.
 pub async fn serve_connection<X: ExportSet, S: Stream>(
     mut s: S,
     peer: Peer,
     exports: Arc<X>,
     stop: Stop,
+    total_bytes: Arc<Semaphore>,
 ) {
     let negotiated = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
@@ -422,7 +443,7 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
     let spawned = std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
-            transmission(conn, p, n, info, export, exports, handle);
+            transmission(conn, p, n, info, export, exports, total_bytes, handle);
             let _ = done_tx.send(());
         });
     if let Err(e) = spawned {
@@ -430,17 +451,18 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
         return;
     }
     let mut stop = stop;
-    tokio::select! {
+    let how = tokio::select! {
         _ = &mut done_rx => return,
         _ = stop.wait() => {
             info!("nbd {peer}: closing connection to {name:?}: server stopping");
+            std::net::Shutdown::Read
         }
         _ = gone.wait() => {
             info!("nbd {peer}: closing connection to {name:?}: export removed");
+            std::net::Shutdown::Both
         }
-    }
-    // Reading ends at the next request boundary; in-flight requests still complete.
-    let _ = closer.shutdown(std::net::Shutdown::Read);
+    };
+    let _ = closer.shutdown(how);
     let _ = done_rx.await;
 }
 
@@ -492,6 +514,12 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
         let reply = |out: &mut BytesMut, kind: u32, payload: &[u8]| {
             proto::encode_option_reply(out, option, kind, payload)
         };
+        if stop.is_stopped() && option == proto::OPT_EXPORT_NAME {
+            // EXPORT_NAME has no error reply; closing is the only answer the spec allows.
+            return Err(invalid(
+                "NBD_OPT_EXPORT_NAME while the server is shutting down",
+            ));
+        }
         if stop.is_stopped() && option != proto::OPT_ABORT {
             reply(
                 &mut out,
@@ -633,6 +661,7 @@ struct Reply {
 struct Budget {
     _slot: OwnedSemaphorePermit,
     _bytes: OwnedSemaphorePermit,
+    _total: OwnedSemaphorePermit,
 }
 
 fn reply_header(errno: Errno, cookie: u64) -> [u8; proto::SIMPLE_REPLY_LEN] {
@@ -782,6 +811,7 @@ async fn execute<E: Export>(
 /// write) is answered directly, with no thread hop at all; one that is still pending (network
 /// IO, a wait) is handed to the runtime and answered by the reply thread when it completes, so
 /// it never holds up the requests behind it.
+#[allow(clippy::too_many_arguments)]
 fn transmission<X: ExportSet>(
     conn: StdConn,
     peer: Peer,
@@ -789,11 +819,15 @@ fn transmission<X: ExportSet>(
     info: ExportInfo,
     export: X::Export,
     exports: Arc<X>,
+    total_bytes: Arc<Semaphore>,
     handle: tokio::runtime::Handle,
 ) {
     let _rt = handle.enter();
     let export = Arc::new(export);
-    let (rd, wr) = match conn.try_clone() {
+    let (rd, wr) = match conn
+        .set_write_timeout(REPLY_WRITE_TIMEOUT)
+        .and_then(|_| conn.try_clone())
+    {
         Ok(w) => (conn, w),
         Err(e) => {
             warn!("nbd {peer}: cannot duplicate the socket: {e}");
@@ -834,6 +868,7 @@ fn transmission<X: ExportSet>(
     let mut rd = std::io::BufReader::with_capacity(128 * 1024, rd);
     let waker = std::task::Waker::noop();
     let mut unflushed = false;
+    let mut rejected: u64 = 0;
 
     let end = loop {
         // Replies written inline are flushed before this thread could block on the socket,
@@ -881,6 +916,11 @@ fn transmission<X: ExportSet>(
                 .try_acquire_many_owned(units)
                 .or_else(|_| handle.block_on(bytes.clone().acquire_many_owned(units)))
                 .expect("never closed"),
+            _total: total_bytes
+                .clone()
+                .try_acquire_many_owned(units)
+                .or_else(|_| handle.block_on(total_bytes.clone().acquire_many_owned(units)))
+                .expect("never closed"),
         };
         let data = if req.kind == proto::CMD_WRITE {
             let mut buf = vec![0u8; req.len as usize];
@@ -892,12 +932,20 @@ fn transmission<X: ExportSet>(
             None
         };
         if let Err(e) = validate(&req, &info) {
-            warn!(
-                "nbd {peer} export {name:?}: {} rejected with {}: {}",
-                proto::command_name(req.kind),
-                e.errno,
-                e.msg
-            );
+            rejected += 1;
+            if rejected <= REJECTIONS_LOGGED {
+                warn!(
+                    "nbd {peer} export {name:?}: {} rejected with {}: {}{}",
+                    proto::command_name(req.kind),
+                    e.errno,
+                    e.msg,
+                    if rejected == REJECTIONS_LOGGED {
+                        "; further rejections on this connection are counted, not logged"
+                    } else {
+                        ""
+                    }
+                );
+            }
             lock(&out).put(&Reply::error(e.errno, req.cookie, Some(budget)), &peer);
             unflushed = true;
             continue;
@@ -945,6 +993,9 @@ fn transmission<X: ExportSet>(
             warn!("nbd {peer} export {name:?}: client disconnected in the middle of a request")
         }
         End::Io(e) => warn!("nbd {peer} export {name:?}: closing connection: {e}"),
+    }
+    if rejected > REJECTIONS_LOGGED {
+        warn!("nbd {peer} export {name:?}: {rejected} requests were rejected on this connection");
     }
     // Stop taking requests; the reply thread ends once every in-flight request has replied.
     lock(&out).flush(&peer);

@@ -35,6 +35,17 @@ impl IntoResponse for OpError {
 
 type D = State<Arc<Daemon>>;
 
+/// Runs an admin operation to completion even if the HTTP client goes away: hyper drops a
+/// handler's future when its connection closes, and an operation cut off halfway (storage
+/// created, record not yet written) would leave the two disagreeing.
+async fn detached<T: Send + 'static>(
+    op: impl std::future::Future<Output = Result<T, OpError>> + Send + 'static,
+) -> Result<T, OpError> {
+    tokio::spawn(op)
+        .await
+        .unwrap_or_else(|e| Err(OpError::Internal(format!("admin operation failed: {e}"))))
+}
+
 pub fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/v1/status", get(status))
@@ -67,7 +78,8 @@ async fn add_datastore(
     b: Result<Json<api::AddDatastore>, axum::extract::rejection::JsonRejection>,
 ) -> Result<(StatusCode, Json<api::DatastoreInfo>), OpError> {
     let req = body(b)?;
-    Ok((StatusCode::CREATED, Json(d.add_datastore(req).await?)))
+    let info = detached(async move { d.add_datastore(req).await }).await?;
+    Ok((StatusCode::CREATED, Json(info)))
 }
 
 async fn list_volumes(State(d): D) -> Json<Vec<api::VolumeInfo>> {
@@ -79,7 +91,8 @@ async fn create_volume(
     b: Result<Json<api::CreateVolume>, axum::extract::rejection::JsonRejection>,
 ) -> Result<(StatusCode, Json<api::VolumeInfo>), OpError> {
     let req = body(b)?;
-    Ok((StatusCode::CREATED, Json(d.create_volume(req).await?)))
+    let info = detached(async move { d.create_volume(req).await }).await?;
+    Ok((StatusCode::CREATED, Json(info)))
 }
 
 async fn show_volume(
@@ -101,7 +114,9 @@ async fn delete_volume(
     Path(name): Path<String>,
     Query(q): Query<DeleteQuery>,
 ) -> Result<Json<api::VolumeInfo>, OpError> {
-    Ok(Json(d.delete_volume(&name, q.force).await?))
+    Ok(Json(
+        detached(async move { d.delete_volume(&name, q.force).await }).await?,
+    ))
 }
 
 #[derive(Deserialize)]

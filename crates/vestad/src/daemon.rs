@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::Notify;
 use tracing::{info, warn};
 use uuid::Uuid;
 
@@ -86,7 +85,6 @@ pub struct VolumeEntry {
     /// The open volume, or why it could not be opened.
     pub volume: Result<Arc<Volume>, String>,
     attached: AtomicU32,
-    detached: Notify,
     /// Fired when the volume is deleted with force: its connections end.
     pub stop: StopHandle,
 }
@@ -97,29 +95,12 @@ impl VolumeEntry {
             record,
             volume,
             attached: AtomicU32::new(0),
-            detached: Notify::new(),
             stop: StopHandle::new(),
         }
     }
 
     pub fn connections(&self) -> u32 {
         self.attached.load(Ordering::SeqCst)
-    }
-
-    /// Waits until no connection is attached, or `limit` passes. True if none is left.
-    async fn wait_detached(&self, limit: Duration) -> bool {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let notified = self.detached.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.connections() == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return self.connections() == 0;
-            }
-        }
     }
 }
 
@@ -131,9 +112,7 @@ pub struct Attachment {
 
 impl Drop for Attachment {
     fn drop(&mut self) {
-        if self.entry.attached.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.entry.detached.notify_waiters();
-        }
+        self.entry.attached.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -162,7 +141,7 @@ fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-/// How long a forced delete waits for the volume's connections to finish in-flight IO.
+/// How long a delete waits for the volume's in-flight datastore IO to finish.
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
 
 impl Daemon {
@@ -622,52 +601,84 @@ impl Daemon {
         Ok(self.volume_info(&entry))
     }
 
+    /// Deletes a volume: refused while connections are attached unless `force`, which cuts
+    /// them off. The volume is revoked and its in-flight datastore IO drained before its
+    /// storage is freed, so no late write can land in a volume created there afterwards.
     pub async fn delete_volume(&self, name: &str, force: bool) -> OpResult<api::VolumeInfo> {
         let _admin = self.admin.lock().await;
-        let entry = {
+        let entry = self.entry(name)?;
+        let n = entry.connections();
+        if n > 0 && !force {
+            return Err(OpError::Conflict(format!(
+                "volume {name:?} has {n} client connection(s) attached; disconnect them first, \
+                 or pass --force to cut them off and delete it"
+            )));
+        }
+        let ds = &entry.record.datastore;
+        let store = match self.store(ds) {
+            Ok(s) => Some(s),
+            Err(OpError::Unavailable(why)) if !force => {
+                return Err(OpError::Unavailable(format!(
+                    "{why}; the volume's storage cannot be deleted now. Retry when the \
+                     datastore is back, or pass --force to forget the volume and leave its \
+                     storage on the datastore"
+                )))
+            }
+            Err(OpError::Unavailable(_)) => None,
+            Err(e) => return Err(e),
+        };
+        {
             let mut v = self.volumes.write().expect("lock");
-            let Some(entry) = v.get(name).cloned() else {
-                return Err(OpError::NotFound(format!(
-                    "no volume named {name:?}; known volumes: {}",
-                    known(v.keys())
-                )));
-            };
-            let n = entry.connections();
-            if n > 0 && !force {
+            if v.get(name).is_some_and(|e| e.connections() > 0) && !force {
                 return Err(OpError::Conflict(format!(
-                    "volume {name:?} has {n} client connection(s) attached; disconnect them \
-                     first, or pass --force to cut them off and delete it"
+                    "volume {name:?} was attached meanwhile; retry, or pass --force"
                 )));
             }
-            v.remove(name);
-            entry
-        };
+            v.remove(name); // no new connection can attach from here on
+        }
         let info = self.volume_info(&entry);
-        if entry.connections() > 0 {
-            info!(
-                "volume {name:?}: detaching {} connection(s) for a forced delete",
-                entry.connections()
-            );
-            entry.stop.stop();
-            if !entry.wait_detached(FORCE_DETACH_WAIT).await {
-                warn!("volume {name:?}: connections still attached after {FORCE_DETACH_WAIT:?}; deleting anyway");
+        entry.stop.stop();
+        if let Ok(volume) = &entry.volume {
+            if !volume.revoke(FORCE_DETACH_WAIT).await {
+                self.reinstate(
+                    &entry,
+                    Err("a delete is pending: IO was still in flight to the datastore".into()),
+                );
+                return Err(OpError::Unavailable(format!(
+                    "volume {name:?} still has IO in flight to datastore {ds:?} after \
+                     {FORCE_DETACH_WAIT:?}; its storage was kept. Retry the delete"
+                )));
             }
         }
         // Storage first, record second: a crash in between leaves a record whose storage is
         // gone (reported, and deletable), never storage nobody knows about.
-        if let Ok(store) = self.store(&entry.record.datastore) {
-            if let Err(e) = store.delete_volume(&entry.record.spec()).await {
-                // Put it back: nothing was deleted.
-                self.volumes
-                    .write()
-                    .expect("lock")
-                    .insert(name.to_owned(), entry.clone());
-                return Err(e.into());
+        match &store {
+            Some(store) => {
+                if let Err(e) = store.delete_volume(&entry.record.spec()).await {
+                    // Nothing was deleted: serve the volume again, through a fresh object,
+                    // since the old one is revoked.
+                    let reopened = self.open_volume(&entry.record).await;
+                    self.reinstate(&entry, reopened);
+                    return Err(e.into());
+                }
             }
+            None => warn!(
+                "volume {name:?}: datastore {ds:?} is unavailable; forgetting the volume and \
+                 leaving its storage there (--force)"
+            ),
         }
         self.coord.delete_volume(name).await?;
         info!("deleted volume {name:?}");
         Ok(info)
+    }
+
+    /// Puts a volume whose deletion failed back into service, as a fresh entry (its old stop
+    /// signal has fired).
+    fn reinstate(&self, old: &VolumeEntry, volume: Result<Arc<Volume>, String>) {
+        self.volumes.write().expect("lock").insert(
+            old.record.name.clone(),
+            Arc::new(VolumeEntry::new(old.record.clone(), volume)),
+        );
     }
 
     /// Tries again to open datastores that were unavailable, and the volumes on them. Volumes

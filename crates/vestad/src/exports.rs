@@ -59,6 +59,8 @@ impl ExportSet for Exports {
 fn to_cmd(name: &str, what: &str, e: engine::Error) -> CmdError {
     let errno = match &e {
         engine::Error::Invalid(_) => Errno::EINVAL,
+        // ESHUTDOWN tells the client to disconnect.
+        engine::Error::Revoked => Errno::ESHUTDOWN,
         engine::Error::Datastore(io) => errno_of(io),
     };
     warn!("volume {name:?}: {what} failed: {e}");

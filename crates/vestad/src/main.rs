@@ -83,7 +83,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match rt.block_on(run(args)) {
+    let r = rt.block_on(run(args));
+    // Blocking IO stuck in the kernel (a hung NFS mount) must not keep the process alive.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             error!("vestad: {e:#}");
@@ -218,6 +221,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     tokio::spawn(stats::run(daemon.clone(), stop.subscribe()));
     tokio::spawn(retry_unavailable(daemon.clone(), stop.subscribe()));
 
+    // Handlers go in before the ready file: a SIGTERM sent as soon as it appears must drain.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     write_ready(&data_dir, &daemon)?;
     let st = daemon.status();
     info!(
@@ -230,8 +236,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         st.datastores
     );
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let which = tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
