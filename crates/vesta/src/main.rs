@@ -401,7 +401,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 return print_json(&r);
             }
-            println!("interval {:.1}s", r.interval_s);
+            if r.interval_s > 0.0 {
+                println!("rates and percentiles over the last {:.1}s", r.interval_s);
+            } else {
+                println!("the first statistics interval is not complete yet; rates show 0");
+            }
             table(
                 &[
                     "VOLUME",
