@@ -1,0 +1,281 @@
+//! The host's cache device (the paper's "flash"): a file or block device, behind a trait so
+//! tests can put a device there that fails, tears writes, or loses power.
+//!
+//! The API is synchronous: callers run it where blocking is allowed (a connection thread, or
+//! tokio's blocking pool). `sync` is `fdatasync`: after it returns, every write that returned
+//! before it began is on stable media.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+pub trait CacheDevice: Send + Sync + 'static {
+    fn size(&self) -> u64;
+    fn describe(&self) -> String;
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Makes every write that completed before this call durable.
+    fn sync(&self) -> io::Result<()>;
+}
+
+/// A cache file (created sparse at the configured size) or a block device.
+pub struct FileCache {
+    file: File,
+    size: u64,
+    path: PathBuf,
+}
+
+impl FileCache {
+    /// Opens `path`, creating a sparse file of `size` bytes if it does not exist. An existing
+    /// regular file smaller than `size` is grown; a block device is used at its own size.
+    pub fn open(path: &Path, size: u64) -> io::Result<FileCache> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?;
+        let md = file.metadata()?;
+        let size = if md.file_type().is_block_device() {
+            use std::io::Seek;
+            (&file).seek(io::SeekFrom::End(0))?
+        } else {
+            if md.len() < size {
+                file.set_len(size)?;
+            }
+            md.len().max(size)
+        };
+        Ok(FileCache {
+            file,
+            size,
+            path: path.to_owned(),
+        })
+    }
+}
+
+impl CacheDevice for FileCache {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(data, offset)
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+}
+
+/// A simulated device in memory that models a volatile write cache, for tests:
+///
+/// - writes land in a volatile layer; [`CacheDevice::sync`] makes them durable;
+/// - [`SimDevice::power_loss`] throws away what was not synced, keeping, tearing or dropping
+///   each unsynced write as a caller-supplied choice dictates (sector granularity);
+/// - [`SimDevice::fail`] makes every later IO fail with EIO, as a dead flash device would.
+pub struct SimDevice {
+    size: u64,
+    state: Mutex<SimState>,
+    failed: AtomicBool,
+    writes: AtomicU64,
+}
+
+struct SimState {
+    durable: Vec<u8>,
+    /// Writes since the last sync, oldest first.
+    pending: Vec<(u64, Vec<u8>)>,
+}
+
+/// What a power loss does to one unsynced write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    Lost,
+    Kept,
+    /// Only the first n sectors reached the media.
+    Torn(usize),
+}
+
+impl SimDevice {
+    pub fn new(size: u64) -> SimDevice {
+        SimDevice {
+            size,
+            state: Mutex::new(SimState {
+                durable: vec![0; size as usize],
+                pending: Vec::new(),
+            }),
+            failed: AtomicBool::new(false),
+            writes: AtomicU64::new(0),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, SimState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// From now on every IO fails with EIO.
+    pub fn fail(&self) {
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
+    /// Unsynced writes since the last sync.
+    pub fn unsynced(&self) -> usize {
+        self.state().pending.len()
+    }
+
+    /// Writes ever issued.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::SeqCst)
+    }
+
+    /// Power loss: each unsynced write, oldest first, meets the fate `choose` gives it (called
+    /// with the write's index and its length in sectors). Afterwards the device holds only
+    /// durable data and works again.
+    pub fn power_loss(&self, mut choose: impl FnMut(usize, usize) -> Fate) {
+        let mut st = self.state();
+        let pending = std::mem::take(&mut st.pending);
+        for (i, (off, data)) in pending.into_iter().enumerate() {
+            let sectors = data.len().div_ceil(512);
+            let keep = match choose(i, sectors) {
+                Fate::Lost => 0,
+                Fate::Kept => data.len(),
+                Fate::Torn(n) => (n * 512).min(data.len()),
+            };
+            let o = off as usize;
+            st.durable[o..o + keep].copy_from_slice(&data[..keep]);
+        }
+        self.failed.store(false, Ordering::SeqCst);
+    }
+
+    /// Flips one bit of what is on the device (volatile view), as media corruption would.
+    pub fn corrupt(&self, offset: u64) {
+        let mut st = self.state();
+        st.pending
+            .retain(|(o, d)| !(*o <= offset && offset < o + d.len() as u64));
+        st.durable[offset as usize] ^= 0x40;
+    }
+
+    fn check(&self, offset: u64, len: usize) -> io::Result<()> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        if offset + len as u64 > self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "IO past the end of the simulated device",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl CacheDevice for SimDevice {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn describe(&self) -> String {
+        "simulated device".into()
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.check(offset, buf.len())?;
+        let st = self.state();
+        let o = offset as usize;
+        buf.copy_from_slice(&st.durable[o..o + buf.len()]);
+        // Later writes shadow earlier ones.
+        for (wo, d) in &st.pending {
+            let (a, b) = (*wo, *wo + d.len() as u64);
+            let (x, y) = (offset.max(a), (offset + buf.len() as u64).min(b));
+            if x < y {
+                buf[(x - offset) as usize..(y - offset) as usize]
+                    .copy_from_slice(&d[(x - a) as usize..(y - a) as usize]);
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.check(offset, data.len())?;
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.state().pending.push((offset, data.to_vec()));
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.check(0, 0)?;
+        let mut st = self.state();
+        let pending = std::mem::take(&mut st.pending);
+        for (off, d) in pending {
+            let o = off as usize;
+            st.durable[o..o + d.len()].copy_from_slice(&d);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsynced_writes_meet_their_fate_at_power_loss() {
+        let d = SimDevice::new(8192);
+        d.write_at(0, &[1; 1024]).unwrap();
+        d.sync().unwrap();
+        d.write_at(0, &[2; 1024]).unwrap(); // torn after one sector
+        d.write_at(2048, &[3; 512]).unwrap(); // lost
+        d.write_at(4096, &[4; 512]).unwrap(); // kept
+        let mut b = [0u8; 1024];
+        d.read_at(0, &mut b).unwrap();
+        assert_eq!(
+            b, [2; 1024],
+            "reads see unsynced writes before the power loss"
+        );
+        let fates = [Fate::Torn(1), Fate::Lost, Fate::Kept];
+        d.power_loss(|i, _| fates[i]);
+        d.read_at(0, &mut b).unwrap();
+        assert_eq!(&b[..512], &[2; 512]);
+        assert_eq!(&b[512..], &[1; 512]);
+        let mut s = [0u8; 512];
+        d.read_at(2048, &mut s).unwrap();
+        assert_eq!(s, [0; 512]);
+        d.read_at(4096, &mut s).unwrap();
+        assert_eq!(s, [4; 512]);
+    }
+
+    #[test]
+    fn a_failed_device_fails_every_io() {
+        let d = SimDevice::new(4096);
+        d.fail();
+        assert!(d.write_at(0, &[1; 512]).is_err());
+        assert!(d.read_at(0, &mut [0; 512]).is_err());
+        assert!(d.sync().is_err());
+    }
+
+    #[test]
+    fn file_cache_is_created_sparse_and_round_trips() {
+        let p = std::env::temp_dir().join(format!("vesta-cache-{}", uuid::Uuid::new_v4()));
+        let c = FileCache::open(&p, 4 << 20).unwrap();
+        assert_eq!(c.size(), 4 << 20);
+        c.write_at(1 << 20, &[9; 4096]).unwrap();
+        c.sync().unwrap();
+        let mut b = [0u8; 4096];
+        c.read_at(1 << 20, &mut b).unwrap();
+        assert_eq!(b, [9; 4096]);
+        drop(c);
+        let c = FileCache::open(&p, 1 << 20).unwrap();
+        assert_eq!(c.size(), 4 << 20, "an existing larger file keeps its size");
+        std::fs::remove_file(&p).unwrap();
+    }
+}
