@@ -157,12 +157,19 @@ impl SimDevice {
         self.failed.store(false, Ordering::SeqCst);
     }
 
-    /// Flips one bit of what is on the device (volatile view), as media corruption would.
+    /// Flips one bit at `offset` in what reads return (and what a sync would persist), as
+    /// media corruption would.
     pub fn corrupt(&self, offset: u64) {
         let mut st = self.state();
-        st.pending
-            .retain(|(o, d)| !(*o <= offset && offset < o + d.len() as u64));
-        st.durable[offset as usize] ^= 0x40;
+        let newest = st
+            .pending
+            .iter_mut()
+            .rev()
+            .find(|(o, d)| *o <= offset && offset < o + d.len() as u64);
+        match newest {
+            Some((o, d)) => d[(offset - *o) as usize] ^= 0x40,
+            None => st.durable[offset as usize] ^= 0x40,
+        }
     }
 
     fn check(&self, offset: u64, len: usize) -> io::Result<()> {

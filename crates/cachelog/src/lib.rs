@@ -4,7 +4,12 @@
 //! - [`device`]: the [`device::CacheDevice`] trait, the file implementation, and a simulated
 //!   device that fails, tears writes and loses power, for tests.
 //! - [`index`]: the extent map behind the in-memory index (pure).
+//! - [`log`]: append, verified read, group commit, segment reclaim, recovery scan.
 
 pub mod device;
 pub mod format;
 pub mod index;
+pub mod log;
+
+pub use device::{CacheDevice, FileCache, SimDevice};
+pub use log::{Entry, Loc, Log, LogError, OwnerMeta, Scanned};
