@@ -17,6 +17,9 @@ use bytes::Bytes;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+pub mod flow;
+pub mod window;
+
 use cluster::Policy;
 use datastore::stats::{IoStats, Op};
 use datastore::Extent;
