@@ -12,7 +12,7 @@ pub mod record;
 
 use async_trait::async_trait;
 
-pub use record::{Policy, State, VolumeRecord};
+pub use record::{Policy, State, Tuning, VolumeRecord};
 
 use datastore::DatastoreSpec;
 

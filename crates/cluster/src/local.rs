@@ -203,6 +203,7 @@ mod tests {
             datastore: "default".into(),
             policy: Policy::Uncached,
             created_unix: 1,
+            tuning: Default::default(),
         }
     }
 

@@ -13,20 +13,51 @@ pub enum Policy {
     /// Pass-through: every IO goes to the datastore.
     #[default]
     Uncached,
+    /// Write-through: writes complete when both the cache and the datastore have them; reads
+    /// are cached.
+    Wt,
+    /// Write-back: writes complete when the local cache device has them; the destager sends
+    /// them to the datastore later.
+    Wb,
 }
 
 impl Policy {
     /// Every policy name, for error messages.
-    pub const ALL: &'static [&'static str] = &["uncached"];
+    pub const ALL: &'static [&'static str] = &["uncached", "wt", "wb"];
     /// Policies the design names that this build does not serve yet.
-    const LATER: &'static [&'static str] = &["wt", "wb", "wbp"];
+    const LATER: &'static [&'static str] = &["wbp"];
+
+    /// Whether the volume uses the host's cache device.
+    pub fn cached(self) -> bool {
+        !matches!(self, Policy::Uncached)
+    }
+
+    /// The code stored in a cache log policy record.
+    pub fn code(self) -> u64 {
+        match self {
+            Policy::Uncached => 0,
+            Policy::Wt => 1,
+            Policy::Wb => 2,
+        }
+    }
+
+    pub fn from_code(c: u64) -> Option<Policy> {
+        Some(match c {
+            0 => Policy::Uncached,
+            1 => Policy::Wt,
+            2 => Policy::Wb,
+            _ => return None,
+        })
+    }
 }
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Policy::Uncached => f.write_str("uncached"),
-        }
+        f.write_str(match self {
+            Policy::Uncached => "uncached",
+            Policy::Wt => "wt",
+            Policy::Wb => "wb",
+        })
     }
 }
 
@@ -35,6 +66,8 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Policy, String> {
         match s {
             "uncached" => Ok(Policy::Uncached),
+            "wt" => Ok(Policy::Wt),
+            "wb" => Ok(Policy::Wb),
             other if Policy::LATER.contains(&other.split(':').next().unwrap_or(other)) => {
                 Err(format!(
                     "policy {other:?} is not available in this build yet; available: {}",
@@ -72,7 +105,26 @@ pub struct VolumeRecord {
     pub policy: Policy,
     /// Seconds since the Unix epoch.
     pub created_unix: u64,
+    /// Write-back tuning; absent means the defaults.
+    #[serde(default)]
+    pub tuning: Tuning,
 }
+
+/// Per-volume write-back tuning (DESIGN §3).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub struct Tuning {
+    /// Seconds a destage window is held open to absorb overwrites; 0 = FVP's batches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_s: Option<f64>,
+    /// Dirty data older than this is destaged even while a window is held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_dirty_age_s: Option<f64>,
+    /// Recovery point objective: seconds of dirty data that flow control aims to stay under.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpo_s: Option<f64>,
+}
+
+impl Eq for Tuning {}
 
 impl VolumeRecord {
     pub fn spec(&self) -> datastore::VolumeSpec {
@@ -100,8 +152,12 @@ mod tests {
     #[test]
     fn policy_parses_and_explains_what_is_missing() {
         assert_eq!("uncached".parse::<Policy>(), Ok(Policy::Uncached));
-        let e = "wb".parse::<Policy>().unwrap_err();
-        assert!(e.contains("not available"), "{e}");
+        assert_eq!("wt".parse::<Policy>(), Ok(Policy::Wt));
+        assert_eq!("wb".parse::<Policy>(), Ok(Policy::Wb));
+        for p in [Policy::Uncached, Policy::Wt, Policy::Wb] {
+            assert_eq!(Policy::from_code(p.code()), Some(p));
+            assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
+        }
         let e = "wbp:2".parse::<Policy>().unwrap_err();
         assert!(e.contains("not available"), "{e}");
         let e = "fast".parse::<Policy>().unwrap_err();

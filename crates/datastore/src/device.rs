@@ -384,6 +384,101 @@ impl Device for NbdDevice {
     }
 }
 
+/// A datastore device in memory, for tests of what sits above datastores (the engine's
+/// destager, recovery): it records every write and flush so a test can check the datastore
+/// image at any point, and can be made to fail writes.
+pub struct MemDevice {
+    data: std::sync::Mutex<Vec<u8>>,
+    fail_writes: std::sync::atomic::AtomicBool,
+    flushes: std::sync::atomic::AtomicU64,
+    delay: std::sync::Mutex<Option<std::time::Duration>>,
+}
+
+impl MemDevice {
+    pub fn new(size: u64) -> MemDevice {
+        MemDevice {
+            data: std::sync::Mutex::new(vec![0; size as usize]),
+            fail_writes: std::sync::atomic::AtomicBool::new(false),
+            flushes: std::sync::atomic::AtomicU64::new(0),
+            delay: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// A copy of the whole image.
+    pub fn image(&self) -> Vec<u8> {
+        self.data.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes writes (and flushes) fail with EIO until called with false.
+    pub fn fail_writes(&self, fail: bool) {
+        self.fail_writes
+            .store(fail, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Delays every write by `d`, like a slow SAN.
+    pub fn set_write_delay(&self, d: Option<std::time::Duration>) {
+        *self.delay.lock().unwrap_or_else(|e| e.into_inner()) = d;
+    }
+
+    pub fn flushes(&self) -> u64 {
+        self.flushes.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn failing(&self) -> io::Result<()> {
+        if self.fail_writes.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Device for MemDevice {
+    fn size(&self) -> u64 {
+        self.data.lock().unwrap_or_else(|e| e.into_inner()).len() as u64
+    }
+
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+
+    async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+        let d = self.data.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(Bytes::copy_from_slice(
+            &d[offset as usize..offset as usize + len],
+        ))
+    }
+
+    async fn write_at(&self, offset: u64, data: Bytes, _fua: bool) -> io::Result<()> {
+        let delay = *self.delay.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
+        self.failing()?;
+        let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());
+        d[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+        Ok(())
+    }
+
+    async fn flush(&self) -> io::Result<()> {
+        self.failing()?;
+        self.flushes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn trim(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+
+    async fn write_zeroes(&self, offset: u64, len: u64, _may_trim: bool) -> io::Result<()> {
+        self.failing()?;
+        let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());
+        d[offset as usize..(offset + len) as usize].fill(0);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

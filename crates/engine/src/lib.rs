@@ -1,26 +1,33 @@
 //! The per-volume IO path (DESIGN §3).
 //!
-//! Every IO of a volume, from every NBD connection, goes through one [`Volume`]. That single
-//! object is the seam where policies plug in: today `uncached` passes IO straight to the
-//! volume's datastore extent; the cache log, gatekeeper, destager and flow control will sit
-//! here too, so the NBD server and the admin API never change when they arrive.
+//! Every IO of a volume, from every NBD connection, goes through one [`Volume`], which routes it
+//! by policy: `uncached` straight to the volume's datastore extent; `wt` and `wb` through the
+//! host's cache ([`cache`]). Because all connections share the one object, a FLUSH on any
+//! connection covers writes completed on every connection, which is what lets the server
+//! advertise `NBD_FLAG_CAN_MULTI_CONN`.
 //!
-//! Because all connections share the one object and the extent underneath has no per-connection
-//! state, a FLUSH on any connection covers writes completed on every connection, which is what
-//! lets the server advertise `NBD_FLAG_CAN_MULTI_CONN`.
+//! Policy changes ([`Volume::set_policy`]) drain dirty data under flow control while IO goes on,
+//! then pause new IO for the brief moment it takes to destage the last writes and switch.
+//!
+//! - [`window`] and [`flow`]: the destager's window selection and flow-control math (pure).
+//! - [`cache`]: the cache host, the destager, and the `wt`/`wb` paths.
+
+pub mod cache;
+pub mod flow;
+pub mod window;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::Notify;
+use tracing::info;
 use uuid::Uuid;
 
-pub mod flow;
-pub mod window;
-
-use cluster::Policy;
+use cache::{CacheHost, CacheReport, Mode, VolCache, VolOpts};
+use cluster::{Policy, Tuning};
 use datastore::stats::{IoStats, Op};
 use datastore::Extent;
 
@@ -35,6 +42,9 @@ pub enum Error {
     /// The volume is being deleted: it takes no more IO.
     #[error("volume is being deleted")]
     Revoked,
+    /// The cache could not do what was asked (a failed cache device, lost dirty data).
+    #[error("cache: {0}")]
+    Cache(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -42,21 +52,36 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Every offset and length is a multiple of this.
 pub const SECTOR: u64 = 512;
 
+/// Where a volume's IO goes.
+#[derive(Clone)]
+enum Route {
+    Uncached,
+    Cached(Arc<VolCache>),
+}
+
 pub struct Volume {
     id: Uuid,
     name: String,
     size: u64,
-    policy: Policy,
+    policy: Mutex<Policy>,
+    route: RwLock<Route>,
+    host: Option<Arc<CacheHost>>,
+    tuning: Mutex<Tuning>,
     store: Extent,
     stats: IoStats,
     /// Set once, by [`Volume::revoke`]; no IO starts afterwards.
     revoked: AtomicBool,
-    /// IOs between [`Volume::enter`] and the end of their datastore IO.
+    /// Set while a policy change needs the volume quiet; IO waits at the door.
+    paused: AtomicBool,
+    resumed: Notify,
+    /// IOs between [`Volume::enter`] and their end.
     in_flight: AtomicU64,
     drained: Notify,
+    /// One policy change at a time.
+    transition: tokio::sync::Mutex<()>,
 }
 
-/// One IO inside the volume; dropping it lets a revocation know when the last one is done.
+/// One IO inside the volume; dropping it lets a revocation or pause know when the last is done.
 struct InFlight<'a>(&'a Volume);
 
 impl Drop for InFlight<'_> {
@@ -67,50 +92,75 @@ impl Drop for InFlight<'_> {
     }
 }
 
+fn mode_of(p: Policy) -> Option<Mode> {
+    match p {
+        Policy::Uncached => None,
+        Policy::Wt => Some(Mode::Wt),
+        Policy::Wb => Some(Mode::Wb),
+    }
+}
+
 impl Volume {
-    pub fn new(id: Uuid, name: String, policy: Policy, store: Extent) -> Volume {
-        Volume {
+    /// Opens a volume with `policy`. A cached policy needs the host's cache; so does a volume
+    /// the cache log still holds dirty data for, whatever its policy (it is replayed first).
+    pub fn open(
+        id: Uuid,
+        name: String,
+        policy: Policy,
+        tuning: Tuning,
+        store: Extent,
+        host: Option<Arc<CacheHost>>,
+    ) -> Result<Volume> {
+        let dirty_in_log = host.as_ref().is_some_and(|h| {
+            h.recovered_volumes()
+                .iter()
+                .any(|(v, _, n)| *v == id && *n > 0)
+        });
+        let mut effective = policy;
+        if dirty_in_log && !policy.cached() {
+            info!("volume {name:?}: the cache log holds dirty data for it; replaying in wb first");
+            effective = Policy::Wb;
+        }
+        let route = match mode_of(effective) {
+            None => Route::Uncached,
+            Some(mode) => {
+                let h = host.as_ref().ok_or_else(|| {
+                    Error::Cache(format!(
+                        "policy {policy} needs a cache device, and this host has none configured"
+                    ))
+                })?;
+                Route::Cached(h.attach(
+                    id,
+                    &name,
+                    store.clone(),
+                    mode,
+                    VolOpts::from_tuning(&tuning),
+                )?)
+            }
+        };
+        Ok(Volume {
             id,
             name,
             size: store.size(),
-            policy,
+            policy: Mutex::new(effective),
+            route: RwLock::new(route),
+            host,
+            tuning: Mutex::new(tuning),
             store,
             stats: IoStats::default(),
             revoked: AtomicBool::new(false),
+            paused: AtomicBool::new(false),
+            resumed: Notify::new(),
             in_flight: AtomicU64::new(0),
             drained: Notify::new(),
-        }
+            transition: tokio::sync::Mutex::new(()),
+        })
     }
 
-    /// Admits one IO, unless the volume is revoked. The count goes up before the flag is read
-    /// and [`Volume::revoke`] sets the flag before it reads the count (both sequentially
-    /// consistent), so an IO either sees the revocation or is waited for by it.
-    fn enter(&self) -> Result<InFlight<'_>> {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        let guard = InFlight(self);
-        if self.revoked.load(Ordering::SeqCst) {
-            return Err(Error::Revoked);
-        }
-        Ok(guard)
-    }
-
-    /// Stops the volume taking IO, and waits up to `limit` for the IOs already issued to its
-    /// datastore to finish. Only when this returns true may the volume's storage be freed: an
-    /// IO still in flight could otherwise land in whatever is allocated there next.
-    pub async fn revoke(&self, limit: Duration) -> bool {
-        self.revoked.store(true, Ordering::SeqCst);
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let drained = self.drained.notified();
-            tokio::pin!(drained);
-            drained.as_mut().enable();
-            if self.in_flight.load(Ordering::SeqCst) == 0 {
-                return true;
-            }
-            if tokio::time::timeout_at(deadline, drained).await.is_err() {
-                return self.in_flight.load(Ordering::SeqCst) == 0;
-            }
-        }
+    /// An uncached volume (no cache host).
+    pub fn new(id: Uuid, name: String, policy: Policy, store: Extent) -> Volume {
+        Volume::open(id, name, policy, Tuning::default(), store, None)
+            .expect("an uncached volume needs no cache")
     }
 
     pub fn id(&self) -> Uuid {
@@ -126,12 +176,167 @@ impl Volume {
     }
 
     pub fn policy(&self) -> Policy {
-        self.policy
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn tuning(&self) -> Tuning {
+        *self.tuning.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// IO as the volume's clients see it, end to end.
     pub fn stats(&self) -> &IoStats {
         &self.stats
+    }
+
+    fn route(&self) -> Route {
+        self.route.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The volume's cache, if it is cached.
+    pub fn cache(&self) -> Option<Arc<VolCache>> {
+        match self.route() {
+            Route::Cached(c) => Some(c),
+            Route::Uncached => None,
+        }
+    }
+
+    /// The cache's view of the volume, if it is cached.
+    pub fn cache_report(&self) -> Option<CacheReport> {
+        match self.route() {
+            Route::Cached(c) => Some(c.report()),
+            Route::Uncached => None,
+        }
+    }
+
+    /// Admits one IO, unless the volume is revoked; waits while it is paused. The count goes
+    /// up before the flags are read and [`Volume::revoke`]/[`Volume::pause`] set their flag
+    /// before reading the count (all sequentially consistent), so an IO either sees the flag or
+    /// is waited for.
+    async fn enter(&self) -> Result<InFlight<'_>> {
+        loop {
+            let resumed = self.resumed.notified();
+            tokio::pin!(resumed);
+            resumed.as_mut().enable();
+            self.in_flight.fetch_add(1, Ordering::SeqCst);
+            let guard = InFlight(self);
+            if self.revoked.load(Ordering::SeqCst) {
+                return Err(Error::Revoked);
+            }
+            if !self.paused.load(Ordering::SeqCst) {
+                return Ok(guard);
+            }
+            drop(guard);
+            resumed.await;
+        }
+    }
+
+    /// Waits up to `limit` for the IOs in the volume to finish. True if none is left.
+    async fn quiesce(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.in_flight.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, drained).await.is_err() {
+                return self.in_flight.load(Ordering::SeqCst) == 0;
+            }
+        }
+    }
+
+    /// Stops the volume taking IO, and waits up to `limit` for the IOs already issued to its
+    /// datastore to finish. Only when this returns true may the volume's storage be freed: an
+    /// IO still in flight could otherwise land in whatever is allocated there next.
+    pub async fn revoke(&self, limit: Duration) -> bool {
+        self.revoked.store(true, Ordering::SeqCst);
+        self.resumed.notify_waiters();
+        self.quiesce(limit).await
+    }
+
+    /// Detaches the volume from the cache for good (it is being deleted): dirty data that was
+    /// not destaged is dropped with it.
+    pub fn detach_cache(&self) {
+        if let (Route::Cached(c), Some(h)) = (self.route(), &self.host) {
+            h.detach(&c);
+        }
+        *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
+    }
+
+    async fn pause(&self) {
+        self.paused.store(true, Ordering::SeqCst);
+        // In-flight IO is bounded (a datastore IO, or a cache append); no limit needed.
+        self.quiesce(Duration::MAX / 4).await;
+    }
+
+    fn resume(&self) {
+        self.paused.store(false, Ordering::SeqCst);
+        self.resumed.notify_waiters();
+    }
+
+    /// Changes the policy at run time (DESIGN §3, Transitions). Leaving `wb` drains dirty data
+    /// under flow control while IO goes on, then pauses IO only to destage the last writes.
+    pub async fn set_policy(&self, new: Policy) -> Result<()> {
+        let _one = self.transition.lock().await;
+        let old = self.policy();
+        if old == new {
+            return Ok(());
+        }
+        let host = self
+            .host
+            .clone()
+            .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
+        let route = self.route();
+        if let Route::Cached(c) = &route {
+            if c.mode() == Mode::Wb {
+                c.drain().await?;
+            }
+        }
+        self.pause().await;
+        let r = async {
+            match (&route, mode_of(new)) {
+                (Route::Uncached, Some(mode)) => {
+                    let c = host.attach(
+                        self.id,
+                        &self.name,
+                        self.store.clone(),
+                        mode,
+                        VolOpts::from_tuning(&self.tuning()),
+                    )?;
+                    *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Cached(c);
+                }
+                (Route::Cached(c), Some(mode)) => {
+                    if c.mode() == Mode::Wb {
+                        c.drain().await?;
+                    }
+                    c.switch_mode(mode)?;
+                }
+                (Route::Cached(c), None) => {
+                    if c.mode() == Mode::Wb {
+                        c.drain().await?;
+                    }
+                    host.detach(c);
+                    *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
+                }
+                (Route::Uncached, None) => {}
+            }
+            Ok(())
+        }
+        .await;
+        self.resume();
+        r?;
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = new;
+        info!("volume {:?}: policy {old} -> {new}", self.name);
+        Ok(())
+    }
+
+    /// Changes write-back tuning at run time.
+    pub fn set_tuning(&self, t: Tuning) {
+        *self.tuning.lock().unwrap_or_else(|e| e.into_inner()) = t;
+        if let Route::Cached(c) = self.route() {
+            c.set_opts(VolOpts::from_tuning(&t));
+        }
     }
 
     /// The IO contract, checked again here although the NBD layer already did: the engine
@@ -151,61 +356,76 @@ impl Volume {
         &self,
         op: Op,
         bytes: u64,
-        io: impl std::future::Future<Output = io::Result<T>>,
+        io: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        let _in = self.enter()?;
+        let _in = self.enter().await?;
         let t = self.stats.start();
         let r = io.await;
         self.stats.finish(t, op, bytes, r.is_ok());
-        r.map_err(Error::Datastore)
+        r
     }
 
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes> {
         self.check(offset, u64::from(len))?;
-        match self.policy {
-            Policy::Uncached => {
-                self.measured(
-                    Op::Read,
-                    u64::from(len),
-                    self.store.read(offset, len as usize),
-                )
-                .await
+        self.measured(Op::Read, u64::from(len), async {
+            match self.route() {
+                Route::Uncached => self
+                    .store
+                    .read(offset, len as usize)
+                    .await
+                    .map_err(Error::Datastore),
+                Route::Cached(c) => c.read(offset, len).await,
             }
-        }
+        })
+        .await
     }
 
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<()> {
         let n = data.len() as u64;
         self.check(offset, n)?;
-        match self.policy {
-            Policy::Uncached => {
-                self.measured(Op::Write, n, self.store.write(offset, data, fua))
+        self.measured(Op::Write, n, async {
+            match self.route() {
+                Route::Uncached => self
+                    .store
+                    .write(offset, data, fua)
                     .await
+                    .map_err(Error::Datastore),
+                Route::Cached(c) => c.write(offset, data, fua).await,
             }
-        }
+        })
+        .await
     }
 
     /// Makes every completed write durable on stable media.
     pub async fn flush(&self) -> Result<()> {
-        match self.policy {
-            Policy::Uncached => self.measured(Op::Flush, 0, self.store.flush()).await,
-        }
+        self.measured(Op::Flush, 0, async {
+            match self.route() {
+                Route::Uncached => self.store.flush().await.map_err(Error::Datastore),
+                Route::Cached(c) => c.flush().await,
+            }
+        })
+        .await
     }
 
     pub async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check(offset, len)?;
-        match self.policy {
-            Policy::Uncached => {
-                self.measured(Op::Trim, 0, async {
-                    self.store.trim(offset, len).await?;
+        self.measured(Op::Trim, 0, async {
+            match self.route() {
+                Route::Uncached => {
+                    self.store
+                        .trim(offset, len)
+                        .await
+                        .map_err(Error::Datastore)?;
                     if fua {
-                        self.store.flush().await?;
+                        self.store.flush().await.map_err(Error::Datastore)?;
                     }
                     Ok(())
-                })
-                .await
+                }
+                // Trimmed data may read back as anything; zeroes are the safe anything.
+                Route::Cached(c) => c.write_zeroes(offset, len, fua).await,
             }
-        }
+        })
+        .await
     }
 
     pub async fn write_zeroes(
@@ -216,18 +436,22 @@ impl Volume {
         fua: bool,
     ) -> Result<()> {
         self.check(offset, len)?;
-        match self.policy {
-            Policy::Uncached => {
-                self.measured(Op::WriteZeroes, 0, async {
-                    self.store.write_zeroes(offset, len, may_trim).await?;
+        self.measured(Op::WriteZeroes, 0, async {
+            match self.route() {
+                Route::Uncached => {
+                    self.store
+                        .write_zeroes(offset, len, may_trim)
+                        .await
+                        .map_err(Error::Datastore)?;
                     if fua {
-                        self.store.flush().await?;
+                        self.store.flush().await.map_err(Error::Datastore)?;
                     }
                     Ok(())
-                })
-                .await
+                }
+                Route::Cached(c) => c.write_zeroes(offset, len, fua).await,
             }
-        }
+        })
+        .await
     }
 }
 

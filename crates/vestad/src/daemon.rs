@@ -506,6 +506,7 @@ impl Daemon {
                 datastore: store.spec().name.clone(),
                 policy: Policy::Uncached,
                 created_unix: now_unix(),
+                tuning: Default::default(),
             };
             if let Err(e) = self.coord.create_volume(rec.clone()).await {
                 warn!("could not import volume {:?}: {e}", v.name);
@@ -576,6 +577,7 @@ impl Daemon {
             datastore: ds_name.clone(),
             policy,
             created_unix: now_unix(),
+            tuning: Default::default(),
         };
         let extent = store.create_volume(&rec.spec()).await?;
         if let Err(e) = self.coord.create_volume(rec.clone()).await {

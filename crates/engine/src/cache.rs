@@ -1,0 +1,1479 @@
+//! The write-back and write-through IO path (DESIGN §3, FVP §3–§6).
+//!
+//! [`CacheHost`] owns the host's cache log and the destager; each cached volume has a
+//! [`VolCache`] with its index (which log record holds the newest data of each range), its
+//! staging queue (dirty writes in `ser` order, metadata only), its gatekeeper, and its share
+//! of the cache.
+//!
+//! # The write path in `wb`
+//!
+//! 1. *Admission*: if the volume's share would be full of dirty data, the write waits for the
+//!    destager (a stall; flow control exists to make this rare).
+//! 2. *Gatekeeper*: the write gets the next `ser`, and waits for every in-flight write with a
+//!    lower `ser` that overlaps it.
+//! 3. *Append*: a data record (split into parts if large, all with the same `ser`) goes to the
+//!    log; index and staging queue are updated.
+//! 4. *Completion order*: the write completes only after every lower `ser` has been appended.
+//!    So whatever survives a crash, the log holds a prefix of the completed writes, and
+//!    recovery (which takes records up to the first gap in `ser`) never drops a completed one.
+//! 5. *FUA*: a group-commit sync of the log.
+//! 6. *Flow control*: a delay of 0 to 4× the datastore write latency ([`crate::flow`]).
+//!
+//! # The destager
+//!
+//! One task per host visits cached volumes round robin, one window per turn: the window's
+//! writes are coalesced ([`crate::window`]) and sent concurrently, the datastore is flushed,
+//! a checkpoint record is appended and synced, and only then are the window's records released.
+//! A datastore error leaves the window staged and retries with backoff; nothing is dropped.
+//!
+//! # Recovery
+//!
+//! At start-up the host scans the log. For each volume the records above its checkpoint, up to
+//! the first gap in `ser` or damaged record, are its dirty data: they are indexed and staged
+//! again, and the volume replays them (offline replay) before it takes writes; reads are
+//! served meanwhile. Clean data is not kept across a crash.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::sync::Notify;
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use cachelog::format::Kind;
+use cachelog::index::{ExtentMap, Piece as IndexPiece};
+use cachelog::log::{Entry, Loc, Log, LogError, Scanned};
+use cachelog::CacheDevice;
+use cluster::Policy;
+use datastore::device::blocking;
+use datastore::Extent;
+
+use crate::flow::{self, Ewma, Signals, Triggers};
+use crate::window::{self, Closing, Source, Staged};
+use crate::Error;
+
+/// Largest payload of one log record; larger writes are split into parts sharing one `ser`.
+pub const RECORD_MAX: u64 = 256 << 10;
+/// Default segment size of a new cache log.
+pub const SEGMENT_DEFAULT: u64 = 1 << 20;
+/// A write stalls when its volume's dirty data would exceed this share of its cache share.
+const STALL_FRACTION: f64 = 0.9;
+/// Longest wait between destager visits when nothing wakes it.
+const DESTAGER_IDLE: Duration = Duration::from_millis(50);
+/// Longest backoff between retries of a failing datastore.
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Default maximum age of dirty data before it is destaged regardless of the hold time.
+const MAX_DIRTY_AGE_DEFAULT: Duration = Duration::from_secs(30);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn log_err(e: LogError) -> Error {
+    Error::Cache(e.to_string())
+}
+
+/// Where an indexed byte range's data is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Ix {
+    src: IxSrc,
+    /// Byte offset into the record's payload.
+    pos: u64,
+    /// The write that put it there (0 for data read from the datastore).
+    ser: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum IxSrc {
+    Rec(Loc),
+    Zero,
+}
+
+impl IndexPiece for Ix {
+    fn advance(&self, by: u64) -> Ix {
+        Ix {
+            pos: self.pos + by,
+            ..*self
+        }
+    }
+}
+
+/// A dirty write waiting for the destager, with the log record(s) it pins.
+#[derive(Debug, Clone)]
+struct StagedWrite {
+    w: Staged<Loc>,
+    rec: Loc,
+}
+
+/// How a volume uses the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Wt,
+    Wb,
+}
+
+/// What the destager is doing for a volume.
+#[derive(Debug, Clone, Default)]
+struct DestageState {
+    /// The last datastore error, while retrying.
+    error: Option<String>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
+}
+
+struct VolState {
+    mode: Mode,
+    gen: u64,
+    next_ser: u64,
+    /// Every `ser` up to here has completed its append.
+    done_ser: u64,
+    /// Completed sers above `done_ser` (a gap below them is still in flight).
+    done_above: std::collections::BTreeSet<u64>,
+    /// The gatekeeper's view: writes between getting a `ser` and completing.
+    in_flight: BTreeMap<u64, (u64, u64)>,
+    checkpoint: u64,
+    index: ExtentMap<Ix>,
+    staged: VecDeque<StagedWrite>,
+    dirty_bytes: u64,
+    oldest_dirty: Option<Instant>,
+    /// Bumped whenever clean data leaves the index, so a read that raced an eviction does not
+    /// put back data read from the datastore before a newer write was destaged.
+    evictions: u64,
+    /// Offline replay in progress: writes wait.
+    replaying: bool,
+    /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
+    void_upto: u64,
+    /// The last `ser` recovered from the log at start-up (the end of the replayed prefix).
+    recovered_upto: u64,
+    /// Set when data was lost or cannot be trusted (a damaged record, a failed cache device).
+    degraded: Option<String>,
+    destage: DestageState,
+    /// A policy change is draining dirty data.
+    draining: bool,
+}
+
+/// Counters for `vesta volume show`.
+#[derive(Debug, Default)]
+struct Counters {
+    read_hit_bytes: AtomicU64,
+    read_miss_bytes: AtomicU64,
+    destaged_bytes: AtomicU64,
+    destaged_writes: AtomicU64,
+    throttled_writes: AtomicU64,
+    throttle_us: AtomicU64,
+    stalls: AtomicU64,
+    evicted_segments: AtomicU64,
+}
+
+/// Per-volume tuning the engine reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VolOpts {
+    pub hold: Duration,
+    pub max_dirty_age: Duration,
+    pub rpo_s: Option<f64>,
+}
+
+impl Default for VolOpts {
+    fn default() -> VolOpts {
+        VolOpts {
+            hold: Duration::ZERO,
+            max_dirty_age: MAX_DIRTY_AGE_DEFAULT,
+            rpo_s: None,
+        }
+    }
+}
+
+impl VolOpts {
+    pub fn from_tuning(t: &cluster::Tuning) -> VolOpts {
+        let d = VolOpts::default();
+        VolOpts {
+            hold: t.hold_s.map(Duration::from_secs_f64).unwrap_or(d.hold),
+            max_dirty_age: t
+                .max_dirty_age_s
+                .map(Duration::from_secs_f64)
+                .unwrap_or(d.max_dirty_age),
+            rpo_s: t.rpo_s,
+        }
+    }
+}
+
+/// What `vesta volume show` reports about a cached volume.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CacheReport {
+    pub mode: String,
+    pub gen: u64,
+    pub dirty_bytes: u64,
+    pub dirty_writes: u64,
+    pub share_bytes: u64,
+    pub used_bytes: u64,
+    pub checkpoint: u64,
+    pub last_ser: u64,
+    pub read_hit_ratio: Option<f64>,
+    pub destaged_bytes: u64,
+    pub destaged_writes: u64,
+    pub destage_bytes_per_s: f64,
+    pub datastore_write_latency_us: Option<u64>,
+    /// `off`, `throttling`, or `stalled`.
+    pub flow_control: String,
+    pub flow_pressure: f64,
+    pub throttled_writes: u64,
+    pub throttle_delay_us_total: u64,
+    pub stalls: u64,
+    pub replaying: bool,
+    pub degraded: Option<String>,
+    pub destage_error: Option<String>,
+}
+
+/// Dirty data recovered for one volume at start-up.
+#[derive(Debug, Default)]
+struct Recovered {
+    checkpoint: u64,
+    gen: u64,
+    policy: Option<Policy>,
+    /// Intact, complete, contiguous writes above the checkpoint, in ser order; each with its parts.
+    writes: Vec<Vec<Scanned>>,
+    /// The highest `ser` of any write record found, recovered or not. Records above the
+    /// recovered prefix are void (they never completed, or follow a gap); new writes are
+    /// numbered above all of them, and once replay is done a checkpoint at this `ser` puts them
+    /// below the checkpoint for good. Reusing their numbers would let a later scan mix a void
+    /// record with a new write of the same `ser`.
+    void_upto: u64,
+    degraded: Option<String>,
+}
+
+/// State shared by the host and its volumes.
+struct Shared {
+    log: Arc<Log>,
+    /// Wakes the destager.
+    wake: Notify,
+    /// Signalled when the destager frees space or a write completes.
+    space: Notify,
+    cached_volumes: AtomicU64,
+}
+
+impl Shared {
+    fn share_segments(&self) -> u64 {
+        let n = self.cached_volumes.load(Ordering::SeqCst).max(1);
+        (self.log.superblock().segment_count / n).max(2)
+    }
+
+    fn share_bytes(&self) -> u64 {
+        self.share_segments() * self.log.superblock().segment_size
+    }
+}
+
+/// The host's cache: the log on the cache device, the cached volumes, and the destager.
+pub struct CacheHost {
+    shared: Arc<Shared>,
+    vols: Mutex<Vec<Arc<VolCache>>>,
+    recovered: Mutex<HashMap<Uuid, Recovered>>,
+}
+
+impl CacheHost {
+    /// Opens the cache log on `dev`, formatting it if it holds no log. Scans it and keeps what
+    /// each volume needs for replay until the volume attaches.
+    pub fn open(dev: Arc<dyn CacheDevice>, segment_size: u64) -> Result<Arc<CacheHost>, Error> {
+        let (log, scanned) = match Log::open(dev.clone()) {
+            Ok(x) => x,
+            Err(LogError::Format { msg, .. }) => {
+                info!(
+                    "cache device {}: {msg}; formatting it with {} KiB segments",
+                    dev.describe(),
+                    segment_size >> 10
+                );
+                (Log::format(dev, segment_size).map_err(log_err)?, Vec::new())
+            }
+            Err(e) => return Err(log_err(e)),
+        };
+        let log = Arc::new(log);
+        let recovered = recover(&log, scanned);
+        Ok(Arc::new(CacheHost {
+            shared: Arc::new(Shared {
+                log,
+                wake: Notify::new(),
+                space: Notify::new(),
+                cached_volumes: AtomicU64::new(0),
+            }),
+            vols: Mutex::new(Vec::new()),
+            recovered: Mutex::new(recovered),
+        }))
+    }
+
+    pub fn log(&self) -> &Arc<Log> {
+        &self.shared.log
+    }
+
+    /// Volumes the log holds dirty data for, and the policy the log last recorded for each.
+    pub fn recovered_volumes(&self) -> Vec<(Uuid, Option<Policy>, usize)> {
+        lock(&self.recovered)
+            .iter()
+            .map(|(id, r)| (*id, r.policy, r.writes.len()))
+            .collect()
+    }
+
+    /// Attaches a volume to the cache in `mode`, claiming any dirty data recovered for it.
+    pub fn attach(
+        &self,
+        id: Uuid,
+        name: &str,
+        store: Extent,
+        mode: Mode,
+        opts: VolOpts,
+    ) -> Result<Arc<VolCache>, Error> {
+        let rec = lock(&self.recovered).remove(&id).unwrap_or_default();
+        let v = Arc::new(VolCache::new(
+            id,
+            name.to_owned(),
+            store,
+            mode,
+            opts,
+            self.shared.clone(),
+            rec,
+        )?);
+        self.shared.cached_volumes.fetch_add(1, Ordering::SeqCst);
+        lock(&self.vols).push(v.clone());
+        self.shared.wake.notify_one();
+        Ok(v)
+    }
+
+    /// Detaches a volume whose dirty data has been destaged (or is being thrown away, for a
+    /// deleted volume): its records are released and its segments freed.
+    pub fn detach(&self, v: &VolCache) {
+        lock(&self.vols).retain(|x| x.id != v.id);
+        self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
+        v.release_all();
+        self.shared.log.forget(v.id);
+    }
+
+    /// Ends start-up recovery: dirty data nobody claimed (its volume no longer exists) is
+    /// reported and dropped, and unclaimed segments are freed.
+    pub fn finish_recovery(&self) -> Result<(), Error> {
+        for (id, r) in lock(&self.recovered).drain() {
+            if !r.writes.is_empty() {
+                warn!(
+                    "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
+                     dropping them",
+                    r.writes.len()
+                );
+            }
+        }
+        self.shared.log.finish_recovery().map_err(log_err)
+    }
+
+    fn volumes(&self) -> Vec<Arc<VolCache>> {
+        lock(&self.vols).clone()
+    }
+
+    /// One destager turn: one window from every volume that has one ready, starting the round
+    /// robin at `turn`. True if any window was destaged.
+    pub async fn destage_turn(&self, turn: usize) -> bool {
+        let vols = self.volumes();
+        let mut progressed = false;
+        let n = vols.len();
+        for i in 0..n {
+            let v = &vols[(turn + i) % n];
+            if v.window_ready(Instant::now()) {
+                progressed |= v.destage_window().await;
+            }
+        }
+        progressed
+    }
+
+    /// The destager: visits volumes round robin, one window per turn, until `stopped` says so.
+    pub async fn run_destager(self: Arc<Self>, stopped: impl Fn() -> bool) {
+        let mut turn = 0usize;
+        loop {
+            let progressed = self.destage_turn(turn).await;
+            turn = turn.wrapping_add(1);
+            if !progressed {
+                tokio::select! {
+                    _ = self.shared.wake.notified() => {}
+                    _ = tokio::time::sleep(DESTAGER_IDLE) => {}
+                }
+            }
+            if stopped() {
+                return;
+            }
+        }
+    }
+}
+
+/// Groups the scan into each volume's recoverable dirty writes.
+fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
+    let mut by_vol: HashMap<Uuid, BTreeMap<u64, Vec<Scanned>>> = HashMap::new();
+    let mut owners: std::collections::HashSet<Uuid> = std::collections::HashSet::new();
+    for s in scanned {
+        owners.insert(s.header.volume);
+        if matches!(s.header.kind, Kind::Data | Kind::Zero) {
+            by_vol
+                .entry(s.header.volume)
+                .or_default()
+                .entry(s.header.ser)
+                .or_default()
+                .push(s);
+        }
+    }
+    let mut out = HashMap::new();
+    for id in owners {
+        let meta = log.meta(id);
+        let (checkpoint, cgen) = meta.checkpoint.unwrap_or((0, 0));
+        let mut r = Recovered {
+            checkpoint,
+            gen: cgen.max(meta.policy.map(|p| p.1).unwrap_or(0)),
+            policy: meta.policy.and_then(|(arg, _)| Policy::from_code(arg)),
+            ..Recovered::default()
+        };
+        let groups = by_vol.remove(&id).unwrap_or_default();
+        r.void_upto = groups
+            .keys()
+            .next_back()
+            .copied()
+            .unwrap_or(0)
+            .max(checkpoint);
+        let mut stopped_at = None;
+        for (expect, (ser, parts)) in (checkpoint + 1..).zip(groups.range(checkpoint + 1..)) {
+            if *ser != expect {
+                stopped_at = Some(expect);
+                break;
+            }
+            let n = parts
+                .first()
+                .map(|p| (p.header.arg >> 32).max(1))
+                .unwrap_or(1);
+            let intact = parts.iter().all(|p| p.intact);
+            let mut seen: Vec<u64> = parts.iter().map(|p| p.header.arg & 0xffff_ffff).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            if !intact || seen.len() as u64 != n {
+                stopped_at = Some(*ser);
+                break;
+            }
+            r.writes.push(parts.clone());
+        }
+        if let Some(at) = stopped_at {
+            let later = groups.range(at + 1..).count();
+            if later > 0 {
+                let damaged = groups.get(&at).is_some_and(|p| p.iter().any(|x| !x.intact));
+                r.degraded = Some(format!(
+                    "cache log record for write {at} is {}; {later} later write(s) of the volume \
+                     in the log were discarded to keep it a prefix",
+                    if damaged { "damaged" } else { "missing" }
+                ));
+                warn!("volume {id}: {}", r.degraded.as_deref().unwrap_or(""));
+            }
+        }
+        out.insert(id, r);
+    }
+    out
+}
+
+/// One cached volume.
+pub struct VolCache {
+    id: Uuid,
+    name: String,
+    store: Extent,
+    shared: Arc<Shared>,
+    st: Mutex<VolState>,
+    /// Signalled whenever a write completes, the checkpoint moves, or the mode changes.
+    changed: Notify,
+    ds_latency: Mutex<Ewma>,
+    destage_bps: Mutex<Ewma>,
+    opts: Mutex<VolOpts>,
+    counters: Counters,
+}
+
+/// Removes a write from the gatekeeper and marks its `ser` complete, however the write ends.
+struct Completion<'a> {
+    v: &'a VolCache,
+    ser: u64,
+}
+
+impl Drop for Completion<'_> {
+    fn drop(&mut self) {
+        let mut st = lock(&self.v.st);
+        st.in_flight.remove(&self.ser);
+        st.done_above.insert(self.ser);
+        loop {
+            let next = st.done_ser + 1;
+            if !st.done_above.remove(&next) {
+                break;
+            }
+            st.done_ser = next;
+        }
+        drop(st);
+        self.v.changed.notify_waiters();
+    }
+}
+
+impl VolCache {
+    fn new(
+        id: Uuid,
+        name: String,
+        store: Extent,
+        mode: Mode,
+        opts: VolOpts,
+        shared: Arc<Shared>,
+        rec: Recovered,
+    ) -> Result<VolCache, Error> {
+        let last = rec.checkpoint + rec.writes.len() as u64;
+        let replaying = !rec.writes.is_empty();
+        // Without replay the void range is checkpointed at once; with replay, when it ends.
+        let checkpoint = if replaying {
+            rec.checkpoint
+        } else {
+            rec.void_upto
+        };
+        let v = VolCache {
+            id,
+            name,
+            store,
+            st: Mutex::new(VolState {
+                mode,
+                gen: rec.gen.max(1),
+                next_ser: last.max(rec.void_upto) + 1,
+                done_ser: last.max(rec.void_upto),
+                done_above: Default::default(),
+                in_flight: BTreeMap::new(),
+                checkpoint,
+                index: ExtentMap::new(),
+                staged: VecDeque::new(),
+                dirty_bytes: 0,
+                oldest_dirty: None,
+                evictions: 0,
+                replaying,
+                void_upto: rec.void_upto,
+                recovered_upto: last,
+                degraded: rec.degraded,
+                destage: DestageState::default(),
+                draining: false,
+            }),
+            changed: Notify::new(),
+            ds_latency: Mutex::new(Ewma::new(0.1)),
+            destage_bps: Mutex::new(Ewma::new(0.2)),
+            opts: Mutex::new(opts),
+            counters: Counters::default(),
+            shared,
+        };
+        {
+            let mut st = lock(&v.st);
+            for parts in rec.writes {
+                for p in parts {
+                    let h = p.header;
+                    let src = if h.kind == Kind::Zero {
+                        IxSrc::Zero
+                    } else {
+                        IxSrc::Rec(p.loc)
+                    };
+                    v.stage(&mut st, h.ser, h.offset, h.len, src, p.loc);
+                }
+            }
+            if st.replaying {
+                info!(
+                    "volume {:?}: replaying {} dirty write(s) ({} bytes) from the cache log \
+                     before it takes writes",
+                    v.name,
+                    st.staged.len(),
+                    st.dirty_bytes
+                );
+            }
+        }
+        // Record the policy in effect and where the sequence stands, so a later recovery
+        // starts from here.
+        let code = match mode {
+            Mode::Wt => Policy::Wt.code(),
+            Mode::Wb => Policy::Wb.code(),
+        };
+        let (gen, checkpoint) = {
+            let st = lock(&v.st);
+            (st.gen, st.checkpoint)
+        };
+        v.append_meta(Kind::Policy, 0, gen, code)?;
+        v.append_meta(Kind::Checkpoint, checkpoint, gen, 0)?;
+        v.shared.log.sync().map_err(log_err)?;
+        Ok(v)
+    }
+
+    fn append_meta(&self, kind: Kind, ser: u64, gen: u64, arg: u64) -> Result<(), Error> {
+        let e = Entry {
+            kind,
+            volume: self.id,
+            ser,
+            gen,
+            offset: 0,
+            len: 0,
+            arg,
+        };
+        self.shared.log.append(&e, &[]).map_err(log_err)?;
+        Ok(())
+    }
+
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    pub fn mode(&self) -> Mode {
+        lock(&self.st).mode
+    }
+
+    /// Indexes and stages one dirty record (caller holds the state lock).
+    fn stage(&self, st: &mut VolState, ser: u64, offset: u64, len: u64, src: IxSrc, rec: Loc) {
+        self.index_insert(st, offset, len, Ix { src, pos: 0, ser });
+        self.shared.log.pin(&rec);
+        let w = StagedWrite {
+            w: Staged {
+                ser,
+                offset,
+                len,
+                source: match src {
+                    IxSrc::Rec(l) => Source::Data(l, 0),
+                    IxSrc::Zero => Source::Zero,
+                },
+            },
+            rec,
+        };
+        // Concurrent writes finish their appends in any order; the queue stays in ser order
+        // (parts of one write keep their order). Nearly always this is the back.
+        let at = st
+            .staged
+            .iter()
+            .rposition(|x| x.w.ser <= ser)
+            .map_or(0, |i| i + 1);
+        st.staged.insert(at, w);
+        st.dirty_bytes += len;
+        st.oldest_dirty.get_or_insert_with(Instant::now);
+    }
+
+    fn index_insert(&self, st: &mut VolState, offset: u64, len: u64, ix: Ix) {
+        if let IxSrc::Rec(l) = ix.src {
+            self.shared.log.hold(&l, len);
+        }
+        for (_, n, old) in st.index.insert(offset, len, ix) {
+            if let IxSrc::Rec(l) = old.src {
+                self.shared.log.release(&l, n);
+            }
+        }
+    }
+
+    fn index_remove(&self, st: &mut VolState, offset: u64, len: u64) {
+        for (_, n, old) in st.index.remove(offset, len) {
+            if let IxSrc::Rec(l) = old.src {
+                self.shared.log.release(&l, n);
+            }
+        }
+    }
+
+    /// Releases everything the volume holds in the log (detach).
+    fn release_all(&self) {
+        let mut st = lock(&self.st);
+        let all: Vec<(u64, u64)> = st.index.iter().map(|(s, l, _)| (s, l)).collect();
+        for (s, l) in all {
+            self.index_remove(&mut st, s, l);
+        }
+        for w in std::mem::take(&mut st.staged) {
+            self.shared.log.unpin(&w.rec);
+        }
+        st.dirty_bytes = 0;
+    }
+
+    /// Waits until `ready` holds for the state, re-checking whenever it changes.
+    async fn wait_until(&self, mut ready: impl FnMut(&VolState) -> bool) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if ready(&lock(&self.st)) {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    fn signals(&self, st: &VolState) -> Signals {
+        let lat = lock(&self.ds_latency).get().unwrap_or(0.0);
+        Signals {
+            dirty_writes: st.staged.len() as u64,
+            dirty_bytes: st.dirty_bytes,
+            write_latency: Duration::from_secs_f64(lat.max(0.0)),
+            destage_bytes_per_s: lock(&self.destage_bps).get().unwrap_or(0.0),
+            queue_depth: self.store.gate().queue_depth(),
+        }
+    }
+
+    fn triggers(&self) -> Triggers {
+        Triggers::for_share(self.shared.share_bytes(), lock(&self.opts).rpo_s)
+    }
+
+    /// Admission of a write of `len` bytes: waits out offline replay, and stalls while the
+    /// volume's share would be full of dirty data.
+    async fn admit(&self, len: u64) -> Result<(), Error> {
+        let limit = (self.shared.share_bytes() as f64 * STALL_FRACTION) as u64;
+        let mut stalled = false;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let st = lock(&self.st);
+                if let Some(why) = &st.degraded {
+                    if st.mode == Mode::Wb && self.shared.log.is_failed() {
+                        return Err(Error::Cache(why.clone()));
+                    }
+                }
+                let full =
+                    st.mode == Mode::Wb && st.dirty_bytes > 0 && st.dirty_bytes + len > limit;
+                if !st.replaying && !full {
+                    return Ok(());
+                }
+                if full && !stalled {
+                    stalled = true;
+                    self.counters.stalls.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            self.shared.wake.notify_one();
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    }
+
+    /// Gets a `ser` and waits for every earlier in-flight write that overlaps.
+    async fn gatekeep(&self, offset: u64, len: u64) -> (u64, u64) {
+        let (ser, gen) = {
+            let mut st = lock(&self.st);
+            let ser = st.next_ser;
+            st.next_ser += 1;
+            st.in_flight.insert(ser, (offset, offset + len));
+            (ser, st.gen)
+        };
+        self.wait_until(|st| {
+            !st.in_flight
+                .range(..ser)
+                .any(|(_, (s, e))| offset < *e && *s < offset + len)
+        })
+        .await;
+        (ser, gen)
+    }
+
+    /// Appends the records of one write (parts of at most [`RECORD_MAX`] bytes), making room
+    /// in the volume's share first.
+    async fn append_write(
+        &self,
+        kind: Kind,
+        ser: u64,
+        gen: u64,
+        offset: u64,
+        len: u64,
+        data: Option<&Bytes>,
+    ) -> Result<Vec<(Loc, u64, u64)>, Error> {
+        let parts = if kind.has_payload() {
+            len.div_ceil(RECORD_MAX).max(1)
+        } else {
+            1
+        };
+        let mut out = Vec::with_capacity(parts as usize);
+        for i in 0..parts {
+            let (poff, plen) = if kind.has_payload() {
+                (i * RECORD_MAX, (len - i * RECORD_MAX).min(RECORD_MAX))
+            } else {
+                (0, len)
+            };
+            let e = Entry {
+                kind,
+                volume: self.id,
+                ser,
+                gen,
+                offset: offset + poff,
+                len: plen,
+                arg: (parts << 32) | i,
+            };
+            let payload = data.map(|d| d.slice(poff as usize..(poff + plen) as usize));
+            loop {
+                self.make_room();
+                let log = self.shared.log.clone();
+                let p = payload.clone();
+                let r = blocking(move || Ok(log.append(&e, p.as_deref().unwrap_or(&[]))))
+                    .await
+                    .unwrap_or_else(|io| {
+                        Err(LogError::Io {
+                            device: "cache".into(),
+                            source: io,
+                        })
+                    });
+                match r {
+                    Ok((loc, _)) => {
+                        out.push((loc, e.offset, plen));
+                        break;
+                    }
+                    Err(LogError::NoSpace) => {
+                        // Wait for the destager (or another volume's eviction) to free space.
+                        self.shared.wake.notify_one();
+                        let space = self.shared.space.notified();
+                        let _ = tokio::time::timeout(Duration::from_millis(50), space).await;
+                        let log = self.shared.log.clone();
+                        let _ = blocking(move || {
+                            log.sync().map_err(|e| std::io::Error::other(e.to_string()))
+                        })
+                        .await;
+                    }
+                    Err(err) => {
+                        let why = format!("cache device failed: {err}");
+                        lock(&self.st).degraded.get_or_insert(why.clone());
+                        return Err(Error::Cache(why));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Evicts the volume's least recently used clean segments while it is over its share (or
+    /// the log is out of segments). A segment a reader holds is skipped, never waited for.
+    fn make_room(&self) {
+        let share = self.shared.share_segments() as usize;
+        let log = &self.shared.log;
+        let mut tried = Vec::new();
+        while log.segments_of(self.id) >= share || log.free_segments() == 0 {
+            let Some(seg) = log.eviction_candidate(self.id) else {
+                return;
+            };
+            if tried.contains(&seg) {
+                return;
+            }
+            tried.push(seg);
+            let mut st = lock(&self.st);
+            let victims: Vec<(u64, u64)> = st
+                .index
+                .iter()
+                .filter(|(_, _, ix)| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg))
+                .map(|(s, l, _)| (s, l))
+                .collect();
+            for (s, l) in victims {
+                self.index_remove(&mut st, s, l);
+            }
+            st.evictions += 1;
+            self.counters
+                .evicted_segments
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A volume write.
+    pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), Error> {
+        self.write_kind(Kind::Data, offset, data.len() as u64, Some(data), fua)
+            .await
+    }
+
+    /// WRITE_ZEROES or TRIM: the range reads as zeroes afterwards.
+    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
+        self.write_kind(Kind::Zero, offset, len, None, fua).await
+    }
+
+    async fn write_kind(
+        &self,
+        kind: Kind,
+        offset: u64,
+        len: u64,
+        data: Option<Bytes>,
+        fua: bool,
+    ) -> Result<(), Error> {
+        self.admit(len).await?;
+        let (ser, gen) = self.gatekeep(offset, len).await;
+        let done = Completion { v: self, ser };
+        let mode = lock(&self.st).mode;
+        match mode {
+            Mode::Wb => {
+                let recs = self
+                    .append_write(kind, ser, gen, offset, len, data.as_ref())
+                    .await?;
+                let mut st = lock(&self.st);
+                for (loc, off, n) in recs {
+                    let src = if kind == Kind::Zero {
+                        IxSrc::Zero
+                    } else {
+                        IxSrc::Rec(loc)
+                    };
+                    self.stage(&mut st, ser, off, n, src, loc);
+                }
+            }
+            Mode::Wt => {
+                self.write_through(kind, ser, gen, offset, len, data, fua)
+                    .await?
+            }
+        }
+        drop(done);
+        // Complete in ser order: see the module doc.
+        self.wait_until(|st| st.done_ser >= ser).await;
+        if mode == Mode::Wb {
+            self.shared.wake.notify_one();
+            if fua {
+                self.sync().await?;
+            }
+            self.throttle().await;
+        }
+        Ok(())
+    }
+
+    /// `wt`: the datastore and the cache get the write concurrently; it completes when both
+    /// have it. If the cache fails, the volume keeps going uncached.
+    #[allow(clippy::too_many_arguments)]
+    async fn write_through(
+        &self,
+        kind: Kind,
+        ser: u64,
+        gen: u64,
+        offset: u64,
+        len: u64,
+        data: Option<Bytes>,
+        fua: bool,
+    ) -> Result<(), Error> {
+        let ds = async {
+            let t = Instant::now();
+            let r = match &data {
+                Some(d) => self.store.write(offset, d.clone(), fua).await,
+                None => self.store.write_zeroes(offset, len, true).await,
+            };
+            self.note_latency(t.elapsed());
+            r
+        };
+        let cache_ok = !self.shared.log.is_failed();
+        let cache = async {
+            if !cache_ok || kind == Kind::Zero {
+                return Ok(Vec::new());
+            }
+            self.append_write(Kind::Fill, ser, gen, offset, len, data.as_ref())
+                .await
+        };
+        let (ds, cache) = tokio::join!(ds, cache);
+        let mut st = lock(&self.st);
+        match (&ds, cache) {
+            (Ok(()), Ok(recs)) if !recs.is_empty() => {
+                for (loc, off, n) in recs {
+                    self.index_insert(
+                        &mut st,
+                        off,
+                        n,
+                        Ix {
+                            src: IxSrc::Rec(loc),
+                            pos: 0,
+                            ser,
+                        },
+                    );
+                }
+            }
+            (_, cache) => {
+                // The datastore is the truth; whatever the cache held for the range is stale.
+                self.index_remove(&mut st, offset, len);
+                if let Err(e) = cache {
+                    st.degraded
+                        .get_or_insert(format!("{e}; serving uncached (no data lost in wt)"));
+                }
+            }
+        }
+        drop(st);
+        ds.map_err(Error::Datastore)
+    }
+
+    fn note_latency(&self, d: Duration) {
+        lock(&self.ds_latency).add(d.as_secs_f64());
+    }
+
+    /// Flow control: holds a write's completion in proportion to the pressure.
+    async fn throttle(&self) {
+        let (signals, draining) = {
+            let st = lock(&self.st);
+            (self.signals(&st), st.draining)
+        };
+        let mut d = flow::delay(&signals, &self.triggers());
+        if draining {
+            // A policy change is draining: hold writes as if under full pressure.
+            d = d.max(signals.write_latency.mul_f64(flow::MAX_MULTIPLE));
+        }
+        if !d.is_zero() {
+            self.counters
+                .throttled_writes
+                .fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .throttle_us
+                .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+            tokio::time::sleep(d).await;
+        }
+    }
+
+    /// Makes every completed write durable on the cache device (group commit).
+    pub async fn sync(&self) -> Result<(), Error> {
+        let log = self.shared.log.clone();
+        datastore::device::on_pool(move || {
+            log.sync().map_err(|e| std::io::Error::other(e.to_string()))
+        })
+        .await
+        .map_err(|e| Error::Cache(e.to_string()))
+    }
+
+    /// FLUSH: in `wb`, completed writes are on the cache device once it is synced; in `wt`
+    /// they are on the datastore, which is flushed.
+    pub async fn flush(&self) -> Result<(), Error> {
+        match self.mode() {
+            Mode::Wb => self.sync().await,
+            Mode::Wt => self.store.flush().await.map_err(Error::Datastore),
+        }
+    }
+
+    /// A volume read: cache hits from the log, misses from the datastore (then cached).
+    pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, Error> {
+        let len64 = u64::from(len);
+        let (spans, evictions) = {
+            let st = lock(&self.st);
+            let spans = st.index.lookup(offset, len64);
+            for sp in &spans {
+                if let Some(Ix {
+                    src: IxSrc::Rec(l), ..
+                }) = sp.value
+                {
+                    self.shared.log.pin(&l); // keep the segment while we read it
+                }
+            }
+            (spans, st.evictions)
+        };
+        let mut out = BytesMut::zeroed(len as usize);
+        let mut misses = Vec::new();
+        let mut read_err = None;
+        let mut records: HashMap<Loc, Vec<u8>> = HashMap::new();
+        let mut hit = 0;
+        for sp in &spans {
+            let at = (sp.start - offset) as usize;
+            match sp.value {
+                None => misses.push((sp.start, sp.len)),
+                Some(Ix {
+                    src: IxSrc::Zero, ..
+                }) => hit += sp.len,
+                Some(Ix {
+                    src: IxSrc::Rec(l),
+                    pos,
+                    ser,
+                }) => {
+                    if let std::collections::hash_map::Entry::Vacant(slot) = records.entry(l) {
+                        let log = self.shared.log.clone();
+                        match blocking(move || {
+                            log.read(&l)
+                                .map_err(|e| std::io::Error::other(e.to_string()))
+                        })
+                        .await
+                        {
+                            Ok(d) => {
+                                slot.insert(d);
+                            }
+                            Err(e) => {
+                                read_err = Some((e, sp.start, sp.len, ser));
+                                break;
+                            }
+                        }
+                    }
+                    let d = &records[&l];
+                    out[at..at + sp.len as usize]
+                        .copy_from_slice(&d[pos as usize..(pos + sp.len) as usize]);
+                    hit += sp.len;
+                }
+            }
+        }
+        for sp in &spans {
+            if let Some(Ix {
+                src: IxSrc::Rec(l), ..
+            }) = sp.value
+            {
+                self.shared.log.unpin(&l);
+            }
+        }
+        if let Some((e, start, n, ser)) = read_err {
+            let dirty = {
+                let st = lock(&self.st);
+                ser > st.checkpoint
+            };
+            let why = format!(
+                "cache record for bytes {start}+{n} cannot be read: {e}{}",
+                if dirty { " (dirty data lost)" } else { "" }
+            );
+            warn!("volume {:?}: {why}", self.name);
+            {
+                let mut st = lock(&self.st);
+                if dirty {
+                    st.degraded.get_or_insert(why.clone());
+                    return Err(Error::Cache(why));
+                }
+                // Clean data: the datastore has it. Drop the entry and read from there.
+                self.index_remove(&mut st, start, n);
+            }
+            return Box::pin(self.read(offset, len)).await;
+        }
+        self.counters
+            .read_hit_bytes
+            .fetch_add(hit, Ordering::Relaxed);
+        for (start, n) in &misses {
+            let d = self
+                .store
+                .read(*start, *n as usize)
+                .await
+                .map_err(Error::Datastore)?;
+            let at = (start - offset) as usize;
+            out[at..at + *n as usize].copy_from_slice(&d);
+            self.counters
+                .read_miss_bytes
+                .fetch_add(*n, Ordering::Relaxed);
+            self.fill(*start, d, evictions).await;
+        }
+        Ok(out.freeze())
+    }
+
+    /// Caches data read from the datastore, only into ranges still unmapped, and only if no
+    /// eviction happened since the read began (module doc). Best effort: errors are ignored.
+    async fn fill(&self, offset: u64, data: Bytes, evictions_before: u64) {
+        if self.shared.log.is_failed() {
+            return;
+        }
+        let len = data.len() as u64;
+        let Ok(recs) = self
+            .append_write(Kind::Fill, 0, 0, offset, len, Some(&data))
+            .await
+        else {
+            return;
+        };
+        let mut st = lock(&self.st);
+        let stale = st.evictions != evictions_before;
+        for (loc, off, n) in recs {
+            if stale {
+                continue;
+            }
+            for sp in st.index.lookup(off, n) {
+                if sp.value.is_none() {
+                    let ix = Ix {
+                        src: IxSrc::Rec(loc),
+                        pos: sp.start - off,
+                        ser: 0,
+                    };
+                    self.index_insert(&mut st, sp.start, sp.len, ix);
+                }
+            }
+        }
+    }
+
+    /// Whether the destager should take a window from this volume now.
+    fn window_ready(&self, now: Instant) -> bool {
+        let st = lock(&self.st);
+        if st.staged.is_empty() || st.destage.retry_at.is_some_and(|t| t > now) {
+            return false;
+        }
+        if st.degraded.is_some() && self.shared.log.is_failed() {
+            return false; // nothing to destage from
+        }
+        let opts = *lock(&self.opts);
+        if opts.hold.is_zero() || st.replaying || st.draining {
+            return true;
+        }
+        let age = st.oldest_dirty.map(|t| now - t).unwrap_or_default();
+        age >= opts.hold
+            || age >= opts.max_dirty_age
+            || flow::pressure(&self.signals(&st), &self.triggers()) >= 1.0
+    }
+
+    /// Destages one window; true if it made progress.
+    async fn destage_window(&self) -> bool {
+        let (window, last, gen) = {
+            let st = lock(&self.st);
+            let opts = *lock(&self.opts);
+            let closing = if opts.hold.is_zero() {
+                Closing::Batch {
+                    max_writes: self.store.gate().queue_depth() as usize,
+                }
+            } else {
+                Closing::Held
+            };
+            // Only writes up to the completion watermark: a lower ser still in flight is not
+            // staged yet, and a checkpoint past it would claim the datastore has it.
+            let all: Vec<Staged<Loc>> = st
+                .staged
+                .iter()
+                .take_while(|w| w.w.ser <= st.done_ser)
+                .map(|w| w.w)
+                .collect();
+            let n = window::window_len(&all, closing);
+            if n == 0 {
+                return false;
+            }
+            // A window ends at a whole write: all parts of its last ser.
+            let mut n = n;
+            while n < all.len() && all[n].ser == all[n - 1].ser {
+                n += 1;
+            }
+            (all[..n].to_vec(), all[n - 1].ser, st.gen)
+        };
+        let started = Instant::now();
+        let pieces = window::coalesce(&window);
+        let bytes: u64 = pieces.iter().map(|p| p.len).sum();
+        let result = self.send_window(&pieces).await;
+        if let Err(e) = result {
+            let mut st = lock(&self.st);
+            let backoff = if st.destage.backoff.is_zero() {
+                Duration::from_millis(500)
+            } else {
+                (st.destage.backoff * 2).min(BACKOFF_MAX)
+            };
+            if st.destage.error.is_none() {
+                warn!(
+                    "volume {:?}: destaging to the datastore failed ({e}); retrying every \
+                     {:?} up to {BACKOFF_MAX:?}, nothing is dropped",
+                    self.name, backoff
+                );
+            }
+            st.destage = DestageState {
+                error: Some(e.to_string()),
+                retry_at: Some(Instant::now() + backoff),
+                backoff,
+            };
+            return false;
+        }
+        // The datastore now holds the window durably: record the checkpoint, make it durable,
+        // and only then release the window's records (see cachelog::log's rules). The window
+        // that ends a replay also covers the void range above it (`Recovered::void_upto`).
+        let ends_replay = {
+            let st = lock(&self.st);
+            st.replaying && st.staged.back().is_some_and(|w| w.w.ser <= last)
+        };
+        let recorded = if ends_replay {
+            last.max(lock(&self.st).void_upto)
+        } else {
+            last
+        };
+        if self
+            .append_meta(Kind::Checkpoint, recorded, gen, 0)
+            .is_err()
+            || self.sync().await.is_err()
+        {
+            let mut st = lock(&self.st);
+            st.degraded
+                .get_or_insert("cache device failed while recording a checkpoint".into());
+            return false;
+        }
+        let mut st = lock(&self.st);
+        while st.staged.front().is_some_and(|w| w.w.ser <= last) {
+            let w = st.staged.pop_front().expect("front exists");
+            st.dirty_bytes -= w.w.len;
+            self.shared.log.unpin(&w.rec);
+        }
+        st.checkpoint = recorded;
+        st.oldest_dirty = if st.staged.is_empty() {
+            None
+        } else {
+            st.oldest_dirty
+        };
+        if st.destage.error.is_some() {
+            info!("volume {:?}: destaging recovered", self.name);
+        }
+        st.destage = DestageState::default();
+        if st.replaying && st.staged.is_empty() {
+            st.replaying = false;
+            info!(
+                "volume {:?}: offline replay complete; taking writes",
+                self.name
+            );
+        }
+        drop(st);
+        let secs = started.elapsed().as_secs_f64().max(1e-6);
+        lock(&self.destage_bps).add(bytes as f64 / secs);
+        self.counters
+            .destaged_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.counters
+            .destaged_writes
+            .fetch_add(window.len() as u64, Ordering::Relaxed);
+        self.changed.notify_waiters();
+        self.shared.space.notify_waiters();
+        true
+    }
+
+    /// Writes a window's pieces to the datastore, all concurrently (the datastore's gate
+    /// bounds what is in flight), then flushes it.
+    async fn send_window(&self, pieces: &[window::Piece<Loc>]) -> Result<(), Error> {
+        let mut records: HashMap<Loc, Bytes> = HashMap::new();
+        for p in pieces {
+            if let Source::Data(l, _) = p.source {
+                if let std::collections::hash_map::Entry::Vacant(e) = records.entry(l) {
+                    let log = self.shared.log.clone();
+                    let d = blocking(move || {
+                        log.read(&l)
+                            .map_err(|e| std::io::Error::other(e.to_string()))
+                    })
+                    .await
+                    .map_err(|e| {
+                        // Never destage what cannot be verified.
+                        let why =
+                            format!("a dirty cache record cannot be read ({e}); destaging stopped");
+                        lock(&self.st).degraded.get_or_insert(why.clone());
+                        Error::Cache(why)
+                    })?;
+                    e.insert(Bytes::from(d));
+                }
+            }
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for p in pieces {
+            let store = self.store.clone();
+            let (off, len) = (p.offset, p.len);
+            let data = match p.source {
+                Source::Data(l, pos) => Some(records[&l].slice(pos as usize..(pos + len) as usize)),
+                Source::Zero => None,
+            };
+            set.spawn(async move {
+                let t = Instant::now();
+                let r = match data {
+                    Some(d) => store.write(off, d, false).await,
+                    None => store.write_zeroes(off, len, true).await,
+                };
+                (r, t.elapsed())
+            });
+        }
+        let mut first_err = None;
+        while let Some(r) = set.join_next().await {
+            match r {
+                Ok((Ok(()), t)) => self.note_latency(t),
+                Ok((Err(e), _)) => {
+                    first_err.get_or_insert(Error::Datastore(e));
+                }
+                Err(e) => {
+                    first_err.get_or_insert(Error::Cache(format!("destage task failed: {e}")));
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.store.flush().await.map_err(Error::Datastore)
+    }
+
+    /// Waits until every dirty write is destaged (a drain), with writes throttled at full
+    /// pressure meanwhile. Fails if the cache device has failed: what it held cannot be
+    /// destaged any more.
+    pub async fn drain(&self) -> Result<(), Error> {
+        lock(&self.st).draining = true;
+        self.shared.wake.notify_one();
+        let log = self.shared.log.clone();
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let mut st = lock(&self.st);
+                if st.staged.is_empty() {
+                    st.draining = false;
+                    return Ok(());
+                }
+                if log.is_failed() {
+                    st.draining = false;
+                    return Err(Error::Cache(format!(
+                        "the cache device failed with {} dirty write(s) ({} bytes) not destaged",
+                        st.staged.len(),
+                        st.dirty_bytes
+                    )));
+                }
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    }
+
+    /// Whether every dirty write has been destaged.
+    pub fn clean(&self) -> bool {
+        lock(&self.st).staged.is_empty()
+    }
+
+    /// The `ser` the datastore is known to hold every write up to.
+    pub fn checkpoint(&self) -> u64 {
+        lock(&self.st).checkpoint
+    }
+
+    /// What start-up recovery found: the last `ser` of the replayed prefix, and the highest
+    /// `ser` seen in the log (new writes are numbered above it).
+    pub fn recovery_marks(&self) -> (u64, u64) {
+        let st = lock(&self.st);
+        (st.recovered_upto, st.void_upto)
+    }
+
+    /// Switches between `wt` and `wb` on a volume with no IO in flight (the caller paused
+    /// it). Going to `wt` requires the volume drained; it bumps `gen`. The sequence so far is
+    /// checkpointed so recovery never looks below it.
+    pub fn switch_mode(&self, mode: Mode) -> Result<(), Error> {
+        let (gen, next) = {
+            let mut st = lock(&self.st);
+            assert!(st.in_flight.is_empty(), "mode switch with writes in flight");
+            if mode == Mode::Wt {
+                assert!(st.staged.is_empty(), "switch to wt before draining");
+                if st.mode == Mode::Wb {
+                    st.gen += 1;
+                }
+            }
+            st.mode = mode;
+            st.checkpoint = st.next_ser - 1;
+            (st.gen, st.next_ser)
+        };
+        let code = match mode {
+            Mode::Wt => Policy::Wt.code(),
+            Mode::Wb => Policy::Wb.code(),
+        };
+        self.append_meta(Kind::Policy, 0, gen, code)?;
+        self.append_meta(Kind::Checkpoint, next - 1, gen, 0)?;
+        self.shared.log.sync().map_err(log_err)?;
+        self.changed.notify_waiters();
+        Ok(())
+    }
+
+    pub fn set_opts(&self, o: VolOpts) {
+        *lock(&self.opts) = o;
+        self.shared.wake.notify_one();
+    }
+
+    pub fn report(&self) -> CacheReport {
+        let st = lock(&self.st);
+        let sig = self.signals(&st);
+        let p = flow::pressure(&sig, &self.triggers());
+        let limit = (self.shared.share_bytes() as f64 * STALL_FRACTION) as u64;
+        let hits = self.counters.read_hit_bytes.load(Ordering::Relaxed);
+        let misses = self.counters.read_miss_bytes.load(Ordering::Relaxed);
+        CacheReport {
+            mode: match st.mode {
+                Mode::Wt => "wt".into(),
+                Mode::Wb => "wb".into(),
+            },
+            gen: st.gen,
+            dirty_bytes: st.dirty_bytes,
+            dirty_writes: st.staged.len() as u64,
+            share_bytes: self.shared.share_bytes(),
+            used_bytes: self.shared.log.segments_of(self.id) as u64
+                * self.shared.log.superblock().segment_size,
+            checkpoint: st.checkpoint,
+            last_ser: st.next_ser - 1,
+            read_hit_ratio: (hits + misses > 0).then(|| hits as f64 / (hits + misses) as f64),
+            destaged_bytes: self.counters.destaged_bytes.load(Ordering::Relaxed),
+            destaged_writes: self.counters.destaged_writes.load(Ordering::Relaxed),
+            destage_bytes_per_s: sig.destage_bytes_per_s,
+            datastore_write_latency_us: lock(&self.ds_latency).get().map(|s| (s * 1e6) as u64),
+            flow_control: if st.mode == Mode::Wb && st.dirty_bytes >= limit {
+                "stalled".into()
+            } else if flow::multiple(p) > 0.0 {
+                "throttling".into()
+            } else {
+                "off".into()
+            },
+            flow_pressure: p,
+            throttled_writes: self.counters.throttled_writes.load(Ordering::Relaxed),
+            throttle_delay_us_total: self.counters.throttle_us.load(Ordering::Relaxed),
+            stalls: self.counters.stalls.load(Ordering::Relaxed),
+            replaying: st.replaying,
+            degraded: st.degraded.clone(),
+            destage_error: st.destage.error.clone(),
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Write-back against power loss, as a property (DESIGN §2): random overlapping writes, FUA,
+//! FLUSH, destager steps and power losses that keep, tear or drop each unsynced cache write.
+//!
+//! After every recovery the volume must read as the result of applying a prefix of the writes
+//! issued, in issue order, and that prefix must hold every write that was durable (completed
+//! with FUA, or completed before a completed FLUSH). And whenever the destager has recorded a
+//! checkpoint, the datastore image must equal the volume as of that checkpoint.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use uuid::Uuid;
+
+use cachelog::device::{Fate, SimDevice};
+use cluster::{Policy, Tuning};
+use datastore::device::MemDevice;
+use datastore::{Extent, Gate};
+use engine::cache::CacheHost;
+use engine::Volume;
+
+const SECTORS: u64 = 64;
+const VOL: u64 = SECTORS * 512;
+const SEG: u64 = 64 << 10;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write {
+        sector: u64,
+        sectors: u64,
+        fua: bool,
+    },
+    Zero {
+        sector: u64,
+        sectors: u64,
+    },
+    Flush,
+    Destage,
+    PowerLoss {
+        fates: Vec<u8>,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..SECTORS, 1..9u64, prop::bool::weighted(0.2)).prop_map(|(s, n, fua)| Op::Write {
+            sector: s,
+            sectors: n.min(SECTORS - s),
+            fua
+        }),
+        1 => (0..SECTORS, 1..5u64).prop_map(|(s, n)| Op::Zero { sector: s, sectors: n.min(SECTORS - s) }),
+        1 => Just(Op::Flush),
+        2 => Just(Op::Destage),
+        1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::PowerLoss { fates }),
+    ]
+}
+
+/// A write issued: its `ser`, offset and data.
+type W = (u64, u64, Vec<u8>);
+
+/// The volume image after applying `writes[..k]`.
+fn image(writes: &[W], k: usize) -> Vec<u8> {
+    let mut img = vec![0u8; VOL as usize];
+    for (_, off, data) in &writes[..k] {
+        img[*off as usize..*off as usize + data.len()].copy_from_slice(data);
+    }
+    img
+}
+
+/// How many of `writes` have `ser` ≤ `s` (they are in ser order).
+fn upto(writes: &[W], s: u64) -> usize {
+    writes.iter().take_while(|w| w.0 <= s).count()
+}
+
+struct Rig {
+    cache: Arc<SimDevice>,
+    store: Arc<MemDevice>,
+    host: Arc<CacheHost>,
+    vol: Volume,
+    id: Uuid,
+}
+
+impl Rig {
+    fn open(cache: Arc<SimDevice>, store: Arc<MemDevice>, id: Uuid) -> Rig {
+        let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
+        let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+        let vol = Volume::open(
+            id,
+            "p".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .expect("open volume");
+        host.finish_recovery().expect("finish recovery");
+        Rig {
+            cache,
+            store,
+            host,
+            vol,
+            id,
+        }
+    }
+
+    async fn destage_all(&self) {
+        let c = self.vol.cache().expect("cached");
+        for turn in 0..10_000 {
+            if c.clean() {
+                return;
+            }
+            self.host.destage_turn(turn).await;
+        }
+        panic!("the destager made no progress");
+    }
+}
+
+/// Checkpoint c means the datastore holds exactly the writes with `ser` ≤ c.
+fn check_checkpoint(r: &Rig, writes: &[W]) -> Result<(), TestCaseError> {
+    let cp = r.vol.cache().expect("cached").checkpoint();
+    prop_assert_eq!(
+        r.store.image(),
+        image(writes, upto(writes, cp)),
+        "datastore differs from the volume as of checkpoint {}",
+        cp
+    );
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_durable_write_survives_and_the_volume_is_a_prefix(ops in proptest::collection::vec(op(), 1..60)) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            let id = Uuid::new_v4();
+            let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+            let store = Arc::new(MemDevice::new(VOL));
+            let mut r = Rig::open(cache, store, id);
+            // Every write issued, in ser order; how many are durable; the next ser.
+            let mut writes: Vec<W> = Vec::new();
+            let mut durable = 0usize;
+            let mut next = 1u64;
+            for (i, op) in ops.iter().enumerate() {
+                match op {
+                    Op::Write { sector, sectors, fua } => {
+                        let data = vec![(i % 250) as u8 + 1; (*sectors * 512) as usize];
+                        r.vol.write(sector * 512, Bytes::from(data.clone()), *fua).await.unwrap();
+                        writes.push((next, sector * 512, data));
+                        next += 1;
+                        if *fua {
+                            durable = writes.len();
+                        }
+                    }
+                    Op::Zero { sector, sectors } => {
+                        r.vol.write_zeroes(sector * 512, sectors * 512, true, false).await.unwrap();
+                        writes.push((next, sector * 512, vec![0u8; (*sectors * 512) as usize]));
+                        next += 1;
+                    }
+                    Op::Flush => {
+                        r.vol.flush().await.unwrap();
+                        durable = writes.len();
+                    }
+                    Op::Destage => {
+                        r.host.destage_turn(0).await;
+                        check_checkpoint(&r, &writes)?;
+                    }
+                    Op::PowerLoss { fates } => {
+                        let Rig { cache, store, id, .. } = r;
+                        cache.power_loss(|j, n| match fates[j % fates.len()] {
+                            0 => Fate::Lost,
+                            1 => Fate::Kept,
+                            _ => Fate::Torn(n / 2),
+                        });
+                        r = Rig::open(cache, store, id);
+                        let (recovered, void) = r.vol.cache().unwrap().recovery_marks();
+                        r.destage_all().await;
+                        // The log gave back a prefix (by ser) holding every durable write.
+                        let k = upto(&writes, recovered);
+                        prop_assert!(k >= durable, "durable write lost: {} of {} survived, {} were durable", k, writes.len(), durable);
+                        let got = r.vol.read(0, VOL as u32).await.unwrap().to_vec();
+                        prop_assert!(got == image(&writes, k), "the volume is not the prefix of {} writes", k);
+                        prop_assert_eq!(r.store.image(), got, "after replay the datastore equals the volume");
+                        prop_assert!(r.vol.cache().unwrap().checkpoint() >= void);
+                        // The writes past the prefix never happened; new sers come after all seen.
+                        writes.truncate(k);
+                        durable = k;
+                        next = void + 1;
+                    }
+                }
+            }
+            // Finally everything destages and the datastore equals the volume.
+            r.destage_all().await;
+            let got = r.vol.read(0, VOL as u32).await.unwrap().to_vec();
+            prop_assert_eq!(&got, &image(&writes, writes.len()));
+            prop_assert_eq!(r.store.image(), got);
+            drop(r.host);
+            Ok(())
+        })?;
+    }
+}
