@@ -80,10 +80,21 @@ pub struct Entry {
 /// The latest checkpoint and policy a volume recorded; copied into each of its new segments.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OwnerMeta {
-    /// (ser, gen) of the newest checkpoint.
+    /// (ser, gen) of the newest checkpoint: the highest gen, then the highest ser.
     pub checkpoint: Option<(u64, u64)>,
     /// (arg, gen) of the newest policy record.
     pub policy: Option<(u64, u64)>,
+    /// The highest gen of any record of the owner ever seen (kept after [`Log::forget`], so a
+    /// volume that comes back always starts a newer generation than anything on the device).
+    pub max_gen: u64,
+}
+
+impl OwnerMeta {
+    fn note_checkpoint(&mut self, ser: u64, gen: u64) {
+        if self.checkpoint.is_none_or(|(s, g)| (gen, ser) >= (g, s)) {
+            self.checkpoint = Some((ser, gen));
+        }
+    }
 }
 
 /// A record found by the recovery scan.
@@ -256,19 +267,17 @@ impl Log {
                     true
                 };
                 let order = (sh.seg_seq, at);
-                match h.kind {
-                    Kind::Checkpoint | Kind::Policy => {
-                        let (m, last) = meta.entry(h.volume).or_default();
-                        if h.kind == Kind::Checkpoint {
-                            if m.checkpoint.is_none_or(|(ser, _)| h.ser >= ser) {
-                                m.checkpoint = Some((h.ser, h.gen));
-                            }
-                        } else if order >= *last {
+                if h.kind != Kind::Fill {
+                    let (m, last) = meta.entry(h.volume).or_default();
+                    m.max_gen = m.max_gen.max(h.gen);
+                    match h.kind {
+                        Kind::Checkpoint => m.note_checkpoint(h.ser, h.gen),
+                        Kind::Policy if order >= *last => {
                             m.policy = Some((h.arg, h.gen));
                             *last = order;
                         }
+                        _ => {}
                     }
-                    _ => {}
                 }
                 records.push(Scanned {
                     header: h,
@@ -306,7 +315,12 @@ impl Log {
     /// Ends recovery: starts a fresh segment (with metadata copies) for every volume the scan
     /// found metadata for, syncs, and frees every old segment nobody claimed.
     pub fn finish_recovery(&self) -> Result<()> {
-        let owners: Vec<Uuid> = lock(&self.inner).meta.keys().copied().collect();
+        let owners: Vec<Uuid> = lock(&self.inner)
+            .meta
+            .iter()
+            .filter(|(_, m)| m.checkpoint.is_some() || m.policy.is_some())
+            .map(|(o, _)| *o)
+            .collect();
         for o in owners {
             self.start_segment(o)?;
         }
@@ -452,17 +466,14 @@ impl Log {
                 let at = seg.tail;
                 seg.tail += need;
                 let seq = seg.seg_seq;
-                match e.kind {
-                    Kind::Checkpoint => {
-                        let m = inner.meta.entry(e.volume).or_default();
-                        if m.checkpoint.is_none_or(|(s, _)| e.ser >= s) {
-                            m.checkpoint = Some((e.ser, e.gen));
-                        }
+                if e.kind != Kind::Fill {
+                    let m = inner.meta.entry(e.volume).or_default();
+                    m.max_gen = m.max_gen.max(e.gen);
+                    match e.kind {
+                        Kind::Checkpoint => m.note_checkpoint(e.ser, e.gen),
+                        Kind::Policy => m.policy = Some((e.arg, e.gen)),
+                        _ => {}
                     }
-                    Kind::Policy => {
-                        inner.meta.entry(e.volume).or_default().policy = Some((e.arg, e.gen));
-                    }
-                    _ => {}
                 }
                 break (cur, at, seq);
             }
@@ -644,10 +655,14 @@ impl Log {
             .unwrap_or_default()
     }
 
-    /// Forgets an owner that is gone: its current segment is released like any other.
+    /// Forgets an owner that is gone: its current segment is released like any other. Its
+    /// highest gen is remembered (see [`OwnerMeta::max_gen`]).
     pub fn forget(&self, owner: Uuid) {
         let mut inner = lock(&self.inner);
-        inner.meta.remove(&owner);
+        if let Some(m) = inner.meta.get_mut(&owner) {
+            m.checkpoint = None;
+            m.policy = None;
+        }
         if let Some(s) = inner.current.remove(&owner) {
             Self::maybe_free(&mut inner, s);
         }
@@ -827,7 +842,8 @@ mod tests {
             l2.meta(a),
             OwnerMeta {
                 checkpoint: Some((9, 1)),
-                policy: Some((2, 1))
+                policy: Some((2, 1)),
+                max_gen: 1,
             }
         );
     }

@@ -235,6 +235,9 @@ struct Recovered {
     policy: Option<Policy>,
     /// Intact, complete, contiguous writes above the checkpoint, in ser order; each with its parts.
     writes: Vec<Vec<Scanned>>,
+    /// The host pins these records itself while the volume has not attached yet (its datastore
+    /// is down): attaching takes the pins over.
+    pinned_by_host: bool,
     /// The highest `ser` of any write record found, recovered or not. Records above the
     /// recovered prefix are void (they never completed, or follow a gap); new writes are
     /// numbered above all of them, and once replay is done a checkpoint at this `ser` puts them
@@ -324,6 +327,11 @@ impl CacheHost {
         opts: VolOpts,
     ) -> Result<Arc<VolCache>, Error> {
         let rec = lock(&self.recovered).remove(&id).unwrap_or_default();
+        let held: Vec<Loc> = if rec.pinned_by_host {
+            rec.writes.iter().flatten().map(|s| s.loc).collect()
+        } else {
+            Vec::new()
+        };
         let v = Arc::new(VolCache::new(
             id,
             name.to_owned(),
@@ -333,6 +341,9 @@ impl CacheHost {
             self.shared.clone(),
             rec,
         )?);
+        for l in held {
+            self.shared.log.unpin(&l); // the volume's staging queue pins them now
+        }
         self.shared.cached_volumes.fetch_add(1, Ordering::SeqCst);
         lock(&self.vols).push(v.clone());
         self.shared.wake.notify_one();
@@ -348,18 +359,35 @@ impl CacheHost {
         self.shared.log.forget(v.id);
     }
 
-    /// Ends start-up recovery: dirty data nobody claimed (its volume no longer exists) is
-    /// reported and dropped, and unclaimed segments are freed.
-    pub fn finish_recovery(&self) -> Result<(), Error> {
-        for (id, r) in lock(&self.recovered).drain() {
-            if !r.writes.is_empty() {
+    /// Ends start-up recovery. Dirty data of volumes in `keep` that have not attached yet
+    /// (their datastore is down) stays pinned until they do; dirty data of volumes that no
+    /// longer exist is reported and dropped; unclaimed segments are freed.
+    pub fn finish_recovery(&self, keep: &[Uuid]) -> Result<(), Error> {
+        let mut rec = lock(&self.recovered);
+        rec.retain(|id, r| {
+            if r.writes.is_empty() {
+                return false;
+            }
+            if keep.contains(id) {
                 warn!(
-                    "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
-                     dropping them",
+                    "volume {id} has {} dirty write(s) in the cache log but is not open yet; \
+                     they are kept for when it opens",
                     r.writes.len()
                 );
+                for s in r.writes.iter().flatten() {
+                    self.shared.log.pin(&s.loc);
+                }
+                r.pinned_by_host = true;
+                return true;
             }
-        }
+            warn!(
+                "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
+                 dropping them",
+                r.writes.len()
+            );
+            false
+        });
+        drop(rec);
         self.shared.log.finish_recovery().map_err(log_err)
     }
 
@@ -407,7 +435,11 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
     let mut owners: std::collections::HashSet<Uuid> = std::collections::HashSet::new();
     for s in scanned {
         owners.insert(s.header.volume);
-        if matches!(s.header.kind, Kind::Data | Kind::Zero) {
+        // Only the newest generation counts: older ones are earlier lives of the volume in
+        // this cache, fully destaged or deliberately dropped, whose records may linger in
+        // freed segments.
+        let newest = log.meta(s.header.volume).max_gen;
+        if matches!(s.header.kind, Kind::Data | Kind::Zero) && s.header.gen == newest {
             by_vol
                 .entry(s.header.volume)
                 .or_default()
@@ -419,10 +451,13 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
     let mut out = HashMap::new();
     for id in owners {
         let meta = log.meta(id);
-        let (checkpoint, cgen) = meta.checkpoint.unwrap_or((0, 0));
+        let checkpoint = match meta.checkpoint {
+            Some((ser, gen)) if gen == meta.max_gen => ser,
+            _ => 0,
+        };
         let mut r = Recovered {
             checkpoint,
-            gen: cgen.max(meta.policy.map(|p| p.1).unwrap_or(0)),
+            gen: meta.max_gen,
             policy: meta.policy.and_then(|(arg, _)| Policy::from_code(arg)),
             ..Recovered::default()
         };
@@ -520,6 +555,14 @@ impl VolCache {
     ) -> Result<VolCache, Error> {
         let last = rec.checkpoint + rec.writes.len() as u64;
         let replaying = !rec.writes.is_empty();
+        // With something to replay the volume continues its generation (the replay is in it);
+        // otherwise it starts one newer than anything the device holds for it, so records of
+        // its earlier lives can never be mistaken for its new ones.
+        let gen = if replaying {
+            rec.gen.max(1)
+        } else {
+            shared.log.meta(id).max_gen + 1
+        };
         // Without replay the void range is checkpointed at once; with replay, when it ends.
         let checkpoint = if replaying {
             rec.checkpoint
@@ -532,7 +575,7 @@ impl VolCache {
             store,
             st: Mutex::new(VolState {
                 mode,
-                gen: rec.gen.max(1),
+                gen,
                 next_ser: last.max(rec.void_upto) + 1,
                 done_ser: last.max(rec.void_upto),
                 done_above: Default::default(),

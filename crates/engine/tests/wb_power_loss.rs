@@ -36,6 +36,8 @@ enum Op {
     },
     Flush,
     Destage,
+    /// wb → uncached → wb: the volume leaves the cache and comes back (a new generation).
+    Cycle,
     PowerLoss {
         fates: Vec<u8>,
     },
@@ -52,6 +54,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Flush),
         2 => Just(Op::Destage),
         1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::PowerLoss { fates }),
+        1 => Just(Op::Cycle),
     ]
 }
 
@@ -93,7 +96,7 @@ impl Rig {
             Some(host.clone()),
         )
         .expect("open volume");
-        host.finish_recovery().expect("finish recovery");
+        host.finish_recovery(&[id]).expect("finish recovery");
         Rig {
             cache,
             store,
@@ -165,6 +168,26 @@ proptest! {
                     Op::Destage => {
                         r.host.destage_turn(0).await;
                         check_checkpoint(&r, &writes)?;
+                    }
+                    Op::Cycle => {
+                        // Drive the destager while the policy change drains.
+                        let host = r.host.clone();
+                        let drive = tokio::spawn(async move {
+                            for turn in 0.. {
+                                if !host.destage_turn(turn).await {
+                                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                                }
+                            }
+                        });
+                        r.vol.set_policy(Policy::Uncached).await.unwrap();
+                        drive.abort();
+                        prop_assert_eq!(r.store.image(), image(&writes, writes.len()), "leaving wb drained everything");
+                        r.vol.set_policy(Policy::Wb).await.unwrap();
+                        // Everything is on the datastore; the new generation numbers anew.
+                        let img = image(&writes, writes.len());
+                        writes = vec![(0, 0, img)];
+                        durable = 1;
+                        next = r.vol.cache().unwrap().checkpoint() + 1;
                     }
                     Op::PowerLoss { fates } => {
                         let Rig { cache, store, id, .. } = r;
