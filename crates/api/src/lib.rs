@@ -10,6 +10,7 @@
 //! | POST | /v1/volumes | [`CreateVolume`] | [`VolumeInfo`] |
 //! | GET | /v1/volumes/{name} | | [`VolumeInfo`] |
 //! | DELETE | /v1/volumes/{name}?force=true | | [`VolumeInfo`] of what was deleted |
+//! | POST | /v1/volumes/{name}/policy | [`SetPolicy`] | [`VolumeInfo`] |
 //! | GET | /v1/stats?volume=NAME | | [`StatsReport`] |
 //!
 //! Errors come back with a 4xx/5xx status and an [`ApiError`] body.
@@ -78,6 +79,56 @@ pub struct VolumeInfo {
     pub created_unix: u64,
     /// URIs clients connect to: the unix socket first, then TCP.
     pub urls: Vec<String>,
+    /// Write-back tuning in effect.
+    #[serde(default)]
+    pub tuning: TuningInfo,
+    /// The cache's view, for cached policies.
+    #[serde(default)]
+    pub cache: Option<CacheInfo>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct TuningInfo {
+    pub hold_s: Option<f64>,
+    pub max_dirty_age_s: Option<f64>,
+    pub rpo_s: Option<f64>,
+}
+
+/// A cached volume as the cache sees it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct CacheInfo {
+    pub mode: String,
+    pub gen: u64,
+    pub dirty_bytes: u64,
+    pub dirty_writes: u64,
+    pub share_bytes: u64,
+    pub used_bytes: u64,
+    /// The datastore holds every write up to this sequence number.
+    pub checkpoint: u64,
+    pub last_ser: u64,
+    pub read_hit_ratio: Option<f64>,
+    pub destaged_bytes: u64,
+    pub destaged_writes: u64,
+    pub destage_bytes_per_s: f64,
+    pub datastore_write_latency_us: Option<u64>,
+    /// `off`, `throttling` or `stalled`.
+    pub flow_control: String,
+    pub flow_pressure: f64,
+    pub throttled_writes: u64,
+    pub throttle_delay_us_total: u64,
+    pub stalls: u64,
+    pub replaying: bool,
+    pub degraded: Option<String>,
+    pub destage_error: Option<String>,
+}
+
+/// Change a volume's policy and/or write-back tuning.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SetPolicy {
+    pub policy: String,
+    pub hold_s: Option<f64>,
+    pub max_dirty_age_s: Option<f64>,
+    pub rpo_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -86,6 +137,12 @@ pub struct CreateVolume {
     pub size: u64,
     pub datastore: Option<String>,
     pub policy: Option<String>,
+    #[serde(default)]
+    pub hold_s: Option<f64>,
+    #[serde(default)]
+    pub max_dirty_age_s: Option<f64>,
+    #[serde(default)]
+    pub rpo_s: Option<f64>,
 }
 
 /// IO figures over the last stats interval, plus totals since start.

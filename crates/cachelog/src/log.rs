@@ -241,8 +241,14 @@ impl Log {
         let mut buf = vec![0u8; sb.segment_size as usize];
         for s in 0..sb.segment_count as u32 {
             let base = sb.segment_offset(s);
-            dev.read_at(base, &mut buf).map_err(io)?;
-            let Some(sh) = SegmentHeader::decode(&buf) else {
+            // The header first: most segments of a young or idle cache were never written.
+            dev.read_at(base, &mut buf[..format::SEGMENT_HEADER_LEN as usize])
+                .map_err(io)?;
+            let header = SegmentHeader::decode(&buf);
+            if header.is_some() {
+                dev.read_at(base, &mut buf).map_err(io)?;
+            }
+            let Some(sh) = header else {
                 segs.push(Seg {
                     free: true,
                     ..Seg::default()

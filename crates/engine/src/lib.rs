@@ -255,6 +255,11 @@ impl Volume {
         self.quiesce(limit).await
     }
 
+    /// Undoes a [`Volume::revoke`] whose purpose (a delete) failed: the volume serves again.
+    pub fn unrevoke(&self) {
+        self.revoked.store(false, Ordering::SeqCst);
+    }
+
     /// Detaches the volume from the cache for good (it is being deleted): dirty data that was
     /// not destaged is dropped with it.
     pub fn detach_cache(&self) {

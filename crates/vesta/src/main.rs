@@ -84,9 +84,20 @@ enum VolumeCmd {
         /// Datastore to create it on (default: the only one, or `default`).
         #[arg(long)]
         datastore: Option<String>,
-        /// Cache policy.
+        /// Cache policy: uncached, wt (write-through) or wb (write-back).
         #[arg(long)]
         policy: Option<String>,
+        #[command(flatten)]
+        tuning: TuningArgs,
+    },
+    /// Change a volume's cache policy (and write-back tuning) while it serves IO. Leaving wb
+    /// first destages all dirty data.
+    Policy {
+        name: String,
+        /// uncached, wt or wb.
+        policy: String,
+        #[command(flatten)]
+        tuning: TuningArgs,
     },
     /// List volumes.
     List,
@@ -106,6 +117,20 @@ enum VolumeCmd {
         #[arg(long)]
         tcp: bool,
     },
+}
+
+/// Write-back tuning (DESIGN §3).
+#[derive(clap::Args, Debug, Default)]
+struct TuningArgs {
+    /// Seconds a destage window is held open to absorb overwrites (0: destage at once).
+    #[arg(long)]
+    hold: Option<f64>,
+    /// Seconds after which dirty data is destaged even while a window is held.
+    #[arg(long)]
+    max_dirty_age: Option<f64>,
+    /// Recovery point objective in seconds: flow control keeps dirty data destageable in it.
+    #[arg(long)]
+    rpo: Option<f64>,
 }
 
 struct Client {
@@ -305,6 +330,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             size,
             datastore,
             policy,
+            tuning,
         }) => {
             let size = parse_size(&size).map_err(|e| anyhow!("--size: {e}"))?;
             let req = api::CreateVolume {
@@ -312,6 +338,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 size,
                 datastore,
                 policy,
+                hold_s: tuning.hold,
+                max_dirty_age_s: tuning.max_dirty_age,
+                rpo_s: tuning.rpo,
             };
             let v: api::VolumeInfo = c.post("/v1/volumes", &req)?;
             if cli.json {
@@ -327,6 +356,28 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(u) = v.urls.first() {
                 println!("connect: {u}");
             }
+        }
+        Cmd::Volume(VolumeCmd::Policy {
+            name,
+            policy,
+            tuning,
+        }) => {
+            let req = api::SetPolicy {
+                policy,
+                hold_s: tuning.hold,
+                max_dirty_age_s: tuning.max_dirty_age,
+                rpo_s: tuning.rpo,
+            };
+            if !cli.json {
+                eprintln!(
+                    "changing the policy of {name} (leaving wb waits for dirty data to destage)…"
+                );
+            }
+            let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{name}/policy"), &req)?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("volume {} now has policy {}", v.name, v.policy);
         }
         Cmd::Volume(VolumeCmd::List) => {
             let v: Vec<api::VolumeInfo> = c.get("/v1/volumes")?;
@@ -363,6 +414,61 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("connections  {}", v.connections);
             for u in &v.urls {
                 println!("url          {u}");
+            }
+            let t = &v.tuning;
+            if let Some(h) = t.hold_s {
+                println!("hold         {h}s");
+            }
+            if let Some(a) = t.max_dirty_age_s {
+                println!("max dirty    {a}s");
+            }
+            if let Some(r) = t.rpo_s {
+                println!("rpo          {r}s");
+            }
+            if let Some(c) = &v.cache {
+                println!("cache        {} (gen {})", c.mode, c.gen);
+                println!(
+                    "  share      {} used of {}",
+                    format_size(c.used_bytes),
+                    format_size(c.share_bytes)
+                );
+                println!(
+                    "  dirty      {} in {} write(s); checkpoint {} of {}",
+                    format_size(c.dirty_bytes),
+                    c.dirty_writes,
+                    c.checkpoint,
+                    c.last_ser
+                );
+                println!(
+                    "  hit ratio  {}",
+                    c.read_hit_ratio
+                        .map(|r| format!("{:.1}%", r * 100.0))
+                        .unwrap_or_else(|| "-".into())
+                );
+                println!(
+                    "  destage    {} in {} write(s), {}/s now, datastore write latency {}",
+                    format_size(c.destaged_bytes),
+                    c.destaged_writes,
+                    format_size(c.destage_bytes_per_s as u64),
+                    lat(c.datastore_write_latency_us)
+                );
+                println!(
+                    "  flow       {} (pressure {:.2}); {} write(s) throttled for {} in all, {} stall(s)",
+                    c.flow_control,
+                    c.flow_pressure,
+                    c.throttled_writes,
+                    lat(Some(c.throttle_delay_us_total)),
+                    c.stalls
+                );
+                if c.replaying {
+                    println!("  replaying  dirty data from before a crash; writes wait");
+                }
+                if let Some(d) = &c.degraded {
+                    println!("  DEGRADED   {d}");
+                }
+                if let Some(e) = &c.destage_error {
+                    println!("  destage    failing, retrying: {e}");
+                }
             }
         }
         Cmd::Volume(VolumeCmd::Delete { name, force }) => {

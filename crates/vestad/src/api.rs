@@ -52,6 +52,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/datastores", get(list_datastores).post(add_datastore))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
+        .route("/v1/volumes/{name}/policy", axum::routing::post(set_policy))
         .route("/v1/stats", get(stats))
         .fallback(|| async {
             OpError::NotFound("no such API path; see the vesta-api crate for the routes".into())
@@ -116,6 +117,17 @@ async fn delete_volume(
 ) -> Result<Json<api::VolumeInfo>, OpError> {
     Ok(Json(
         detached(async move { d.delete_volume(&name, q.force).await }).await?,
+    ))
+}
+
+async fn set_policy(
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<api::SetPolicy>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<api::VolumeInfo>, OpError> {
+    let req = body(b)?;
+    Ok(Json(
+        detached(async move { d.set_policy(&name, req).await }).await?,
     ))
 }
 

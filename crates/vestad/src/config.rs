@@ -27,6 +27,7 @@ pub struct Config {
     pub nbd: NbdConfig,
     pub api: ApiConfig,
     pub stats: StatsConfig,
+    pub cache: CacheConfig,
     #[serde(rename = "datastore")]
     pub datastores: Vec<DatastoreConfig>,
 }
@@ -53,6 +54,29 @@ pub struct StatsConfig {
     pub interval_s: f64,
 }
 
+/// The host's cache device (DESIGN §1: the paper's flash).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// A file (created sparse) or block device, relative to `data_dir` unless absolute; empty
+    /// disables caching (only `uncached` volumes then).
+    pub path: String,
+    /// Size of a cache file, e.g. "1G" (a block device is used whole).
+    pub size: String,
+    /// Segment size of a new cache log, e.g. "1M".
+    pub segment_size: String,
+}
+
+impl Default for CacheConfig {
+    fn default() -> CacheConfig {
+        CacheConfig {
+            path: "cache.img".into(),
+            size: "1G".into(),
+            segment_size: "1M".into(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatastoreConfig {
@@ -77,6 +101,7 @@ impl Default for Config {
             nbd: NbdConfig::default(),
             api: ApiConfig::default(),
             stats: StatsConfig::default(),
+            cache: CacheConfig::default(),
             datastores: vec![DatastoreConfig {
                 name: "default".into(),
                 kind: "dir".into(),
@@ -126,7 +151,34 @@ impl Config {
         Ok(c)
     }
 
+    /// The cache device path, size and segment size, if caching is enabled.
+    pub fn cache_device(&self) -> anyhow::Result<Option<(PathBuf, u64, u64)>> {
+        if self.cache.path.is_empty() {
+            return Ok(None);
+        }
+        let size = vesta_api::parse_size(&self.cache.size)
+            .map_err(|e| anyhow::anyhow!("cache.size: {e}"))?;
+        let seg = vesta_api::parse_size(&self.cache.segment_size)
+            .map_err(|e| anyhow::anyhow!("cache.segment_size: {e}"))?;
+        if !(64 << 10..=64 << 20).contains(&seg) || seg % 512 != 0 {
+            bail!("cache.segment_size must be between 64K and 64M, a multiple of 512 (e.g. 1M)");
+        }
+        if size < (1 << 20) + 4 * seg {
+            bail!(
+                "cache.size {} is too small: it must hold 1 MiB of superblock and at least four \
+                 segments, e.g. 1G",
+                self.cache.size
+            );
+        }
+        Ok(Some((
+            self.in_data_dir(Path::new(&self.cache.path)),
+            size,
+            seg,
+        )))
+    }
+
     fn validate(&self) -> anyhow::Result<()> {
+        self.cache_device()?;
         if !(2.0..=10.0).contains(&self.stats.interval_s) {
             bail!(
                 "stats.interval_s = {} is out of range: use 2 to 10 seconds",

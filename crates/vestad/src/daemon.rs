@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use cluster::{Coordinator, Policy, VolumeRecord};
 use datastore::{Datastore, DatastoreSpec, Kind, OpenMode};
+use engine::cache::{CacheHost, CacheReport};
 use engine::Volume;
 use nbd::StopHandle;
 use vesta_api as api;
@@ -126,6 +127,8 @@ pub struct NbdAddrs {
 pub struct Daemon {
     pub config: Config,
     pub coord: Arc<dyn Coordinator>,
+    /// The host's cache device, if one is configured.
+    pub cache: Option<Arc<CacheHost>>,
     datastores: RwLock<BTreeMap<String, DsEntry>>,
     volumes: RwLock<BTreeMap<String, Arc<VolumeEntry>>>,
     admin: tokio::sync::Mutex<()>,
@@ -148,11 +151,16 @@ impl Daemon {
     /// Opens every datastore and volume the coordinator records, adding configured datastores
     /// that are new. Failures of single datastores or volumes are reported, not fatal: the
     /// rest keep serving.
-    pub async fn start(config: Config, coord: Arc<dyn Coordinator>) -> anyhow::Result<Daemon> {
+    pub async fn start(
+        config: Config,
+        coord: Arc<dyn Coordinator>,
+        cache: Option<Arc<CacheHost>>,
+    ) -> anyhow::Result<Daemon> {
         let d = Daemon {
             sampler: Mutex::new(Sampler::default()),
             config,
             coord,
+            cache,
             datastores: RwLock::new(BTreeMap::new()),
             volumes: RwLock::new(BTreeMap::new()),
             admin: tokio::sync::Mutex::new(()),
@@ -247,12 +255,21 @@ impl Daemon {
             .open_volume(&rec.spec())
             .await
             .map_err(|e| e.to_string())?;
-        Ok(Arc::new(Volume::new(
+        Volume::open(
             rec.id,
             rec.name.clone(),
             rec.policy,
+            rec.tuning,
             extent,
-        )))
+            self.cache.clone(),
+        )
+        .map(Arc::new)
+        .map_err(|e| e.to_string())
+    }
+
+    /// Ids of every volume the coordinator records (for the cache's start-up recovery).
+    pub fn volume_ids(&self) -> Vec<Uuid> {
+        self.entries().iter().map(|e| e.record.id).collect()
     }
 
     pub fn entry(&self, name: &str) -> OpResult<Arc<VolumeEntry>> {
@@ -326,12 +343,23 @@ impl Daemon {
     }
 
     pub fn volume_info(&self, e: &VolumeEntry) -> api::VolumeInfo {
+        // Policy and tuning change at run time: the open volume has the ones in effect.
+        let (policy, tuning, cache) = match &e.volume {
+            Ok(v) => (v.policy(), v.tuning(), v.cache_report()),
+            Err(_) => (e.record.policy, e.record.tuning, None),
+        };
         api::VolumeInfo {
             name: e.record.name.clone(),
             id: e.record.id.to_string(),
             size: e.record.size,
             datastore: e.record.datastore.clone(),
-            policy: e.record.policy.to_string(),
+            policy: policy.to_string(),
+            tuning: api::TuningInfo {
+                hold_s: tuning.hold_s,
+                max_dirty_age_s: tuning.max_dirty_age_s,
+                rpo_s: tuning.rpo_s,
+            },
+            cache: cache.map(cache_info),
             status: match &e.volume {
                 Ok(_) => "ok".into(),
                 Err(m) => m.clone(),
@@ -545,6 +573,13 @@ impl Daemon {
             Some(p) => p.parse().map_err(OpError::BadRequest)?,
             None => Policy::default(),
         };
+        let tuning = tuning_from(
+            cluster::Tuning::default(),
+            req.hold_s,
+            req.max_dirty_age_s,
+            req.rpo_s,
+        )?;
+        self.check_cache_for(policy)?;
         let ds_name = match req.datastore {
             Some(d) => d,
             None => {
@@ -577,7 +612,7 @@ impl Daemon {
             datastore: ds_name.clone(),
             policy,
             created_unix: now_unix(),
-            tuning: Default::default(),
+            tuning,
         };
         let extent = store.create_volume(&rec.spec()).await?;
         if let Err(e) = self.coord.create_volume(rec.clone()).await {
@@ -587,7 +622,24 @@ impl Daemon {
             }
             return Err(e.into());
         }
-        let volume = Arc::new(Volume::new(rec.id, rec.name.clone(), policy, extent));
+        let volume = match Volume::open(
+            rec.id,
+            rec.name.clone(),
+            policy,
+            tuning,
+            extent,
+            self.cache.clone(),
+        ) {
+            Ok(v) => Arc::new(v),
+            Err(e) => {
+                // Nothing may stay behind: neither the record nor the storage.
+                let _ = self.coord.delete_volume(&rec.name).await;
+                let _ = store.delete_volume(&rec.spec()).await;
+                return Err(OpError::Unavailable(format!(
+                    "cannot open the new volume: {e}"
+                )));
+            }
+        };
         let entry = Arc::new(VolumeEntry::new(rec.clone(), Ok(volume)));
         self.volumes
             .write()
@@ -657,10 +709,11 @@ impl Daemon {
         match &store {
             Some(store) => {
                 if let Err(e) = store.delete_volume(&entry.record.spec()).await {
-                    // Nothing was deleted: serve the volume again, through a fresh object,
-                    // since the old one is revoked.
-                    let reopened = self.open_volume(&entry.record).await;
-                    self.reinstate(&entry, reopened);
+                    // Nothing was deleted: serve the same volume again (its cache included).
+                    if let Ok(v) = &entry.volume {
+                        v.unrevoke();
+                    }
+                    self.reinstate(&entry, entry.volume.clone());
                     return Err(e.into());
                 }
             }
@@ -669,9 +722,50 @@ impl Daemon {
                  leaving its storage there (--force)"
             ),
         }
+        // Only now, with the storage gone, may what the cache holds for it go too.
+        if let Ok(v) = &entry.volume {
+            v.detach_cache();
+        }
         self.coord.delete_volume(name).await?;
         info!("deleted volume {name:?}");
         Ok(info)
+    }
+
+    fn check_cache_for(&self, policy: Policy) -> OpResult<()> {
+        if policy.cached() && self.cache.is_none() {
+            return Err(OpError::BadRequest(format!(
+                "policy {policy} needs a cache device, and this host has none: set [cache] path \
+                 in the vestad config"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Changes a volume's policy and/or tuning. Leaving `wb` drains dirty data first, which
+    /// can take as long as the datastore needs to take it; IO goes on meanwhile.
+    pub async fn set_policy(&self, name: &str, req: api::SetPolicy) -> OpResult<api::VolumeInfo> {
+        let entry = self.entry(name)?;
+        let volume = entry
+            .volume
+            .as_ref()
+            .map_err(|e| OpError::Unavailable(format!("volume {name:?} is not open: {e}")))?
+            .clone();
+        let policy: Policy = req.policy.parse().map_err(OpError::BadRequest)?;
+        self.check_cache_for(policy)?;
+        let tuning = tuning_from(volume.tuning(), req.hold_s, req.max_dirty_age_s, req.rpo_s)?;
+        volume.set_tuning(tuning);
+        volume
+            .set_policy(policy)
+            .await
+            .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+        // The record follows the volume only once the change is complete: a crash before that
+        // leaves the old policy recorded, and the cache log's own policy record decides.
+        let _admin = self.admin.lock().await;
+        let mut rec = entry.record.clone();
+        rec.policy = policy;
+        rec.tuning = tuning;
+        self.coord.update_volume(rec).await?;
+        Ok(self.volume_info(&entry))
     }
 
     /// Puts a volume whose deletion failed back into service, as a fresh entry (its old stop
@@ -762,6 +856,57 @@ impl Daemon {
             volumes: self.volumes.read().expect("lock").len(),
             datastores: self.datastores.read().expect("lock").len(),
         }
+    }
+}
+
+/// Merges tuning changes, checking each value.
+fn tuning_from(
+    mut t: cluster::Tuning,
+    hold_s: Option<f64>,
+    max_dirty_age_s: Option<f64>,
+    rpo_s: Option<f64>,
+) -> OpResult<cluster::Tuning> {
+    let check = |what: &str, v: Option<f64>, max: f64| match v {
+        Some(x) if !(0.0..=max).contains(&x) || x.is_nan() => Err(OpError::BadRequest(format!(
+            "{what} {x} is out of range: use 0 to {max} seconds"
+        ))),
+        _ => Ok(v),
+    };
+    if let Some(h) = check("--hold", hold_s, 3600.0)? {
+        t.hold_s = Some(h);
+    }
+    if let Some(a) = check("--max-dirty-age", max_dirty_age_s, 86400.0)? {
+        t.max_dirty_age_s = Some(a);
+    }
+    if let Some(r) = check("--rpo", rpo_s, 86400.0)? {
+        t.rpo_s = Some(r).filter(|r| *r > 0.0);
+    }
+    Ok(t)
+}
+
+fn cache_info(r: CacheReport) -> api::CacheInfo {
+    api::CacheInfo {
+        mode: r.mode,
+        gen: r.gen,
+        dirty_bytes: r.dirty_bytes,
+        dirty_writes: r.dirty_writes,
+        share_bytes: r.share_bytes,
+        used_bytes: r.used_bytes,
+        checkpoint: r.checkpoint,
+        last_ser: r.last_ser,
+        read_hit_ratio: r.read_hit_ratio,
+        destaged_bytes: r.destaged_bytes,
+        destaged_writes: r.destaged_writes,
+        destage_bytes_per_s: r.destage_bytes_per_s,
+        datastore_write_latency_us: r.datastore_write_latency_us,
+        flow_control: r.flow_control,
+        flow_pressure: r.flow_pressure,
+        throttled_writes: r.throttled_writes,
+        throttle_delay_us_total: r.throttle_delay_us_total,
+        stalls: r.stalls,
+        replaying: r.replaying,
+        degraded: r.degraded,
+        destage_error: r.destage_error,
     }
 }
 

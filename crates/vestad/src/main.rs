@@ -21,7 +21,9 @@ use clap::Parser;
 use tokio::net::TcpListener;
 use tracing::{error, info, warn};
 
+use cachelog::FileCache;
 use cluster::local::LocalCoordinator;
+use engine::cache::CacheHost;
 use nbd::server::{self as nbd_server, ConnTracker};
 use nbd::StopHandle;
 
@@ -179,7 +181,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(data_dir.join(READY_FILE));
 
     let coord = Arc::new(LocalCoordinator::open(&data_dir)?);
-    let daemon = Arc::new(Daemon::start(config.clone(), coord).await?);
+    // The cache log is scanned before any volume opens: volumes with dirty data replay it.
+    let cache = match config.cache_device()? {
+        Some((path, size, segment)) => {
+            let dev = FileCache::open(&path, size)
+                .with_context(|| format!("open cache device {}", path.display()))?;
+            let host = CacheHost::open(Arc::new(dev), segment)
+                .map_err(|e| anyhow!("cache device {}: {e}", path.display()))?;
+            info!(
+                "cache device {} ({} segments of {})",
+                path.display(),
+                host.log().superblock().segment_count,
+                vesta_api::format_size(host.log().superblock().segment_size)
+            );
+            Some(host)
+        }
+        None => None,
+    };
+    let stop_destager = StopHandle::new();
+    let daemon = Arc::new(Daemon::start(config.clone(), coord, cache.clone()).await?);
+    if let Some(host) = &cache {
+        host.finish_recovery(&daemon.volume_ids())
+            .map_err(|e| anyhow!("cache recovery: {e}"))?;
+        let stopped = stop_destager.subscribe();
+        tokio::spawn(host.clone().run_destager(move || stopped.is_stopped()));
+    }
 
     let stop = StopHandle::new();
     let (tracker, waiter) = ConnTracker::new();
@@ -249,6 +275,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
         warn!("connections still busy after {DRAIN_LIMIT:?}; flushing and exiting anyway");
     }
     daemon.flush_all().await;
+    // Dirty data stays in the (synced) cache log and is replayed at the next start.
+    stop_destager.stop();
     let _ = api.await;
     if let Some(p) = &addrs.unix {
         let _ = std::fs::remove_file(p);
