@@ -151,6 +151,7 @@ impl Vestad {
         let scratch = Scratch::new("vestad");
         let data_dir = scratch.join("data");
         let mut extra = vec![
+            "--test-faults".to_owned(),
             "--data-dir".to_owned(),
             data_dir.display().to_string(),
             "--api".to_owned(),
@@ -259,6 +260,35 @@ impl Vestad {
         a.extend_from_slice(args);
         let s = self.vesta_ok(&a);
         serde_json::from_str(&s).unwrap_or_else(|e| panic!("vesta {args:?}: bad JSON {e}: {s}"))
+    }
+
+    /// A raw HTTP POST to the admin API (for the test-only fault API, which the CLI does not
+    /// expose). Returns the status code and body.
+    pub fn post(&self, path: &str, body: &str) -> (u16, String) {
+        use std::io::Write;
+        let addr = self.api.trim_start_matches("http://");
+        let mut s = std::net::TcpStream::connect(addr).expect("connect to the admin API");
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).unwrap();
+        let status = resp
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = resp.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+        (status, body)
+    }
+
+    /// Makes the cache device fail every IO from now on.
+    pub fn fail_cache_device(&self) {
+        let (status, body) = self.post("/v1/debug/faults", r#"{"cache_device":"fail"}"#);
+        assert_eq!(status, 200, "fault injection failed: {body}");
     }
 
     /// Creates a volume and returns its unix-socket URI.

@@ -78,6 +78,54 @@ impl CacheDevice for FileCache {
     }
 }
 
+/// Wraps a device so that a test can make it fail every IO from some moment on, as a dying
+/// flash device would; used by `vestad --test-faults`.
+pub struct Faulty<D> {
+    inner: D,
+    failed: AtomicBool,
+}
+
+impl<D: CacheDevice> Faulty<D> {
+    pub fn new(inner: D) -> Faulty<D> {
+        Faulty {
+            inner,
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    pub fn fail(&self) {
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
+    fn check(&self) -> io::Result<()> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    }
+}
+
+impl<D: CacheDevice> CacheDevice for Faulty<D> {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.check()?;
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.check()?;
+        self.inner.write_at(offset, data)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.check()?;
+        self.inner.sync()
+    }
+}
+
 /// A simulated device in memory that models a volatile write cache, for tests:
 ///
 /// - writes land in a volatile layer; [`CacheDevice::sync`] makes them durable;

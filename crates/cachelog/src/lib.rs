@@ -11,5 +11,5 @@ pub mod format;
 pub mod index;
 pub mod log;
 
-pub use device::{CacheDevice, FileCache, SimDevice};
+pub use device::{CacheDevice, Faulty, FileCache, SimDevice};
 pub use log::{Entry, Loc, Log, LogError, OwnerMeta, Scanned};

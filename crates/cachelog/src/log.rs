@@ -424,6 +424,10 @@ impl Log {
     /// Appends a record for `e.volume` (the owner) and returns where it went. The record is
     /// on the device (in its volatile cache) when this returns; [`Log::sync`] makes it
     /// durable. Returns the append's completion ticket for [`Log::sync_through`].
+    ///
+    /// The record comes back **pinned**: the caller owns one pin and must [`Log::unpin`] it
+    /// once its own references (index holds, staging pins) are in place. Without that, the
+    /// segment could fill and be freed between the append and the caller's first reference.
     pub fn append(&self, e: &Entry, payload: &[u8]) -> Result<(Loc, u64)> {
         self.check_failed()?;
         assert_eq!(
@@ -471,6 +475,7 @@ impl Log {
             if seg.tail + need <= self.sb.segment_size {
                 let at = seg.tail;
                 seg.tail += need;
+                seg.pins += 1; // the caller's pin (see above)
                 let seq = seg.seg_seq;
                 if e.kind != Kind::Fill {
                     let m = inner.meta.entry(e.volume).or_default();
@@ -492,9 +497,14 @@ impl Log {
         buf.extend_from_slice(payload);
         buf.resize(need as usize, 0);
         let offset = self.sb.segment_offset(seg) + at;
-        self.dev
-            .write_at(offset, &buf)
-            .map_err(|e| self.io_error(e))?;
+        if let Err(e) = self.dev.write_at(offset, &buf) {
+            self.unpin(&Loc {
+                segment: seg,
+                offset,
+                len: 0,
+            });
+            return Err(self.io_error(e));
+        }
         let ticket = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
         Ok((
             Loc {
@@ -598,7 +608,10 @@ impl Log {
 
     /// The index now maps `bytes` of the record at `loc`.
     pub fn hold(&self, loc: &Loc, bytes: u64) {
-        lock(&self.inner).segs[loc.segment as usize].held += bytes;
+        let mut inner = lock(&self.inner);
+        let s = &mut inner.segs[loc.segment as usize];
+        assert!(!s.free, "hold on a record in a free segment: {loc:?}");
+        s.held += bytes;
     }
 
     /// The index no longer maps `bytes` of the record at `loc`.
@@ -611,7 +624,10 @@ impl Log {
 
     /// The destager needs the record at `loc` until it is covered by a checkpoint.
     pub fn pin(&self, loc: &Loc) {
-        lock(&self.inner).segs[loc.segment as usize].pins += 1;
+        let mut inner = lock(&self.inner);
+        let s = &mut inner.segs[loc.segment as usize];
+        assert!(!s.free, "pin on a record in a free segment: {loc:?}");
+        s.pins += 1;
     }
 
     pub fn unpin(&self, loc: &Loc) {
@@ -713,6 +729,13 @@ mod tests {
         }
     }
 
+    /// Appends and releases the append's pin at once (tests that manage references by hand).
+    fn add(l: &Log, e: &Entry, payload: &[u8]) -> Loc {
+        let (loc, _) = l.append(e, payload).unwrap();
+        l.unpin(&loc);
+        loc
+    }
+
     fn reopen(d: &Arc<SimDevice>) -> (Log, Vec<Scanned>) {
         Log::open(d.clone() as Arc<dyn CacheDevice>).unwrap()
     }
@@ -772,16 +795,17 @@ mod tests {
         for ser in 1..=40 {
             let (loc, _) = l.append(&data(a, ser, 0, 512), &[1u8; 512]).unwrap();
             l.hold(&loc, 512);
+            l.unpin(&loc);
             locs.push(loc);
         }
         let first = locs[0].segment;
-        l.append(&data(a, 41, 0, 32768), &[2u8; 32768]).unwrap(); // spills into a new segment
+        add(&l, &data(a, 41, 0, 32768), &[2u8; 32768]); // spills into a new segment
         for loc in locs.iter().filter(|x| x.segment == first) {
             l.release(loc, 512);
         }
         l.sync().unwrap();
         // b reuses the freed segment with one record; a's old records stay on the media after it.
-        let (loc, _) = l.append(&data(b, 1, 0, 512), &[3u8; 512]).unwrap();
+        let loc = add(&l, &data(b, 1, 0, 512), &[3u8; 512]);
         assert_eq!(loc.segment, first, "the freed segment is reused");
         l.sync().unwrap();
         let (_, scanned) = reopen(&d);
@@ -797,17 +821,11 @@ mod tests {
     fn a_freed_segment_is_reused_only_after_a_sync() {
         let (_d, l) = log(3);
         let a = Uuid::new_v4();
+        // The append's own pin stands for the destager's.
         let (loc, _) = l.append(&data(a, 1, 0, 512), &[1u8; 512]).unwrap();
-        l.pin(&loc);
         // Force a's appends into a new segment, leaving the first non-current.
         let mut ser = 2;
-        while l
-            .append(&data(a, ser, 0, 16 << 10), &vec![2u8; 16 << 10])
-            .unwrap()
-            .0
-            .segment
-            == loc.segment
-        {
+        while add(&l, &data(a, ser, 0, 16 << 10), &vec![2u8; 16 << 10]).segment == loc.segment {
             ser += 1;
         }
         let before = l.free_segments();
@@ -822,15 +840,11 @@ mod tests {
     fn latest_metadata_survives_its_segments_being_freed() {
         let (d, l) = log(4);
         let a = Uuid::new_v4();
-        l.append(&meta_entry(Kind::Policy, a, 0, 2), &[]).unwrap();
-        l.append(&meta_entry(Kind::Checkpoint, a, 9, 0), &[])
-            .unwrap();
+        add(&l, &meta_entry(Kind::Policy, a, 0, 2), &[]);
+        add(&l, &meta_entry(Kind::Checkpoint, a, 9, 0), &[]);
         // Rotate through segments; nothing holds the old ones, so they are freed.
         for ser in 10..16 {
-            let (loc, _) = l
-                .append(&data(a, ser, 0, 40 << 10), &vec![0u8; 40 << 10])
-                .unwrap();
-            let _ = loc;
+            add(&l, &data(a, ser, 0, 40 << 10), &vec![0u8; 40 << 10]);
             l.sync().unwrap();
         }
         l.sync().unwrap();

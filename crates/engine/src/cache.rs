@@ -84,6 +84,14 @@ struct Ix {
     pos: u64,
     /// The write that put it there (0 for data read from the datastore).
     ser: u64,
+    /// A `wb` write: dirty until a checkpoint reaches `ser`. `wt` writes and fills are clean.
+    wb: bool,
+}
+
+impl Ix {
+    fn dirty(&self, checkpoint: u64) -> bool {
+        self.wb && self.ser > checkpoint
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -649,7 +657,9 @@ impl VolCache {
             len: 0,
             arg,
         };
-        self.shared.log.append(&e, &[]).map_err(log_err)?;
+        let (loc, _) = self.shared.log.append(&e, &[]).map_err(log_err)?;
+        // Metadata needs no reference: every new segment carries a copy.
+        self.shared.log.unpin(&loc);
         Ok(())
     }
 
@@ -663,7 +673,13 @@ impl VolCache {
 
     /// Indexes and stages one dirty record (caller holds the state lock).
     fn stage(&self, st: &mut VolState, ser: u64, offset: u64, len: u64, src: IxSrc, rec: Loc) {
-        self.index_insert(st, offset, len, Ix { src, pos: 0, ser });
+        let ix = Ix {
+            src,
+            pos: 0,
+            ser,
+            wb: true,
+        };
+        self.index_insert(st, offset, len, ix);
         self.shared.log.pin(&rec);
         let w = StagedWrite {
             w: Staged {
@@ -802,7 +818,8 @@ impl VolCache {
     }
 
     /// Appends the records of one write (parts of at most [`RECORD_MAX`] bytes), making room
-    /// in the volume's share first.
+    /// in the volume's share first. The records come back pinned (see `Log::append`): the
+    /// caller releases them with [`VolCache::unpin_all`] once it has referenced them.
     async fn append_write(
         &self,
         kind: Kind,
@@ -863,6 +880,7 @@ impl VolCache {
                         .await;
                     }
                     Err(err) => {
+                        self.unpin_all(&out);
                         let why = format!("cache device failed: {err}");
                         lock(&self.st).degraded.get_or_insert(why.clone());
                         return Err(Error::Cache(why));
@@ -871,6 +889,13 @@ impl VolCache {
             }
         }
         Ok(out)
+    }
+
+    /// Releases the pins `append_write` returned its records with.
+    fn unpin_all(&self, recs: &[(Loc, u64, u64)]) {
+        for (l, _, _) in recs {
+            self.shared.log.unpin(l);
+        }
     }
 
     /// Evicts the volume's least recently used clean segments while it is over its share (or
@@ -933,14 +958,16 @@ impl VolCache {
                     .append_write(kind, ser, gen, offset, len, data.as_ref())
                     .await?;
                 let mut st = lock(&self.st);
-                for (loc, off, n) in recs {
+                for (loc, off, n) in &recs {
                     let src = if kind == Kind::Zero {
                         IxSrc::Zero
                     } else {
-                        IxSrc::Rec(loc)
+                        IxSrc::Rec(*loc)
                     };
-                    self.stage(&mut st, ser, off, n, src, loc);
+                    self.stage(&mut st, ser, *off, *n, src, *loc);
                 }
+                drop(st);
+                self.unpin_all(&recs);
             }
             Mode::Wt => {
                 self.write_through(kind, ser, gen, offset, len, data, fua)
@@ -992,19 +1019,16 @@ impl VolCache {
         };
         let (ds, cache) = tokio::join!(ds, cache);
         let mut st = lock(&self.st);
-        match (&ds, cache) {
+        match (&ds, &cache) {
             (Ok(()), Ok(recs)) if !recs.is_empty() => {
                 for (loc, off, n) in recs {
-                    self.index_insert(
-                        &mut st,
-                        off,
-                        n,
-                        Ix {
-                            src: IxSrc::Rec(loc),
-                            pos: 0,
-                            ser,
-                        },
-                    );
+                    let ix = Ix {
+                        src: IxSrc::Rec(*loc),
+                        pos: 0,
+                        ser,
+                        wb: false,
+                    };
+                    self.index_insert(&mut st, *off, *n, ix);
                 }
             }
             (_, cache) => {
@@ -1017,6 +1041,9 @@ impl VolCache {
             }
         }
         drop(st);
+        if let Ok(recs) = &cache {
+            self.unpin_all(recs);
+        }
         ds.map_err(Error::Datastore)
     }
 
@@ -1068,6 +1095,27 @@ impl VolCache {
     /// A volume read: cache hits from the log, misses from the datastore (then cached).
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, Error> {
         let len64 = u64::from(len);
+        if self.shared.log.is_failed() {
+            // Nothing on the cache device can be read any more: clean data comes from the
+            // datastore; dirty data is lost, and saying so is the only honest answer.
+            let lost = {
+                let st = lock(&self.st);
+                st.index
+                    .lookup(offset, len64)
+                    .iter()
+                    .any(|sp| sp.value.is_some_and(|ix| ix.dirty(st.checkpoint)))
+            };
+            if lost {
+                return Err(Error::Cache(format!(
+                    "bytes {offset}+{len} were dirty on the failed cache device"
+                )));
+            }
+            return self
+                .store
+                .read(offset, len as usize)
+                .await
+                .map_err(Error::Datastore);
+        }
         let (spans, evictions) = {
             let st = lock(&self.st);
             let spans = st.index.lookup(offset, len64);
@@ -1093,11 +1141,13 @@ impl VolCache {
                 Some(Ix {
                     src: IxSrc::Zero, ..
                 }) => hit += sp.len,
-                Some(Ix {
-                    src: IxSrc::Rec(l),
-                    pos,
-                    ser,
-                }) => {
+                Some(
+                    ix @ Ix {
+                        src: IxSrc::Rec(l),
+                        pos,
+                        ..
+                    },
+                ) => {
                     if let std::collections::hash_map::Entry::Vacant(slot) = records.entry(l) {
                         let log = self.shared.log.clone();
                         match blocking(move || {
@@ -1110,7 +1160,7 @@ impl VolCache {
                                 slot.insert(d);
                             }
                             Err(e) => {
-                                read_err = Some((e, sp.start, sp.len, ser));
+                                read_err = Some((e, sp.start, sp.len, ix));
                                 break;
                             }
                         }
@@ -1130,11 +1180,8 @@ impl VolCache {
                 self.shared.log.unpin(&l);
             }
         }
-        if let Some((e, start, n, ser)) = read_err {
-            let dirty = {
-                let st = lock(&self.st);
-                ser > st.checkpoint
-            };
+        if let Some((e, start, n, ix)) = read_err {
+            let dirty = ix.dirty(lock(&self.st).checkpoint);
             let why = format!(
                 "cache record for bytes {start}+{n} cannot be read: {e}{}",
                 if dirty { " (dirty data lost)" } else { "" }
@@ -1185,21 +1232,24 @@ impl VolCache {
         };
         let mut st = lock(&self.st);
         let stale = st.evictions != evictions_before;
-        for (loc, off, n) in recs {
+        for (loc, off, n) in &recs {
             if stale {
-                continue;
+                break;
             }
-            for sp in st.index.lookup(off, n) {
+            for sp in st.index.lookup(*off, *n) {
                 if sp.value.is_none() {
                     let ix = Ix {
-                        src: IxSrc::Rec(loc),
+                        src: IxSrc::Rec(*loc),
                         pos: sp.start - off,
                         ser: 0,
+                        wb: false,
                     };
                     self.index_insert(&mut st, sp.start, sp.len, ix);
                 }
             }
         }
+        drop(st);
+        self.unpin_all(&recs);
     }
 
     /// Whether the destager should take a window from this volume now.
@@ -1515,7 +1565,17 @@ impl VolCache {
             throttle_delay_us_total: self.counters.throttle_us.load(Ordering::Relaxed),
             stalls: self.counters.stalls.load(Ordering::Relaxed),
             replaying: st.replaying,
-            degraded: st.degraded.clone(),
+            degraded: st.degraded.clone().or_else(|| {
+                self.shared.log.is_failed().then(|| match st.mode {
+                    Mode::Wt => {
+                        "the cache device failed; serving uncached (no data lost in wt)".into()
+                    }
+                    Mode::Wb => format!(
+                        "the cache device failed with {} dirty byte(s) not destaged",
+                        st.dirty_bytes
+                    ),
+                })
+            }),
             destage_error: st.destage.error.clone(),
         }
     }

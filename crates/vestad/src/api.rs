@@ -54,6 +54,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
         .route("/v1/volumes/{name}/policy", axum::routing::post(set_policy))
         .route("/v1/stats", get(stats))
+        .route("/v1/debug/faults", axum::routing::post(faults))
         .fallback(|| async {
             OpError::NotFound("no such API path; see the vesta-api crate for the routes".into())
         })
@@ -129,6 +130,30 @@ async fn set_policy(
     Ok(Json(
         detached(async move { d.set_policy(&name, req).await }).await?,
     ))
+}
+
+#[derive(Deserialize)]
+struct FaultReq {
+    cache_device: String,
+}
+
+/// `POST /v1/debug/faults {"cache_device": "fail"}`: only with `vestad --test-faults`.
+async fn faults(Json(f): Json<FaultReq>) -> Result<Json<serde_json::Value>, OpError> {
+    let Some(dev) = crate::faults::CACHE.get() else {
+        return Err(OpError::NotFound(
+            "fault injection is off (vestad --test-faults enables it)".into(),
+        ));
+    };
+    match f.cache_device.as_str() {
+        "fail" => {
+            tracing::warn!("test fault: the cache device now fails every IO");
+            dev.fail();
+            Ok(Json(serde_json::json!({"cache_device": "failed"})))
+        }
+        other => Err(OpError::BadRequest(format!(
+            "unknown fault {other:?}; known: fail"
+        ))),
+    }
 }
 
 #[derive(Deserialize)]

@@ -9,6 +9,16 @@ mod daemon;
 mod exports;
 mod stats;
 
+/// Test-only fault injection (`--test-faults`).
+pub mod faults {
+    use std::sync::{Arc, OnceLock};
+
+    use cachelog::{Faulty, FileCache};
+
+    /// The cache device, when faults are enabled.
+    pub static CACHE: OnceLock<Arc<Faulty<FileCache>>> = OnceLock::new();
+}
+
 use std::future::IntoFuture;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -21,7 +31,7 @@ use clap::Parser;
 use tokio::net::TcpListener;
 use tracing::{error, info, warn};
 
-use cachelog::FileCache;
+use cachelog::{Faulty, FileCache};
 use cluster::local::LocalCoordinator;
 use engine::cache::CacheHost;
 use nbd::server::{self as nbd_server, ConnTracker};
@@ -57,6 +67,10 @@ struct Args {
     /// NBD unix socket path (relative to the data dir); empty disables it.
     #[arg(long)]
     nbd_unix: Option<String>,
+    /// Enables POST /v1/debug/faults, through which tests make the cache device fail. Never
+    /// for production.
+    #[arg(long, hide = true)]
+    test_faults: bool,
 }
 
 /// How long shutdown waits for connections to finish their in-flight requests.
@@ -184,9 +198,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // The cache log is scanned before any volume opens: volumes with dirty data replay it.
     let cache = match config.cache_device()? {
         Some((path, size, segment)) => {
-            let dev = FileCache::open(&path, size)
-                .with_context(|| format!("open cache device {}", path.display()))?;
-            let host = CacheHost::open(Arc::new(dev), segment)
+            let dev = Arc::new(Faulty::new(
+                FileCache::open(&path, size)
+                    .with_context(|| format!("open cache device {}", path.display()))?,
+            ));
+            if args.test_faults {
+                warn!("--test-faults: the debug fault API is enabled");
+                let _ = faults::CACHE.set(dev.clone());
+            }
+            let host = CacheHost::open(dev, segment)
                 .map_err(|e| anyhow!("cache device {}: {e}", path.display()))?;
             info!(
                 "cache device {} ({} segments of {})",

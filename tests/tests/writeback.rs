@@ -1,0 +1,315 @@
+//! Write-back and write-through with real processes and clients: fio verification, dirty data
+//! surviving kill -9 (offline replay), policy changes under IO, a failing cache device, and a
+//! corrupted cache record.
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Vestad};
+
+fn show(v: &Vestad, name: &str) -> Value {
+    v.vesta_json(&["volume", "show", name])
+}
+
+fn wait_clean(v: &Vestad, name: &str) {
+    wait_for(Duration::from_secs(30), "dirty data to destage", || {
+        let j = show(v, name);
+        (j["cache"]["dirty_bytes"] == 0).then_some(())
+    });
+}
+
+fn image(v: &Vestad, name: &str) -> Vec<u8> {
+    read_file(&v.data_dir.join(format!("datastores/default/{name}.raw")))
+}
+
+/// The volume's contents as clients read them.
+fn volume_bytes(v: &Vestad, name: &str) -> Vec<u8> {
+    let out = v.scratch.join(&format!("{name}.read"));
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "raw"])
+            .arg(v.url(name))
+            .arg(&out),
+    );
+    read_file(&out)
+}
+
+fn fio_verify(uri: &str, extra: &[&str]) {
+    let mut args = vec![
+        "--name=verify".to_owned(),
+        "--ioengine=nbd".to_owned(),
+        format!("--uri={uri}"),
+        "--rw=randrw".to_owned(),
+        "--bsrange=4k-128k".to_owned(),
+        "--iodepth=32".to_owned(),
+        "--size=48M".to_owned(),
+        "--verify=crc32c".to_owned(),
+        "--do_verify=1".to_owned(),
+        "--verify_fatal=1".to_owned(),
+        "--verify_state_save=0".to_owned(),
+        "--randrepeat=0".to_owned(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    run_ok(Command::new("fio").args(&args));
+}
+
+#[test]
+fn wb_serves_verified_io_and_the_datastore_catches_up() {
+    let v = Vestad::start();
+    v.vesta_ok(&["volume", "create", "w", "--size", "64M", "--policy", "wb"]);
+    fio_verify(&v.url("w"), &[]);
+    wait_clean(&v, "w");
+    let j = show(&v, "w");
+    assert_eq!(j["policy"], "wb");
+    let c = &j["cache"];
+    assert_eq!(c["mode"], "wb");
+    assert!(c["destaged_writes"].as_u64().unwrap() > 0);
+    assert_eq!(c["checkpoint"], c["last_ser"]);
+    assert!(c["degraded"].is_null());
+    // After destaging, the datastore image is exactly what clients read.
+    assert!(image(&v, "w") == volume_bytes(&v, "w"));
+}
+
+#[test]
+fn wb_dirty_data_survives_kill_9_and_is_replayed() {
+    let mut v = Vestad::start();
+    // Held windows keep the data dirty in the cache until the crash.
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "32M",
+        "--policy",
+        "wb",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    qemu_io(
+        &v.url("w"),
+        &[
+            "write -P 0x61 0 1M",
+            "write -P 0x62 4M 3M",
+            "write -P 0x63 512 1024",
+        ],
+    );
+    let c = show(&v, "w")["cache"].clone();
+    assert!(c["dirty_bytes"].as_u64().unwrap() >= 4 << 20, "{c}");
+    assert!(
+        image(&v, "w").iter().all(|b| *b == 0),
+        "nothing is destaged while held"
+    );
+    v.kill9();
+    v.launch();
+    assert!(v.log().contains("replaying"), "{}", v.log());
+    qemu_io(
+        &v.url("w"),
+        &[
+            "read -P 0x61 0 512",
+            "read -P 0x63 512 1024",
+            "read -P 0x61 1536 1046016",
+            "read -P 0x62 4M 3M",
+        ],
+    );
+    wait_clean(&v, "w");
+    assert!(
+        image(&v, "w") == volume_bytes(&v, "w"),
+        "after replay the datastore equals the volume"
+    );
+}
+
+#[test]
+fn policy_changes_under_io_lose_nothing() {
+    let v = Vestad::start();
+    v.vesta_ok(&[
+        "volume", "create", "p", "--size", "64M", "--policy", "wb", "--hold", "5",
+    ]);
+    // fio writes and verifies while the policy goes wb -> wt -> uncached -> wb.
+    let mut fio = Command::new("fio")
+        .args([
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", v.url("p")),
+            "--rw=randwrite",
+            "--bs=16k",
+            "--iodepth=16",
+            "--size=32M",
+            "--loops=3",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_state_save=0",
+            "--randrepeat=0",
+            "--output=/dev/null",
+        ])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let gen0 = show(&v, "p")["cache"]["gen"].as_u64().unwrap();
+    v.vesta_ok(&["volume", "policy", "p", "wt"]);
+    let j = show(&v, "p");
+    assert_eq!(j["policy"], "wt");
+    assert_eq!(j["cache"]["dirty_bytes"], 0, "leaving wb drains");
+    assert_eq!(
+        j["cache"]["gen"].as_u64().unwrap(),
+        gen0 + 1,
+        "wb -> wt increments gen"
+    );
+    v.vesta_ok(&["volume", "policy", "p", "uncached"]);
+    assert!(show(&v, "p")["cache"].is_null());
+    v.vesta_ok(&["volume", "policy", "p", "wb", "--rpo", "2"]);
+    let j = show(&v, "p");
+    assert_eq!(j["tuning"]["rpo_s"], 2.0);
+    let st = fio.wait().unwrap();
+    assert!(
+        st.success(),
+        "fio verification failed across policy changes"
+    );
+    // The record follows: after a restart the volume is still wb.
+    let mut v = v;
+    assert!(v.terminate().success());
+    v.launch();
+    assert_eq!(show(&v, "p")["policy"], "wb");
+    let e = v.vesta_err(&["volume", "policy", "p", "wbp:2"]);
+    assert!(e.contains("not available"), "{e}");
+}
+
+#[test]
+fn a_wt_volume_keeps_serving_when_the_cache_device_fails() {
+    let v = Vestad::start();
+    v.vesta_ok(&["volume", "create", "t", "--size", "16M", "--policy", "wt"]);
+    qemu_io(
+        &v.url("t"),
+        &[
+            "write -P 0x71 0 2M",
+            "read -P 0x71 0 2M",
+            "read -P 0x71 0 2M",
+        ],
+    );
+    assert!(show(&v, "t")["cache"]["read_hit_ratio"].as_f64().unwrap() > 0.0);
+    v.fail_cache_device();
+    // Reads and writes go on; nothing is lost (the datastore had every wt write).
+    qemu_io(
+        &v.url("t"),
+        &[
+            "read -P 0x71 0 2M",
+            "write -P 0x72 1M 1M",
+            "read -P 0x71 0 1M",
+            "read -P 0x72 1M 1M",
+        ],
+    );
+    let j = show(&v, "t");
+    let d = j["cache"]["degraded"].as_str().unwrap_or("");
+    assert!(
+        d.contains("uncached"),
+        "the volume reports it serves uncached: {j}"
+    );
+    let img = image(&v, "t");
+    assert!(img[..1 << 20].iter().all(|b| *b == 0x71));
+    assert!(img[1 << 20..2 << 20].iter().all(|b| *b == 0x72));
+}
+
+#[test]
+fn a_wb_volume_reports_the_loss_honestly_when_the_cache_device_fails() {
+    let v = Vestad::start();
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "b",
+        "--size",
+        "16M",
+        "--policy",
+        "wb",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    qemu_io(&v.url("b"), &["write -P 0x31 0 1M"]);
+    v.fail_cache_device();
+    // New writes cannot be made safe: they fail rather than pretend.
+    let out = vesta_tests::run(
+        Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "write -P 0x32 2M 64k"])
+            .arg(v.url("b")),
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() || text.contains("error"),
+        "a write after the cache failed must not succeed: {text}"
+    );
+    let j = show(&v, "b");
+    assert!(
+        j["cache"]["degraded"]
+            .as_str()
+            .is_some_and(|d| d.contains("failed")),
+        "{j}"
+    );
+    // The datastore is untouched: still a prefix (here: nothing was destaged).
+    assert!(image(&v, "b").iter().all(|b| *b == 0));
+    let e = v.vesta_err(&["volume", "policy", "b", "wt"]);
+    assert!(
+        e.contains("not destaged"),
+        "leaving wb says what is lost: {e}"
+    );
+}
+
+/// Finds the cache log record whose payload starts with `marker` and flips a payload bit.
+fn corrupt_record(cache: &std::path::Path, marker: &[u8]) {
+    let mut b = read_file(cache);
+    let at = b
+        .windows(marker.len())
+        .position(|w| w == marker)
+        .expect("record payload in the cache file");
+    b[at + 100] ^= 0x20;
+    std::fs::write(cache, b).unwrap();
+}
+
+#[test]
+fn a_corrupted_record_is_detected_and_never_served_or_destaged() {
+    let mut v = Vestad::start();
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "c",
+        "--size",
+        "8M",
+        "--policy",
+        "wb",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    qemu_io(
+        &v.url("c"),
+        &[
+            "write -P 0x41 0 64k",
+            "write -P 0x42 1M 64k",
+            "write -P 0x43 2M 64k",
+        ],
+    );
+    v.kill9();
+    // The second write's record is damaged on the cache device while vestad is down.
+    corrupt_record(&v.data_dir.join("cache.img"), &[0x42; 4096]);
+    v.launch();
+    let j = show(&v, "c");
+    let d = j["cache"]["degraded"].as_str().unwrap_or("");
+    assert!(
+        d.contains("damaged"),
+        "the volume is reported degraded: {j}"
+    );
+    // Only the prefix before the damage is served and destaged.
+    qemu_io(
+        &v.url("c"),
+        &["read -P 0x41 0 64k", "read -P 0 1M 64k", "read -P 0 2M 64k"],
+    );
+    wait_clean(&v, "c");
+    let img = image(&v, "c");
+    assert!(img[..65536].iter().all(|b| *b == 0x41));
+    assert!(img[1 << 20..(1 << 20) + 65536].iter().all(|b| *b == 0));
+    assert!(img[2 << 20..(2 << 20) + 65536].iter().all(|b| *b == 0));
+}
