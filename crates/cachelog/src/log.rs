@@ -122,6 +122,9 @@ struct Seg {
 
 struct Inner {
     segs: Vec<Seg>,
+    /// During recovery: segments holding an owner's newest checkpoint or policy record. They
+    /// are kept until fresh copies of that metadata are durable.
+    meta_segs: std::collections::HashSet<u32>,
     free: VecDeque<u32>,
     /// Freed, reusable after the next successful sync.
     freed_unsynced: Vec<u32>,
@@ -198,6 +201,7 @@ impl Log {
             dev,
             inner: Mutex::new(Inner {
                 segs,
+                meta_segs: Default::default(),
                 free: (0..n as u32).collect(),
                 freed_unsynced: Vec::new(),
                 current: HashMap::new(),
@@ -237,6 +241,8 @@ impl Log {
         let mut records = Vec::new();
         let mut segs: Vec<Seg> = Vec::with_capacity(sb.segment_count as usize);
         let mut meta: HashMap<Uuid, (OwnerMeta, (u64, u64))> = HashMap::new();
+        // Per owner: the segment of its newest checkpoint and of its newest policy record.
+        let mut meta_at: HashMap<Uuid, (Option<u32>, Option<u32>)> = HashMap::new();
         let mut max_seq = 0;
         let mut buf = vec![0u8; sb.segment_size as usize];
         for s in 0..sb.segment_count as u32 {
@@ -276,11 +282,19 @@ impl Log {
                 if h.kind != Kind::Fill {
                     let (m, last) = meta.entry(h.volume).or_default();
                     m.max_gen = m.max_gen.max(h.gen);
+                    let at = meta_at.entry(h.volume).or_default();
                     match h.kind {
-                        Kind::Checkpoint => m.note_checkpoint(h.ser, h.gen),
+                        Kind::Checkpoint => {
+                            let before = m.checkpoint;
+                            m.note_checkpoint(h.ser, h.gen);
+                            if m.checkpoint != before {
+                                at.0 = Some(s);
+                            }
+                        }
                         Kind::Policy if order >= *last => {
                             m.policy = Some((h.arg, h.gen));
                             *last = order;
+                            at.1 = Some(s);
                         }
                         _ => {}
                     }
@@ -314,30 +328,63 @@ impl Log {
                 .collect();
             inner.segs = segs;
             inner.meta = meta.into_iter().map(|(k, (m, _))| (k, m)).collect();
+            inner.meta_segs = meta_at
+                .values()
+                .flat_map(|(c, p)| [*c, *p])
+                .flatten()
+                .collect();
         }
         Ok((log, records))
     }
 
-    /// Ends recovery: starts a fresh segment (with metadata copies) for every volume the scan
-    /// found metadata for, syncs, and frees every old segment nobody claimed.
+    /// Ends recovery, after the caller has claimed (held or pinned) every record it needs.
+    ///
+    /// 1. Every unclaimed segment that holds no owner's newest metadata is free at once: it
+    ///    holds nothing anyone needs (stale data, superseded metadata).
+    /// 2. Every owner gets a fresh segment starting with copies of its metadata.
+    /// 3. Once those are synced, the segments that held the newest metadata are freed too.
+    ///
+    /// Done in this order, recovery never needs a free segment it does not have, even when
+    /// every segment of a well-used cache carries a valid header.
     pub fn finish_recovery(&self) -> Result<()> {
-        let owners: Vec<Uuid> = lock(&self.inner)
-            .meta
-            .iter()
-            .filter(|(_, m)| m.checkpoint.is_some() || m.policy.is_some())
-            .map(|(o, _)| *o)
-            .collect();
+        let owners: Vec<Uuid> = {
+            let mut inner = lock(&self.inner);
+            let unclaimed: Vec<u32> = (0..inner.segs.len() as u32)
+                .filter(|i| {
+                    let s = &inner.segs[*i as usize];
+                    !s.free && s.held == 0 && s.pins == 0 && !inner.meta_segs.contains(i)
+                })
+                .collect();
+            for i in unclaimed {
+                inner.segs[i as usize].free = true;
+                inner.free.push_back(i);
+            }
+            inner
+                .meta
+                .iter()
+                .filter(|(_, m)| m.checkpoint.is_some() || m.policy.is_some())
+                .map(|(o, _)| *o)
+                .collect()
+        };
+        let mut copied = true;
         for o in owners {
-            self.start_segment(o)?;
+            match self.start_segment(o) {
+                Ok(_) => {}
+                // Full of dirty data: keep the old metadata segments, nothing is lost.
+                Err(LogError::NoSpace) => copied = false,
+                Err(e) => return Err(e),
+            }
         }
         self.sync()?;
         let mut inner = lock(&self.inner);
-        let current: Vec<u32> = inner.current.values().copied().collect();
-        for i in 0..inner.segs.len() {
-            let s = &inner.segs[i];
-            if !s.free && s.held == 0 && s.pins == 0 && !current.contains(&(i as u32)) {
-                inner.segs[i].free = true;
-                inner.free.push_back(i as u32);
+        if copied {
+            let current: Vec<u32> = inner.current.values().copied().collect();
+            for i in std::mem::take(&mut inner.meta_segs) {
+                let s = &inner.segs[i as usize];
+                if !s.free && s.held == 0 && s.pins == 0 && !current.contains(&i) {
+                    inner.segs[i as usize].free = true;
+                    inner.free.push_back(i);
+                }
             }
         }
         Ok(())
@@ -866,6 +913,32 @@ mod tests {
                 max_gen: 1,
             }
         );
+    }
+
+    #[test]
+    fn recovery_succeeds_when_every_segment_has_been_used() {
+        let (d, l) = log(4);
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        add(&l, &meta_entry(Kind::Checkpoint, a, 5, 0), &[]);
+        // Cycle through every segment several times; nothing stays referenced.
+        for ser in 6..40 {
+            let v = if ser % 2 == 0 { a } else { b };
+            add(&l, &data(v, ser, 0, 30 << 10), &vec![1u8; 30 << 10]);
+            l.sync().unwrap();
+        }
+        d.power_loss(|_, _| Fate::Kept);
+        let (l2, scanned) = reopen(&d);
+        assert!(
+            (0..4).all(|s| scanned.iter().any(|r| r.loc.segment == s)),
+            "the test needs every segment to carry a valid header"
+        );
+        // Nothing is claimed: recovery must still find room, and keep the checkpoint.
+        l2.finish_recovery().unwrap();
+        assert!(l2.free_segments() >= 1);
+        add(&l2, &data(a, 40, 0, 512), &[2u8; 512]);
+        l2.sync().unwrap();
+        let (l3, _) = reopen(&d);
+        assert_eq!(l3.meta(a).checkpoint, Some((5, 1)));
     }
 
     #[test]

@@ -300,7 +300,16 @@ impl CacheHost {
             Err(e) => return Err(log_err(e)),
         };
         let log = Arc::new(log);
-        let recovered = recover(&log, scanned);
+        let mut recovered = recover(&log, scanned);
+        // Claim every recovered dirty record before anything is appended, so the log can free
+        // all else; volumes take the claims over when they attach.
+        for r in recovered.values_mut() {
+            for s in r.writes.iter().flatten() {
+                log.pin(&s.loc);
+            }
+            r.pinned_by_host = true;
+        }
+        log.finish_recovery().map_err(log_err)?;
         Ok(Arc::new(CacheHost {
             shared: Arc::new(Shared {
                 log,
@@ -367,9 +376,9 @@ impl CacheHost {
         self.shared.log.forget(v.id);
     }
 
-    /// Ends start-up recovery. Dirty data of volumes in `keep` that have not attached yet
-    /// (their datastore is down) stays pinned until they do; dirty data of volumes that no
-    /// longer exist is reported and dropped; unclaimed segments are freed.
+    /// Ends start-up recovery once the volumes the coordinator knows have opened. Dirty data
+    /// of volumes in `keep` that have not attached yet (their datastore is down) stays claimed
+    /// until they do; dirty data of volumes that no longer exist is reported and released.
     pub fn finish_recovery(&self, keep: &[Uuid]) -> Result<(), Error> {
         let mut rec = lock(&self.recovered);
         rec.retain(|id, r| {
@@ -382,10 +391,6 @@ impl CacheHost {
                      they are kept for when it opens",
                     r.writes.len()
                 );
-                for s in r.writes.iter().flatten() {
-                    self.shared.log.pin(&s.loc);
-                }
-                r.pinned_by_host = true;
                 return true;
             }
             warn!(
@@ -393,10 +398,12 @@ impl CacheHost {
                  dropping them",
                 r.writes.len()
             );
+            for s in r.writes.iter().flatten() {
+                self.shared.log.unpin(&s.loc);
+            }
             false
         });
-        drop(rec);
-        self.shared.log.finish_recovery().map_err(log_err)
+        Ok(())
     }
 
     fn volumes(&self) -> Vec<Arc<VolCache>> {
