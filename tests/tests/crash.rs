@@ -87,7 +87,7 @@ async fn write_until_killed(
                     k[block as usize].in_flight = Some(v);
                     v
                 };
-                let fua = rng.next() % 16 == 0;
+                let fua = rng.next().is_multiple_of(16);
                 let r = client
                     .write(block * BLOCK, Bytes::from(content(block, version)), fua)
                     .await;
