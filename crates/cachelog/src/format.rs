@@ -11,10 +11,15 @@
 //! padded to 512 bytes. All integers are little-endian.
 //!
 //! Segments are reused. Each time a segment is (re)started it gets a new, globally increasing
-//! `seg_seq`, written into its header and into every record appended to it; a scan of a
-//! segment stops at the first record that fails its checksum or carries another `seg_seq`, so
-//! records left over from the segment's previous life are never mistaken for new ones, and a
-//! torn tail is simply where the scan stops.
+//! `seg_seq`, written into its header and into every record appended to it, so records left
+//! over from the segment's previous life are never mistaken for new ones.
+//!
+//! Concurrent appends reserve space in one order and finish in another, so a crash can leave
+//! a hole (an unwritten or torn record) *before* complete ones in the same segment. A scan
+//! therefore steps over what does not decode, sector by sector, to the next valid header of
+//! the segment's life. Because that means looking at bytes that may be a VM's data (inside a
+//! torn record), header checksums are keyed with the device's UUID ([`key_of`]): a VM cannot
+//! write bytes that pass for a record header.
 
 use uuid::Uuid;
 
@@ -227,7 +232,7 @@ impl Header {
         HEADER_LEN as u64 + payload
     }
 
-    pub fn encode(&self) -> [u8; HEADER_LEN] {
+    pub fn encode(&self, key: u32) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
         b[4] = self.kind.code();
@@ -239,20 +244,20 @@ impl Header {
         b[56..64].copy_from_slice(&self.len.to_le_bytes());
         b[64..72].copy_from_slice(&self.seg_seq.to_le_bytes());
         b[72..80].copy_from_slice(&self.arg.to_le_bytes());
-        let crc = crc32c::crc32c(&b);
+        let crc = crc32c::crc32c_append(key, &b);
         b[8..12].copy_from_slice(&crc.to_le_bytes());
         b
     }
 
-    /// Decodes a header expected in the segment life `seg_seq`.
-    pub fn decode(b: &[u8], seg_seq: u64) -> Result<Header, BadHeader> {
+    /// Decodes a header expected in the segment life `seg_seq` of the device with `key`.
+    pub fn decode(b: &[u8], seg_seq: u64, key: u32) -> Result<Header, BadHeader> {
         if b.len() < HEADER_LEN || le32(&b[0..4]) != RECORD_MAGIC {
             return Err(BadHeader::NoRecord);
         }
         let mut copy = [0u8; HEADER_LEN];
         copy.copy_from_slice(&b[..HEADER_LEN]);
         copy[8..12].fill(0);
-        if crc32c::crc32c(&copy) != le32(&b[8..12]) {
+        if crc32c::crc32c_append(key, &copy) != le32(&b[8..12]) {
             return Err(BadHeader::Checksum);
         }
         let kind = Kind::from_code(b[4]).ok_or(BadHeader::Checksum)?;
@@ -274,6 +279,12 @@ impl Header {
     }
 }
 
+/// The key that header checksums are seeded with: derived from the device UUID, which no VM
+/// ever sees.
+pub fn key_of(device_id: &Uuid) -> u32 {
+    crc32c::crc32c(device_id.as_bytes())
+}
+
 /// The checksum a payload must match.
 pub fn payload_crc(payload: &[u8]) -> u32 {
     crc32c::crc32c(payload)
@@ -283,6 +294,8 @@ pub fn payload_crc(payload: &[u8]) -> u32 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    const KEY: u32 = 0x1234_5678;
 
     fn header(kind: Kind, len: u64) -> Header {
         Header {
@@ -313,13 +326,21 @@ mod tests {
     #[test]
     fn a_stale_record_is_told_apart_from_damage() {
         let h = header(Kind::Data, 4096);
-        let b = h.encode();
-        assert_eq!(Header::decode(&b, 7), Ok(h));
-        assert_eq!(Header::decode(&b, 8), Err(BadHeader::Stale));
+        let b = h.encode(KEY);
+        assert_eq!(Header::decode(&b, 7, KEY), Ok(h));
+        assert_eq!(Header::decode(&b, 8, KEY), Err(BadHeader::Stale));
+        assert_eq!(
+            Header::decode(&b, 7, KEY + 1),
+            Err(BadHeader::Checksum),
+            "another device's key"
+        );
         let mut bad = b;
         bad[40] ^= 0x10;
-        assert_eq!(Header::decode(&bad, 7), Err(BadHeader::Checksum));
-        assert_eq!(Header::decode(&[0u8; 512], 7), Err(BadHeader::NoRecord));
+        assert_eq!(Header::decode(&bad, 7, KEY), Err(BadHeader::Checksum));
+        assert_eq!(
+            Header::decode(&[0u8; 512], 7, KEY),
+            Err(BadHeader::NoRecord)
+        );
     }
 
     #[test]
@@ -339,9 +360,9 @@ mod tests {
         ) {
             let mut h = header(Kind::Data, len);
             h.ser = ser;
-            let mut b = h.encode();
+            let mut b = h.encode(KEY);
             b[bit / 8] ^= 1 << (bit % 8);
-            prop_assert!(Header::decode(&b, 7).is_err());
+            prop_assert!(Header::decode(&b, 7, KEY).is_err());
         }
 
         #[test]

@@ -17,7 +17,7 @@
 //! |---|---|
 //! | A freed segment becomes reusable only after the next successful sync. | Records that made its contents obsolete (a checkpoint, a newer write) could still be volatile; reusing it first and losing power would lose both. |
 //! | Every new segment starts with copies of its owner's latest checkpoint and policy records. | Old segments holding the only copies can then be freed without losing either. |
-//! | A scan stops at the first record that fails its header checksum, is not a record, or belongs to an earlier life of the segment (`seg_seq`). | That is the torn tail, or old data; nothing past it in the segment is trusted. |
+//! | A scan steps over whatever does not decode as a record of the segment's current life (`seg_seq`), a sector at a time, and keeps going. | Concurrent appends finish out of order: a crash can leave a hole before complete records in the same segment. Stopping there would lose completed writes (the crash campaign found exactly that). Header checksums are keyed with the device UUID, so a VM's data inside a torn record cannot pass for a header. |
 //! | A record whose payload fails its checksum is reported, never returned as data. | Corrupt data must not be served or destaged. |
 //! | An error from the device's sync fails the log for good. | After a failed `fdatasync` the kernel may have dropped the data; retrying would pretend it is safe. |
 //!
@@ -145,6 +145,8 @@ struct Commit {
 pub struct Log {
     dev: Arc<dyn CacheDevice>,
     sb: Superblock,
+    /// Header checksum key ([`format::key_of`] of the device UUID).
+    key: u32,
     inner: Mutex<Inner>,
     /// Appends completed so far; a sync that begins when this is n covers the first n.
     completed: AtomicU64,
@@ -209,6 +211,7 @@ impl Log {
                 next_seg_seq,
                 clock: 0,
             }),
+            key: format::key_of(&sb.device_id),
             sb,
             completed: AtomicU64::new(0),
             commit: Mutex::new(Commit::default()),
@@ -238,6 +241,7 @@ impl Log {
                 msg: "the device is smaller than its superblock says".into(),
             });
         }
+        let key = format::key_of(&sb.device_id);
         let mut records = Vec::new();
         let mut segs: Vec<Seg> = Vec::with_capacity(sb.segment_count as usize);
         let mut meta: HashMap<Uuid, (OwnerMeta, (u64, u64))> = HashMap::new();
@@ -264,13 +268,19 @@ impl Log {
             max_seq = max_seq.max(sh.seg_seq);
             let mut at = format::SEGMENT_HEADER_LEN;
             while at + format::HEADER_LEN as u64 <= sb.segment_size {
-                let h = match Header::decode(&buf[at as usize..], sh.seg_seq) {
+                // What does not decode is a hole (an append a crash cut short, possibly before
+                // complete ones) or an earlier life's data: step over it, a sector at a time.
+                let h = match Header::decode(&buf[at as usize..], sh.seg_seq, key) {
                     Ok(h) => h,
-                    Err(BadHeader::NoRecord | BadHeader::Stale | BadHeader::Checksum) => break,
+                    Err(BadHeader::NoRecord | BadHeader::Stale | BadHeader::Checksum) => {
+                        at += format::SECTOR;
+                        continue;
+                    }
                 };
                 let end = at + h.record_len();
                 if end > sb.segment_size {
-                    break;
+                    at += format::SECTOR;
+                    continue;
                 }
                 let intact = if h.kind.has_payload() {
                     let p = &buf[(at as usize + format::HEADER_LEN)..][..h.len as usize];
@@ -438,7 +448,7 @@ impl Log {
                 arg,
                 payload_crc: 0,
             }
-            .encode()
+            .encode(self.key)
         };
         if let Some((ser, gen)) = meta.checkpoint {
             buf.extend_from_slice(&copy(Kind::Checkpoint, ser, gen, 0));
@@ -540,7 +550,7 @@ impl Log {
         };
         h.seg_seq = seg_seq;
         let mut buf = Vec::with_capacity(need as usize);
-        buf.extend_from_slice(&h.encode());
+        buf.extend_from_slice(&h.encode(self.key));
         buf.extend_from_slice(payload);
         buf.resize(need as usize, 0);
         let offset = self.sb.segment_offset(seg) + at;
@@ -583,7 +593,7 @@ impl Log {
         self.dev
             .read_at(loc.offset, &mut buf)
             .map_err(|e| self.io_error(e))?;
-        let h = Header::decode(&buf, seg_seq).map_err(|why| LogError::Corrupt {
+        let h = Header::decode(&buf, seg_seq, self.key).map_err(|why| LogError::Corrupt {
             offset: loc.offset,
             what: format!("header {why:?}"),
         })?;
@@ -804,6 +814,32 @@ mod tests {
             .collect();
         assert_eq!(r.len(), 1);
         assert!(!r[0].intact);
+    }
+
+    #[test]
+    fn a_hole_left_by_an_unfinished_append_hides_no_later_record() {
+        // Appends reserve space in one order and finish in another: a crash can leave a hole
+        // before complete records in the same segment.
+        let (d, l) = log(4);
+        let v = Uuid::new_v4();
+        for ser in 1..=4 {
+            add(&l, &data(v, ser, ser * 4096, 4096), &[ser as u8; 4096]);
+        }
+        // The second append never reached the media; the third was torn; others are whole.
+        let segment_start = 1; // the segment header (written before any record) is write 0
+        d.power_loss(|i, n| match i - segment_start.min(i) {
+            _ if i < segment_start => Fate::Kept,
+            1 => Fate::Lost,
+            2 => Fate::Torn(n / 2),
+            _ => Fate::Kept,
+        });
+        let (_, scanned) = reopen(&d);
+        let found: Vec<(u64, bool)> = scanned
+            .iter()
+            .filter(|s| s.header.kind == Kind::Data)
+            .map(|s| (s.header.ser, s.intact))
+            .collect();
+        assert_eq!(found, vec![(1, true), (3, false), (4, true)]);
     }
 
     #[test]

@@ -17,6 +17,8 @@ use std::time::Duration;
 pub const ONSET: f64 = 0.75;
 /// The largest delay, in multiples of the datastore write latency (FVP: 4×).
 pub const MAX_MULTIPLE: f64 = 4.0;
+/// Seconds of destage backlog at which flow control starts when a volume has no RPO.
+pub const DESTAGE_SECONDS_DEFAULT: f64 = 30.0;
 
 /// When each signal starts to count as pressure 1.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,12 +32,14 @@ pub struct Triggers {
 impl Triggers {
     /// Triggers for a volume with a cache share of `share_bytes` and an optional recovery
     /// point objective: dirty data may fill half the share, and should take no longer to
-    /// destage than the RPO (default five seconds).
+    /// destage than the RPO. Without one, [`DESTAGE_SECONDS_DEFAULT`]: long enough that a
+    /// burst of a few tens of seconds is absorbed at cache speed (FVP §8.1), short enough
+    /// that a sustained one is slowed long before the share fills (§8.2).
     pub fn for_share(share_bytes: u64, rpo_seconds: Option<f64>) -> Triggers {
         Triggers {
             dirty_writes: (share_bytes / 2 / 4096).max(64),
             dirty_bytes: (share_bytes / 2).max(1 << 20),
-            destage_seconds: rpo_seconds.unwrap_or(5.0).max(0.1),
+            destage_seconds: rpo_seconds.unwrap_or(DESTAGE_SECONDS_DEFAULT).max(0.1),
         }
     }
 }
