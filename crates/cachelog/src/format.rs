@@ -49,6 +49,10 @@ pub struct Superblock {
     pub device_id: Uuid,
     pub segment_size: u64,
     pub segment_count: u64,
+    /// Bumped (and synced) every time the log is opened; the high half of every `seg_seq`
+    /// handed out in that run, so segment lives never repeat across restarts even when a
+    /// power loss erased every trace of the last ones.
+    pub epoch: u64,
 }
 
 impl Superblock {
@@ -62,6 +66,7 @@ impl Superblock {
             device_id,
             segment_size,
             segment_count,
+            epoch: 1,
         })
     }
 
@@ -77,6 +82,7 @@ impl Superblock {
         b[32..40].copy_from_slice(&self.segment_size.to_le_bytes());
         b[40..48].copy_from_slice(&self.segment_count.to_le_bytes());
         b[48..56].copy_from_slice(&SEGMENTS_START.to_le_bytes());
+        b[56..64].copy_from_slice(&self.epoch.to_le_bytes());
         let crc = crc32c::crc32c(&b[..SUPER_LEN - 4]);
         b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         b
@@ -102,6 +108,7 @@ impl Superblock {
             device_id: Uuid::from_bytes(b[16..32].try_into().expect("16 bytes")),
             segment_size: le64(&b[32..40]),
             segment_count: le64(&b[40..48]),
+            epoch: le64(&b[56..64]),
         })
     }
 }

@@ -155,6 +155,11 @@ pub struct Log {
     failed: AtomicBool,
 }
 
+/// Free segments only metadata (checkpoint and policy records) may take: with the log
+/// otherwise full, the destager can still record the checkpoint that frees space. (At most a
+/// quarter of a tiny log's segments.)
+pub const META_RESERVE: usize = 2;
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -188,7 +193,8 @@ impl Log {
         dev.sync().map_err(io)?;
         dev.write_at(0, &sb.encode()).map_err(io)?;
         dev.sync().map_err(io)?;
-        Ok(Log::new(dev, sb, 1))
+        let first = sb.epoch << 32;
+        Ok(Log::new(dev, sb, first))
     }
 
     fn new(dev: Arc<dyn CacheDevice>, sb: Superblock, next_seg_seq: u64) -> Log {
@@ -229,9 +235,12 @@ impl Log {
             device: describe.clone(),
             source: e,
         };
+        // What a crash of the previous run left in the page cache becomes durable before the
+        // scan trusts it (and before recovery overwrites anything on the strength of it).
+        dev.sync().map_err(io)?;
         let mut b = vec![0u8; format::SUPER_LEN];
         dev.read_at(0, &mut b).map_err(io)?;
-        let sb = Superblock::decode(&b).map_err(|msg| LogError::Format {
+        let mut sb = Superblock::decode(&b).map_err(|msg| LogError::Format {
             device: describe.clone(),
             msg,
         })?;
@@ -327,7 +336,12 @@ impl Log {
                 ..Seg::default()
             });
         }
-        let log = Log::new(dev, sb, max_seq + 1);
+        // A new epoch for this run, durable before any segment is started in it.
+        sb.epoch += 1;
+        dev.write_at(0, &sb.encode()).map_err(io)?;
+        dev.sync().map_err(io)?;
+        let next = (max_seq + 1).max(sb.epoch << 32);
+        let log = Log::new(dev, sb, next);
         {
             let mut inner = lock(&log.inner);
             inner.free = segs
@@ -378,7 +392,7 @@ impl Log {
         };
         let mut copied = true;
         for o in owners {
-            match self.start_segment(o) {
+            match self.start_segment(o, true) {
                 Ok(_) => {}
                 // Full of dirty data: keep the old metadata segments, nothing is lost.
                 Err(LogError::NoSpace) => copied = false,
@@ -398,6 +412,11 @@ impl Log {
             }
         }
         Ok(())
+    }
+
+    /// Free segments kept for metadata: [`META_RESERVE`], or a quarter of a tiny log.
+    pub fn meta_reserve(&self) -> usize {
+        META_RESERVE.min(self.sb.segment_count as usize / 4)
     }
 
     pub fn superblock(&self) -> &Superblock {
@@ -428,9 +447,13 @@ impl Log {
         self.failed.load(Ordering::SeqCst)
     }
 
-    /// Starts a new current segment for `owner`, beginning with copies of its metadata.
-    fn start_segment(&self, owner: Uuid) -> Result<u32> {
+    /// Starts a new current segment for `owner`, beginning with copies of its metadata. Only
+    /// metadata may take the last [`META_RESERVE`] free segments.
+    fn start_segment(&self, owner: Uuid, for_meta: bool) -> Result<u32> {
         let mut inner = lock(&self.inner);
+        if !for_meta && inner.free.len() <= self.meta_reserve() {
+            return Err(LogError::NoSpace);
+        }
         let s = inner.free.pop_front().ok_or(LogError::NoSpace)?;
         let seg_seq = inner.next_seg_seq;
         inner.next_seg_seq += 1;
@@ -518,11 +541,12 @@ impl Log {
                 ),
             });
         }
+        let for_meta = matches!(e.kind, Kind::Checkpoint | Kind::Policy);
         let (seg, at, seg_seq) = loop {
             let cur = lock(&self.inner).current.get(&e.volume).copied();
             let cur = match cur {
                 Some(c) => c,
-                None => self.start_segment(e.volume)?,
+                None => self.start_segment(e.volume, for_meta)?,
             };
             let mut inner = lock(&self.inner);
             if inner.current.get(&e.volume) != Some(&cur) {
@@ -546,7 +570,7 @@ impl Log {
                 break (cur, at, seq);
             }
             drop(inner);
-            self.start_segment(e.volume)?;
+            self.start_segment(e.volume, for_meta)?;
         };
         h.seg_seq = seg_seq;
         let mut buf = Vec::with_capacity(need as usize);
@@ -975,6 +999,51 @@ mod tests {
         l2.sync().unwrap();
         let (l3, _) = reopen(&d);
         assert_eq!(l3.meta(a).checkpoint, Some((5, 1)));
+    }
+
+    #[test]
+    fn records_of_a_segment_life_lost_to_power_loss_never_come_back() {
+        let (d, l) = log(4);
+        let v = Uuid::new_v4();
+        // Segment A fills and is durable; segment B is started next, one number higher.
+        let first = add(&l, &data(v, 1, 0, 512), &[1u8; 512]).segment;
+        let mut ser = 2;
+        while add(&l, &data(v, ser, 0, 16 << 10), &vec![1u8; 16 << 10]).segment == first {
+            ser += 1;
+        }
+        l.sync().unwrap();
+        drop(l);
+        // Lose B's header only, as a power loss before that write completed would (its
+        // records, written later, happened to reach the media).
+        let (l_tmp, scanned) = reopen(&d);
+        drop(l_tmp);
+        let b_seg = scanned
+            .iter()
+            .find(|s| s.header.ser == ser)
+            .expect("B's first record")
+            .loc
+            .segment;
+        d.write_at(format::SEGMENTS_START + u64::from(b_seg) * SEG, &[0u8; 512])
+            .unwrap();
+        d.sync().unwrap();
+        // The next run numbers its first new segment after the highest life it can see (A's),
+        // which is exactly B's lost life, and B is the first free segment.
+        let (l2, scanned) = reopen(&d);
+        assert!(scanned.iter().all(|s| s.loc.segment != b_seg));
+        l2.finish_recovery().unwrap();
+        let w = Uuid::new_v4();
+        let loc = add(&l2, &data(w, 1, 0, 512), &[3u8; 512]);
+        l2.sync().unwrap();
+        let (_, scanned) = reopen(&d);
+        let revived: Vec<u64> = scanned
+            .iter()
+            .filter(|s| s.loc.segment == loc.segment && s.header.volume == v)
+            .map(|s| s.header.ser)
+            .collect();
+        assert!(
+            revived.is_empty(),
+            "records of B's lost life came back: {revived:?}"
+        );
     }
 
     #[test]

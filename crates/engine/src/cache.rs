@@ -56,11 +56,13 @@ use crate::window::{self, Closing, Source, Staged};
 use crate::Error;
 
 /// Largest payload of one log record; larger writes are split into parts sharing one `ser`.
+/// Small segments lower it further ([`Shared::record_max`]).
 pub const RECORD_MAX: u64 = 256 << 10;
 /// Default segment size of a new cache log.
 pub const SEGMENT_DEFAULT: u64 = 1 << 20;
-/// A write stalls when its volume's dirty data would exceed this share of its cache share.
-const STALL_FRACTION: f64 = 0.9;
+/// A write stalls when its volume's dirty records would take more than this fraction of its
+/// cache share (the rest is for segment headers, partly filled segments and clean data).
+const STALL_FRACTION: f64 = 0.85;
 /// Longest wait between destager visits when nothing wakes it.
 const DESTAGER_IDLE: Duration = Duration::from_millis(50);
 /// Longest backoff between retries of a failing datastore.
@@ -114,6 +116,8 @@ impl IndexPiece for Ix {
 struct StagedWrite {
     w: Staged<Loc>,
     rec: Loc,
+    /// When it was staged (hold time and maximum dirty age count from here).
+    at: Instant,
 }
 
 /// How a volume uses the cache.
@@ -146,9 +150,12 @@ struct VolState {
     index: ExtentMap<Ix>,
     staged: VecDeque<StagedWrite>,
     dirty_bytes: u64,
-    oldest_dirty: Option<Instant>,
-    /// Bumped whenever clean data leaves the index, so a read that raced an eviction does not
-    /// put back data read from the datastore before a newer write was destaged.
+    /// What the dirty records occupy in the log, headers included: what admission counts,
+    /// since small writes cost the log up to twice their size.
+    dirty_log_bytes: u64,
+    /// Bumped whenever data leaves the index (eviction, a `wt` write invalidating a range, a
+    /// clean record that failed to read), so a read that raced it does not put back data read
+    /// from the datastore before the newer data got there.
     evictions: u64,
     /// Offline replay in progress: writes wait.
     replaying: bool,
@@ -161,6 +168,22 @@ struct VolState {
     destage: DestageState,
     /// A policy change is draining dirty data.
     draining: bool,
+}
+
+/// Log bytes of one staged record: its header and its payload padded to a sector.
+fn log_bytes(src: IxSrc, len: u64) -> u64 {
+    let payload = match src {
+        IxSrc::Rec(_) => len.next_multiple_of(512),
+        IxSrc::Zero => 0,
+    };
+    cachelog::format::HEADER_LEN as u64 + payload
+}
+
+fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
+    match src {
+        Source::Data(l, _) => log_bytes(IxSrc::Rec(*l), len),
+        Source::Zero => log_bytes(IxSrc::Zero, len),
+    }
 }
 
 /// Counters for `vesta volume show`.
@@ -255,9 +278,27 @@ struct Recovered {
     degraded: Option<String>,
 }
 
+impl Recovered {
+    /// A copy to restore if an attach fails (a failed `VolCache::new` releases the staging
+    /// pins it took, leaving the host's pins as they were).
+    fn shallow_copy(&self) -> Recovered {
+        Recovered {
+            checkpoint: self.checkpoint,
+            gen: self.gen,
+            policy: self.policy,
+            writes: self.writes.clone(),
+            pinned_by_host: self.pinned_by_host,
+            void_upto: self.void_upto,
+            degraded: self.degraded.clone(),
+        }
+    }
+}
+
 /// State shared by the host and its volumes.
 struct Shared {
     log: Arc<Log>,
+    /// Every attached volume, for evictions that must look beyond the one asking.
+    vols: Mutex<Vec<std::sync::Weak<VolCache>>>,
     /// Wakes the destager.
     wake: Notify,
     /// Signalled when the destager frees space or a write completes.
@@ -266,6 +307,13 @@ struct Shared {
 }
 
 impl Shared {
+    /// The largest part a write is split into: [`RECORD_MAX`], or a quarter segment if that
+    /// is smaller, so a part always fits a segment with its header and metadata copies.
+    fn record_max(&self) -> u64 {
+        let quarter = self.log.superblock().segment_size / 4 / 512 * 512;
+        RECORD_MAX.min(quarter).max(512)
+    }
+
     fn share_segments(&self) -> u64 {
         let n = self.cached_volumes.load(Ordering::SeqCst).max(1);
         (self.log.superblock().segment_count / n).max(2)
@@ -273,6 +321,21 @@ impl Shared {
 
     fn share_bytes(&self) -> u64 {
         self.share_segments() * self.log.superblock().segment_size
+    }
+
+    /// Evicts one clean segment from the attached volume most over its share (the volume
+    /// asking, `except`, last). True if something was evicted.
+    fn evict_elsewhere(&self, except: Option<Uuid>) -> bool {
+        let share = self.share_segments() as i64;
+        let mut vols: Vec<Arc<VolCache>> = lock(&self.vols)
+            .iter()
+            .filter_map(|w| w.upgrade())
+            .collect();
+        vols.sort_by_key(|v| {
+            let over = self.log.segments_of(v.id) as i64 - share;
+            (Some(v.id) == except, std::cmp::Reverse(over))
+        });
+        vols.iter().any(|v| v.evict_one())
     }
 }
 
@@ -290,8 +353,23 @@ impl CacheHost {
         let (log, scanned) = match Log::open(dev.clone()) {
             Ok(x) => x,
             Err(LogError::Format { msg, .. }) => {
+                // Only a device that never held a log is formatted. A damaged superblock, a
+                // log of another version or a device that shrank may still hold dirty data:
+                // formatting it would destroy that silently.
+                let mut head = vec![0u8; cachelog::format::SUPER_LEN];
+                dev.read_at(0, &mut head)
+                    .map_err(|e| Error::Cache(format!("read {}: {e}", dev.describe())))?;
+                if head.iter().any(|b| *b != 0) {
+                    return Err(Error::Cache(format!(
+                        "cache device {} holds data that is not a usable Vesta cache log ({msg}); \
+                         refusing to format it, since it may hold writes not yet destaged. If \
+                         its contents are no longer needed, delete the cache file (or zero the \
+                         device's first 4 KiB) and start again",
+                        dev.describe()
+                    )));
+                }
                 info!(
-                    "cache device {}: {msg}; formatting it with {} KiB segments",
+                    "cache device {}: new; formatting it with {} KiB segments",
                     dev.describe(),
                     segment_size >> 10
                 );
@@ -313,6 +391,7 @@ impl CacheHost {
         Ok(Arc::new(CacheHost {
             shared: Arc::new(Shared {
                 log,
+                vols: Mutex::new(Vec::new()),
                 wake: Notify::new(),
                 space: Notify::new(),
                 cached_volumes: AtomicU64::new(0),
@@ -349,7 +428,8 @@ impl CacheHost {
         } else {
             Vec::new()
         };
-        let v = Arc::new(VolCache::new(
+        let backup = rec.shallow_copy();
+        let v = match VolCache::new(
             id,
             name.to_owned(),
             store,
@@ -357,11 +437,19 @@ impl CacheHost {
             opts,
             self.shared.clone(),
             rec,
-        )?);
+        ) {
+            Ok(v) => Arc::new(v),
+            Err(e) => {
+                // Keep what was recovered for the next attempt; the host's pins still hold it.
+                lock(&self.recovered).insert(id, backup);
+                return Err(e);
+            }
+        };
         for l in held {
             self.shared.log.unpin(&l); // the volume's staging queue pins them now
         }
         self.shared.cached_volumes.fetch_add(1, Ordering::SeqCst);
+        lock(&self.shared.vols).push(Arc::downgrade(&v));
         lock(&self.vols).push(v.clone());
         self.shared.wake.notify_one();
         Ok(v)
@@ -371,6 +459,7 @@ impl CacheHost {
     /// deleted volume): its records are released and its segments freed.
     pub fn detach(&self, v: &VolCache) {
         lock(&self.vols).retain(|x| x.id != v.id);
+        lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| x.id != v.id));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
         v.release_all();
         self.shared.log.forget(v.id);
@@ -533,6 +622,10 @@ pub struct VolCache {
     destage_bps: Mutex<Ewma>,
     opts: Mutex<VolOpts>,
     counters: Counters,
+    /// Held for the whole of a destage window; a delete takes it to wait one out.
+    destaging: tokio::sync::Mutex<()>,
+    /// Set while the volume's storage is being deleted: no window starts.
+    destage_stopped: std::sync::atomic::AtomicBool,
 }
 
 /// Removes a write from the gatekeeper and marks its `ser` complete, however the write ends.
@@ -599,7 +692,7 @@ impl VolCache {
                 index: ExtentMap::new(),
                 staged: VecDeque::new(),
                 dirty_bytes: 0,
-                oldest_dirty: None,
+                dirty_log_bytes: 0,
                 evictions: 0,
                 replaying,
                 void_upto: rec.void_upto,
@@ -613,6 +706,8 @@ impl VolCache {
             destage_bps: Mutex::new(Ewma::new(0.2)),
             opts: Mutex::new(opts),
             counters: Counters::default(),
+            destaging: tokio::sync::Mutex::new(()),
+            destage_stopped: std::sync::atomic::AtomicBool::new(false),
             shared,
         };
         {
@@ -648,13 +743,19 @@ impl VolCache {
             let st = lock(&v.st);
             (st.gen, st.checkpoint)
         };
-        v.append_meta(Kind::Policy, 0, gen, code)?;
-        v.append_meta(Kind::Checkpoint, checkpoint, gen, 0)?;
-        v.shared.log.sync().map_err(log_err)?;
+        let recorded = v
+            .append_meta(Kind::Policy, 0, gen, code)
+            .and_then(|_| v.append_meta(Kind::Checkpoint, checkpoint, gen, 0))
+            .and_then(|_| v.shared.log.sync())
+            .map_err(log_err);
+        if let Err(e) = recorded {
+            v.release_all(); // the recovered writes stay claimed by the host
+            return Err(e);
+        }
         Ok(v)
     }
 
-    fn append_meta(&self, kind: Kind, ser: u64, gen: u64, arg: u64) -> Result<(), Error> {
+    fn append_meta(&self, kind: Kind, ser: u64, gen: u64, arg: u64) -> Result<(), LogError> {
         let e = Entry {
             kind,
             volume: self.id,
@@ -664,7 +765,7 @@ impl VolCache {
             len: 0,
             arg,
         };
-        let (loc, _) = self.shared.log.append(&e, &[]).map_err(log_err)?;
+        let (loc, _) = self.shared.log.append(&e, &[])?;
         // Metadata needs no reference: every new segment carries a copy.
         self.shared.log.unpin(&loc);
         Ok(())
@@ -699,6 +800,7 @@ impl VolCache {
                 },
             },
             rec,
+            at: Instant::now(),
         };
         // Concurrent writes finish their appends in any order; the queue stays in ser order
         // (parts of one write keep their order). Nearly always this is the back.
@@ -709,7 +811,7 @@ impl VolCache {
             .map_or(0, |i| i + 1);
         st.staged.insert(at, w);
         st.dirty_bytes += len;
-        st.oldest_dirty.get_or_insert_with(Instant::now);
+        st.dirty_log_bytes += log_bytes(src, len);
     }
 
     fn index_insert(&self, st: &mut VolState, offset: u64, len: u64, ix: Ix) {
@@ -724,6 +826,9 @@ impl VolCache {
     }
 
     fn index_remove(&self, st: &mut VolState, offset: u64, len: u64) {
+        // A read that missed before this removal may hold older data than what is now on the
+        // datastore (a wt write, an eviction): its fill must not go in.
+        st.evictions += 1;
         for (_, n, old) in st.index.remove(offset, len) {
             if let IxSrc::Rec(l) = old.src {
                 self.shared.log.release(&l, n);
@@ -742,6 +847,7 @@ impl VolCache {
             self.shared.log.unpin(&w.rec);
         }
         st.dirty_bytes = 0;
+        st.dirty_log_bytes = 0;
     }
 
     /// Waits until `ready` holds for the state, re-checking whenever it changes.
@@ -776,6 +882,8 @@ impl VolCache {
     /// volume's share would be full of dirty data.
     async fn admit(&self, len: u64) -> Result<(), Error> {
         let limit = (self.shared.share_bytes() as f64 * STALL_FRACTION) as u64;
+        let parts = len.div_ceil(self.shared.record_max()).max(1);
+        let need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
         let mut stalled = false;
         loop {
             let changed = self.changed.notified();
@@ -789,7 +897,7 @@ impl VolCache {
                     }
                 }
                 let full =
-                    st.mode == Mode::Wb && st.dirty_bytes > 0 && st.dirty_bytes + len > limit;
+                    st.mode == Mode::Wb && st.dirty_bytes > 0 && st.dirty_log_bytes + need > limit;
                 if !st.replaying && !full {
                     return Ok(());
                 }
@@ -836,15 +944,16 @@ impl VolCache {
         len: u64,
         data: Option<&Bytes>,
     ) -> Result<Vec<(Loc, u64, u64)>, Error> {
+        let record_max = self.shared.record_max();
         let parts = if kind.has_payload() {
-            len.div_ceil(RECORD_MAX).max(1)
+            len.div_ceil(record_max).max(1)
         } else {
             1
         };
         let mut out = Vec::with_capacity(parts as usize);
         for i in 0..parts {
             let (poff, plen) = if kind.has_payload() {
-                (i * RECORD_MAX, (len - i * RECORD_MAX).min(RECORD_MAX))
+                (i * record_max, (len - i * record_max).min(record_max))
             } else {
                 (0, len)
             };
@@ -874,6 +983,13 @@ impl VolCache {
                     Ok((loc, _)) => {
                         out.push((loc, e.offset, plen));
                         break;
+                    }
+                    Err(LogError::NoSpace) if kind == Kind::Fill => {
+                        // Clean data (a read fill, the cache's copy of a wt write) is a bonus:
+                        // with no room it is simply not cached. Waiting could wait forever on
+                        // space this very write's pinned parts hold.
+                        self.unpin_all(&out);
+                        return Err(Error::NoRoom);
                     }
                     Err(LogError::NoSpace) => {
                         // Wait for the destager (or another volume's eviction) to free space.
@@ -905,34 +1021,48 @@ impl VolCache {
         }
     }
 
-    /// Evicts the volume's least recently used clean segments while it is over its share (or
-    /// the log is out of segments). A segment a reader holds is skipped, never waited for.
+    /// Evicts this volume's least recently used clean segment. True if one was evicted.
+    fn evict_one(&self) -> bool {
+        let Some(seg) = self.shared.log.eviction_candidate(self.id) else {
+            return false;
+        };
+        let mut st = lock(&self.st);
+        let victims: Vec<(u64, u64)> = st
+            .index
+            .iter()
+            .filter(|(_, _, ix)| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg))
+            .map(|(s, l, _)| (s, l))
+            .collect();
+        if victims.is_empty() {
+            return false;
+        }
+        for (s, l) in victims {
+            self.index_remove(&mut st, s, l);
+        }
+        self.counters
+            .evicted_segments
+            .fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Makes room before an append: evicts the volume's own least recently used clean
+    /// segments while it is at its share, and other volumes' (most over their share first)
+    /// while the log is nearly out of segments. Never waits.
     fn make_room(&self) {
         let share = self.shared.share_segments() as usize;
         let log = &self.shared.log;
-        let mut tried = Vec::new();
-        while log.segments_of(self.id) >= share || log.free_segments() == 0 {
-            let Some(seg) = log.eviction_candidate(self.id) else {
+        let low = log.meta_reserve() + 1;
+        for _ in 0..64 {
+            let progressed = if log.segments_of(self.id) >= share {
+                self.evict_one() || self.shared.evict_elsewhere(Some(self.id))
+            } else if log.free_segments() <= low {
+                self.shared.evict_elsewhere(Some(self.id))
+            } else {
                 return;
             };
-            if tried.contains(&seg) {
+            if !progressed {
                 return;
             }
-            tried.push(seg);
-            let mut st = lock(&self.st);
-            let victims: Vec<(u64, u64)> = st
-                .index
-                .iter()
-                .filter(|(_, _, ix)| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg))
-                .map(|(s, l, _)| (s, l))
-                .collect();
-            for (s, l) in victims {
-                self.index_remove(&mut st, s, l);
-            }
-            st.evictions += 1;
-            self.counters
-                .evicted_segments
-                .fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -1026,6 +1156,11 @@ impl VolCache {
         };
         let (ds, cache) = tokio::join!(ds, cache);
         let mut st = lock(&self.st);
+        // No room is not a failure: the range just is not cached (invalidated below).
+        let cache = match cache {
+            Err(Error::NoRoom) => Ok(Vec::new()),
+            other => other,
+        };
         match (&ds, &cache) {
             (Ok(()), Ok(recs)) if !recs.is_empty() => {
                 for (loc, off, n) in recs {
@@ -1259,8 +1394,23 @@ impl VolCache {
         self.unpin_all(&recs);
     }
 
+    /// Stops destaging (no window starts; one in flight is waited out), so the volume's
+    /// storage can be freed without a late datastore write landing in it.
+    pub async fn stop_destaging(&self) {
+        self.destage_stopped.store(true, Ordering::SeqCst);
+        drop(self.destaging.lock().await);
+    }
+
+    pub fn resume_destaging(&self) {
+        self.destage_stopped.store(false, Ordering::SeqCst);
+        self.shared.wake.notify_one();
+    }
+
     /// Whether the destager should take a window from this volume now.
     fn window_ready(&self, now: Instant) -> bool {
+        if self.destage_stopped.load(Ordering::SeqCst) {
+            return false;
+        }
         let st = lock(&self.st);
         if st.staged.is_empty() || st.destage.retry_at.is_some_and(|t| t > now) {
             return false;
@@ -1272,7 +1422,8 @@ impl VolCache {
         if opts.hold.is_zero() || st.replaying || st.draining {
             return true;
         }
-        let age = st.oldest_dirty.map(|t| now - t).unwrap_or_default();
+        // The head of the queue is the oldest dirty write.
+        let age = st.staged.front().map(|w| now - w.at).unwrap_or_default();
         age >= opts.hold
             || age >= opts.max_dirty_age
             || flow::pressure(&self.signals(&st), &self.triggers()) >= 1.0
@@ -1280,6 +1431,10 @@ impl VolCache {
 
     /// Destages one window; true if it made progress.
     async fn destage_window(&self) -> bool {
+        let _window = self.destaging.lock().await;
+        if self.destage_stopped.load(Ordering::SeqCst) {
+            return false;
+        }
         let (window, last, gen) = {
             let st = lock(&self.st);
             let opts = *lock(&self.opts);
@@ -1346,11 +1501,23 @@ impl VolCache {
         } else {
             last
         };
-        if self
-            .append_meta(Kind::Checkpoint, recorded, gen, 0)
-            .is_err()
-            || self.sync().await.is_err()
-        {
+        match self.append_meta(Kind::Checkpoint, recorded, gen, 0) {
+            Ok(()) => {}
+            Err(LogError::NoSpace) => {
+                // The log is full even for metadata: make room and send the window again
+                // later (resending is harmless; nothing is released until a checkpoint lands).
+                self.shared.evict_elsewhere(None);
+                lock(&self.st).destage.retry_at = Some(Instant::now() + Duration::from_millis(100));
+                return false;
+            }
+            Err(_) => {
+                let mut st = lock(&self.st);
+                st.degraded
+                    .get_or_insert("cache device failed while recording a checkpoint".into());
+                return false;
+            }
+        }
+        if self.sync().await.is_err() {
             let mut st = lock(&self.st);
             st.degraded
                 .get_or_insert("cache device failed while recording a checkpoint".into());
@@ -1360,14 +1527,10 @@ impl VolCache {
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");
             st.dirty_bytes -= w.w.len;
+            st.dirty_log_bytes -= log_bytes_of(&w.w.source, w.w.len);
             self.shared.log.unpin(&w.rec);
         }
         st.checkpoint = recorded;
-        st.oldest_dirty = if st.staged.is_empty() {
-            None
-        } else {
-            st.oldest_dirty
-        };
         if st.destage.error.is_some() {
             info!("volume {:?}: destaging recovered", self.name);
         }
@@ -1452,10 +1615,10 @@ impl VolCache {
         self.store.flush().await.map_err(Error::Datastore)
     }
 
-    /// Waits until every dirty write is destaged (a drain), with writes throttled at full
+    /// Waits until at most `left` dirty writes remain (a drain), with writes throttled at full
     /// pressure meanwhile. Fails if the cache device has failed: what it held cannot be
     /// destaged any more.
-    pub async fn drain(&self) -> Result<(), Error> {
+    pub async fn drain(&self, left: usize) -> Result<(), Error> {
         lock(&self.st).draining = true;
         self.shared.wake.notify_one();
         let log = self.shared.log.clone();
@@ -1465,7 +1628,7 @@ impl VolCache {
             changed.as_mut().enable();
             {
                 let mut st = lock(&self.st);
-                if st.staged.is_empty() {
+                if st.staged.len() <= left {
                     st.draining = false;
                     return Ok(());
                 }
@@ -1490,6 +1653,11 @@ impl VolCache {
         lock(&self.st).staged.is_empty()
     }
 
+    /// The datastore's queue depth: how many writes a drain leaves for the pause.
+    pub fn queue_depth(&self) -> usize {
+        self.store.gate().queue_depth() as usize
+    }
+
     /// The `ser` the datastore is known to hold every write up to.
     pub fn checkpoint(&self) -> u64 {
         lock(&self.st).checkpoint
@@ -1509,11 +1677,9 @@ impl VolCache {
         let (gen, next) = {
             let mut st = lock(&self.st);
             assert!(st.in_flight.is_empty(), "mode switch with writes in flight");
-            if mode == Mode::Wt {
-                assert!(st.staged.is_empty(), "switch to wt before draining");
-                if st.mode == Mode::Wb {
-                    st.gen += 1;
-                }
+            assert!(st.staged.is_empty(), "mode switch before draining");
+            if mode == Mode::Wt && st.mode == Mode::Wb {
+                st.gen += 1;
             }
             st.mode = mode;
             st.checkpoint = st.next_ser - 1;
@@ -1523,9 +1689,10 @@ impl VolCache {
             Mode::Wt => Policy::Wt.code(),
             Mode::Wb => Policy::Wb.code(),
         };
-        self.append_meta(Kind::Policy, 0, gen, code)?;
-        self.append_meta(Kind::Checkpoint, next - 1, gen, 0)?;
-        self.shared.log.sync().map_err(log_err)?;
+        self.append_meta(Kind::Policy, 0, gen, code)
+            .and_then(|_| self.append_meta(Kind::Checkpoint, next - 1, gen, 0))
+            .and_then(|_| self.shared.log.sync())
+            .map_err(log_err)?;
         self.changed.notify_waiters();
         Ok(())
     }
@@ -1560,7 +1727,7 @@ impl VolCache {
             destaged_writes: self.counters.destaged_writes.load(Ordering::Relaxed),
             destage_bytes_per_s: sig.destage_bytes_per_s,
             datastore_write_latency_us: lock(&self.ds_latency).get().map(|s| (s * 1e6) as u64),
-            flow_control: if st.mode == Mode::Wb && st.dirty_bytes >= limit {
+            flow_control: if st.mode == Mode::Wb && st.dirty_log_bytes >= limit {
                 "stalled".into()
             } else if flow::multiple(p) > 0.0 {
                 "throttling".into()

@@ -45,6 +45,9 @@ pub enum Error {
     /// The cache could not do what was asked (a failed cache device, lost dirty data).
     #[error("cache: {0}")]
     Cache(String),
+    /// No room in the cache for clean data right now (it is then not cached).
+    #[error("no room in the cache")]
+    NoRoom,
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -117,8 +120,12 @@ impl Volume {
                 .any(|(v, _, n)| *v == id && *n > 0)
         });
         let mut effective = policy;
-        if dirty_in_log && !policy.cached() {
-            info!("volume {name:?}: the cache log holds dirty data for it; replaying in wb first");
+        if dirty_in_log && policy != Policy::Wb {
+            // Only wb replays: the policy recorded may lag a change that was interrupted.
+            info!(
+                "volume {name:?}: the cache log holds dirty data for it; replaying it in wb \
+                 (its recorded policy {policy} can be set again afterwards)"
+            );
             effective = Policy::Wb;
         }
         let route = match mode_of(effective) {
@@ -258,6 +265,21 @@ impl Volume {
     /// Undoes a [`Volume::revoke`] whose purpose (a delete) failed: the volume serves again.
     pub fn unrevoke(&self) {
         self.revoked.store(false, Ordering::SeqCst);
+        self.resume_destaging();
+    }
+
+    /// Stops the destager writing the volume's datastore (a delete is about to free it).
+    pub async fn stop_destaging(&self) {
+        if let Route::Cached(c) = self.route() {
+            c.stop_destaging().await;
+        }
+    }
+
+    /// Lets the destager go on (a delete did not happen).
+    pub fn resume_destaging(&self) {
+        if let Route::Cached(c) = self.route() {
+            c.resume_destaging();
+        }
     }
 
     /// Detaches the volume from the cache for good (it is being deleted): dirty data that was
@@ -293,13 +315,26 @@ impl Volume {
             .clone()
             .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
         let route = self.route();
+        // Dirty data drains while IO goes on, down to what one window carries; then IO pauses
+        // for the rest (DESIGN §3, Transitions).
         if let Route::Cached(c) = &route {
-            if c.mode() == Mode::Wb {
-                c.drain().await?;
+            if !c.clean() {
+                c.drain(c.queue_depth()).await?;
             }
         }
         self.pause().await;
         let r = async {
+            if let Route::Cached(c) = &route {
+                if !c.clean() {
+                    c.drain(0).await?;
+                }
+            }
+            // Entering wb: writes completed before now may sit in the datastore's volatile
+            // cache, and a wb FLUSH only syncs the cache log. Flush the datastore first so a
+            // later FLUSH covers them too.
+            if new == Policy::Wb {
+                self.store.flush().await.map_err(Error::Datastore)?;
+            }
             match (&route, mode_of(new)) {
                 (Route::Uncached, Some(mode)) => {
                     let c = host.attach(
@@ -311,16 +346,8 @@ impl Volume {
                     )?;
                     *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Cached(c);
                 }
-                (Route::Cached(c), Some(mode)) => {
-                    if c.mode() == Mode::Wb {
-                        c.drain().await?;
-                    }
-                    c.switch_mode(mode)?;
-                }
+                (Route::Cached(c), Some(mode)) => c.switch_mode(mode)?,
                 (Route::Cached(c), None) => {
-                    if c.mode() == Mode::Wb {
-                        c.drain().await?;
-                    }
                     host.detach(c);
                     *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
                 }

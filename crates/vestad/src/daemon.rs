@@ -693,7 +693,11 @@ impl Daemon {
         let info = self.volume_info(&entry);
         entry.stop.stop();
         if let Ok(volume) = &entry.volume {
+            // Clients' IO and the destager's both must be over before the storage goes.
+            volume.stop_destaging().await;
             if !volume.revoke(FORCE_DETACH_WAIT).await {
+                // Nothing is deleted: its dirty data still goes to the datastore.
+                volume.resume_destaging();
                 self.reinstate(
                     &entry,
                     Err("a delete is pending: IO was still in flight to the datastore".into()),

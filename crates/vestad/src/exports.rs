@@ -61,7 +61,7 @@ fn to_cmd(name: &str, what: &str, e: engine::Error) -> CmdError {
         engine::Error::Invalid(_) => Errno::EINVAL,
         // ESHUTDOWN tells the client to disconnect.
         engine::Error::Revoked => Errno::ESHUTDOWN,
-        engine::Error::Cache(_) => Errno::EIO,
+        engine::Error::Cache(_) | engine::Error::NoRoom => Errno::EIO,
         engine::Error::Datastore(io) => errno_of(io),
     };
     warn!("volume {name:?}: {what} failed: {e}");

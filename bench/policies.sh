@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Write-back overhead and the policy throughput table (issue 3).
+#
+# 1. Overhead: a `wb` volume (cache file and `dir` datastore on the local disk) against
+#    `nbdkit file` on the same disk: fio 4 KiB random writes, mean latency at QD1 and IOPS at
+#    QD32. Targets: at most 1.2x nbdkit's latency, at least 0.8x its IOPS.
+# 2. Throughput of `uncached`, `wt` and `wb` (FVP Table 2, the rows without peers) on a LUN
+#    served by nbdkit with a 1 ms write delay: fio 64 KiB sequential writes at QD8 and 4 KiB
+#    random writes at QD16.
+#
+#   bench/policies.sh            # 10 s per run
+#   RUNTIME=30 bench/policies.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${VESTA_BIN_DIR:-target/release}
+RUNTIME=${RUNTIME:-10}
+OUT=${OUT:-bench/out/policies}
+rm -rf "$OUT" && mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; true; }
+trap cleanup EXIT
+
+wait_sock() { for _ in $(seq 100); do [ -S "$1" ] && return; sleep 0.1; done; echo "no $1" >&2; exit 1; }
+
+truncate -s 8G "$OUT/nbdkit.img"
+nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 &
+pids+=($!)
+truncate -s 8G "$OUT/slow.img"
+nbdkit -f --unix "$OUT/slow.sock" --filter=delay file "$OUT/slow.img" delay-write=1ms \
+    >"$OUT/slow.log" 2>&1 &
+pids+=($!)
+wait_sock "$OUT/nbdkit.sock"
+wait_sock "$OUT/slow.sock"
+
+"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 300); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
+API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+vesta() { "$BIN/vesta" --api "$API" "$@"; }
+vesta datastore add slow --lun "nbd+unix:///?socket=$OUT/slow.sock" --queue-depth 16 >/dev/null
+vesta volume create local --size 1G --policy wb >/dev/null
+for p in uncached wt wb; do vesta volume create "slow-$p" --size 2G --datastore slow --policy "$p" >/dev/null; done
+V="nbd+unix:///%s?socket=$OUT/vesta/nbd.sock"
+
+# fio NAME URI RW BS QD -> "iops lat_us MiB/s"
+fio_run() {
+    local json="$OUT/$1.json"
+    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" \
+        --size=1G --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
+        --output-format=json --output="$json"
+    python3 - "$json" <<'EOF'
+import json, sys
+w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
+print(f'{w["iops"]:.0f} {w["lat_ns"]["mean"] / 1000:.1f} {w["bw"] / 1024:.1f}')
+EOF
+}
+
+echo "### Write-back overhead (local disk)"
+echo
+echo "| workload | vestad wb | nbdkit file | **ratio** |"
+echo "|---|---:|---:|---:|"
+read -r _ wl _ < <(fio_run wb-qd1 "$(printf "$V" local)" randwrite 4k 1)
+read -r _ kl _ < <(fio_run nbdkit-qd1 "nbd+unix:///?socket=$OUT/nbdkit.sock" randwrite 4k 1)
+python3 -c "print(f'| 4k randwrite QD1, mean latency (us) | $wl | $kl | **{$wl/$kl:.2f}** |')"
+read -r wi _ _ < <(fio_run wb-qd32 "$(printf "$V" local)" randwrite 4k 32)
+read -r ki _ _ < <(fio_run nbdkit-qd32 "nbd+unix:///?socket=$OUT/nbdkit.sock" randwrite 4k 32)
+python3 -c "print(f'| 4k randwrite QD32, IOPS | $wi | $ki | **{$wi/$ki:.2f}** |')"
+echo
+echo "### Policies on a 1 ms datastore"
+echo
+echo "| policy | 64 KiB seq write QD8 (MiB/s) | 4 KiB rand write QD16 (IOPS) | 4 KiB rand write QD16 mean latency (us) |"
+echo "|---|---:|---:|---:|"
+for p in uncached wt wb; do
+    read -r _ _ mb < <(fio_run "$p-seq" "$(printf "$V" "slow-$p")" write 64k 8)
+    read -r io lat _ < <(fio_run "$p-rand" "$(printf "$V" "slow-$p")" randwrite 4k 16)
+    echo "| $p | $mb | $io | $lat |"
+done
