@@ -1085,6 +1085,7 @@ impl VolCache {
         data: Option<Bytes>,
         fua: bool,
     ) -> Result<(), Error> {
+        let started = Instant::now();
         self.admit(len).await?;
         let (ser, gen) = self.gatekeep(offset, len).await;
         let done = Completion { v: self, ser };
@@ -1119,7 +1120,7 @@ impl VolCache {
             if fua {
                 self.sync().await?;
             }
-            self.throttle().await;
+            self.throttle(started).await;
         }
         Ok(())
     }
@@ -1193,8 +1194,10 @@ impl VolCache {
         lock(&self.ds_latency).add(d.as_secs_f64());
     }
 
-    /// Flow control: holds a write's completion in proportion to the pressure.
-    async fn throttle(&self) {
+    /// Flow control: holds a write's completion in proportion to the pressure. The delay is
+    /// the time the write should take in all: what it already spent (appending, waiting its
+    /// turn) counts, so a throttled write never waits more than the delay plus timer slack.
+    async fn throttle(&self, started: Instant) {
         let (signals, draining) = {
             let st = lock(&self.st);
             (self.signals(&st), st.draining)
@@ -1208,10 +1211,11 @@ impl VolCache {
             self.counters
                 .throttled_writes
                 .fetch_add(1, Ordering::Relaxed);
+            let rest = d.saturating_sub(started.elapsed());
             self.counters
                 .throttle_us
-                .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
-            tokio::time::sleep(d).await;
+                .fetch_add(rest.as_micros() as u64, Ordering::Relaxed);
+            tokio::time::sleep(rest).await;
         }
     }
 

@@ -1,0 +1,159 @@
+//! Flow control end to end (issue 3, FVP §6): a `wb` volume on a LUN whose writes take 2 ms,
+//! and a sustained write rate well above what the destager can send on.
+//!
+//! - the share never fills: writes are throttled, never stalled;
+//! - the client's write rate converges to the destage rate;
+//! - after the burst, throttling releases and writes complete at cache speed again.
+//!
+//! **Not met yet, so not asserted:** issue 3 asks that no write wait more than 4× the
+//! datastore's write latency plus 1 ms. The injected delay is at most 4× by construction
+//! (`engine::flow`, proptested), but what a client sees adds tokio's millisecond timer and
+//! wake-ups on two cores shared with fio and nbdkit: measured here, p99 lands at the bound
+//! (10.0–10.4 ms against 10.2–10.4 ms) and the slowest of ~25,000 writes at 13–17 ms. The test
+//! prints both; the note on issue 3 says what comes next.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vesta_tests::{wait_for, Nbdkit, Vestad};
+
+fn fio_json(out: &str) -> Value {
+    serde_json::from_str(&out[out.find('{').expect("fio JSON")..]).expect("fio JSON")
+}
+
+#[test]
+fn flow_control_throttles_tracks_the_destager_and_releases() {
+    let lun = Nbdkit::start(256 << 20, &["--filter=delay"], &["delay-write=2ms"]);
+    let v = Vestad::start();
+    v.vesta_ok(&[
+        "datastore",
+        "add",
+        "san",
+        "--lun",
+        &lun.uri(),
+        "--queue-depth",
+        "8",
+    ]);
+    // An RPO of one second makes flow control start after about a second's worth of dirty data.
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "f",
+        "--size",
+        "128M",
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+        "--rpo",
+        "1",
+    ]);
+    let burst_s = 12;
+    let fio = Command::new("fio")
+        .args([
+            "--name=burst",
+            "--ioengine=nbd",
+            &format!("--uri={}", v.url("f")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=128M",
+            "--time_based",
+            &format!("--runtime={burst_s}"),
+            "--randrepeat=0",
+            "--output-format=json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    // Sample the volume over the second half of the burst: client writes completed and
+    // writes destaged, both counted by vestad.
+    let sample = |v: &Vestad| {
+        let j = v.vesta_json(&["volume", "show", "f"]);
+        let s = v.vesta_json(&["stats", "f"]);
+        (
+            Instant::now(),
+            s["volumes"][0]["io"]["writes_total"].as_u64().unwrap(),
+            j["cache"]["destaged_writes"].as_u64().unwrap(),
+            j,
+        )
+    };
+    std::thread::sleep(
+        Duration::from_secs(burst_s / 2) - start.elapsed().min(Duration::from_secs(1)),
+    );
+    let a = sample(&v);
+    std::thread::sleep(Duration::from_secs(burst_s / 2 - 2));
+    let b = sample(&v);
+    let out = fio.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let j = fio_json(&String::from_utf8_lossy(&out.stdout));
+    let w = &j["jobs"][0]["write"];
+
+    // The burst was throttled, not stalled.
+    let cache = &b.3["cache"];
+    assert!(
+        cache["throttled_writes"].as_u64().unwrap() > 0,
+        "flow control never engaged: {cache}"
+    );
+    assert_eq!(cache["stalls"], 0, "the share filled: {cache}");
+    let ds_lat_us = cache["datastore_write_latency_us"].as_u64().unwrap() as f64;
+    assert!(
+        ds_lat_us >= 2000.0,
+        "the datastore is slower than 2 ms: {ds_lat_us} us"
+    );
+
+    // Reported, not asserted (see the module doc).
+    let max_us = w["clat_ns"]["max"].as_f64().unwrap() / 1000.0;
+    let p99_us = w["clat_ns"]["percentile"]["99.000000"].as_f64().unwrap() / 1000.0;
+    let bound_us = 4.0 * ds_lat_us + 1000.0;
+
+    // The client's rate converged to the destage rate over the second half.
+    let secs = (b.0 - a.0).as_secs_f64();
+    let client = (b.1 - a.1) as f64 / secs;
+    let destage = (b.2 - a.2) as f64 / secs;
+    eprintln!(
+        "flow: client {client:.0} writes/s, destager {destage:.0} writes/s, p99 wait {p99_us:.0} us, \
+         max {max_us:.0} us (bound {bound_us:.0}), datastore latency {ds_lat_us:.0} us, pressure {}",
+        cache["flow_pressure"]
+    );
+    assert!(
+        (client - destage).abs() <= 0.25 * destage,
+        "the client's {client:.0} writes/s did not converge to the destager's {destage:.0}"
+    );
+
+    // After the burst, throttling releases: once the destager catches up, writes are fast.
+    wait_for(Duration::from_secs(60), "flow control to release", || {
+        let j = v.vesta_json(&["volume", "show", "f"]);
+        (j["cache"]["flow_control"] == "off").then_some(())
+    });
+    let before = v.vesta_json(&["volume", "show", "f"])["cache"]["throttled_writes"]
+        .as_u64()
+        .unwrap();
+    let out = Command::new("fio")
+        .args([
+            "--name=after",
+            "--ioengine=nbd",
+            &format!("--uri={}", v.url("f")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=1",
+            "--size=128M",
+            "--number_ios=100",
+            "--output-format=json",
+        ])
+        .output()
+        .unwrap();
+    let j = fio_json(&String::from_utf8_lossy(&out.stdout));
+    let mean_us = j["jobs"][0]["write"]["clat_ns"]["mean"].as_f64().unwrap() / 1000.0;
+    let after = v.vesta_json(&["volume", "show", "f"])["cache"]["throttled_writes"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(after, before, "writes after the burst were still throttled");
+    assert!(
+        mean_us < ds_lat_us,
+        "after the burst writes take {mean_us:.0} us, no faster than the datastore's {ds_lat_us:.0}"
+    );
+}
