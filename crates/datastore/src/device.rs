@@ -392,7 +392,11 @@ pub struct MemDevice {
     fail_writes: std::sync::atomic::AtomicBool,
     flushes: std::sync::atomic::AtomicU64,
     delay: std::sync::Mutex<Option<std::time::Duration>>,
+    /// Run once, right after the next successful flush (a test's crash point).
+    flush_hook: FlushHook,
 }
+
+type FlushHook = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
 
 impl MemDevice {
     pub fn new(size: u64) -> MemDevice {
@@ -401,7 +405,14 @@ impl MemDevice {
             fail_writes: std::sync::atomic::AtomicBool::new(false),
             flushes: std::sync::atomic::AtomicU64::new(0),
             delay: std::sync::Mutex::new(None),
+            flush_hook: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Runs `f` once, right after the next successful flush: where a test cuts the power in
+    /// the middle of a destage window.
+    pub fn after_next_flush(&self, f: impl FnOnce() + Send + 'static) {
+        *self.flush_hook.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(f));
     }
 
     /// A copy of the whole image.
@@ -464,6 +475,14 @@ impl Device for MemDevice {
         self.failing()?;
         self.flushes
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hook = self
+            .flush_hook
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(f) = hook {
+            f();
+        }
         Ok(())
     }
 

@@ -22,8 +22,10 @@
 //! # The destager
 //!
 //! One task per host visits cached volumes round robin, one window per turn: the window's
+//! records are made durable in the log (a group-commit sync, usually already done), the window's
 //! writes are coalesced ([`crate::window`]) and sent concurrently, the datastore is flushed,
-//! a checkpoint record is appended and synced, and only then are the window's records released.
+//! a checkpoint record is appended, and the window's records are released (their segments are
+//! reused only after a later sync, which makes the checkpoint durable first).
 //! A datastore error leaves the window staged and retries with backoff; nothing is dropped.
 //!
 //! # Recovery
@@ -63,6 +65,9 @@ pub const SEGMENT_DEFAULT: u64 = 1 << 20;
 /// A write stalls when its volume's dirty records would take more than this fraction of its
 /// cache share (the rest is for segment headers, partly filled segments and clean data).
 const STALL_FRACTION: f64 = 0.85;
+/// Most writes one window carries. A held window takes everything staged up to this: one
+/// enormous window would hold up every stalled writer until all of it were on the datastore.
+const WINDOW_MAX: usize = 4096;
 /// Longest wait between destager visits when nothing wakes it.
 const DESTAGER_IDLE: Duration = Duration::from_millis(50);
 /// Longest backoff between retries of a failing datastore.
@@ -1455,6 +1460,7 @@ impl VolCache {
                 .staged
                 .iter()
                 .take_while(|w| w.w.ser <= st.done_ser)
+                .take(WINDOW_MAX)
                 .map(|w| w.w)
                 .collect();
             let n = window::window_len(&all, closing);
@@ -1468,6 +1474,15 @@ impl VolCache {
             }
             (all[..n].to_vec(), all[n - 1].ser, st.gen)
         };
+        // Only durable records are destaged. The datastore then never holds a write the log
+        // could lose, so a replay after any crash re-applies whole windows in order, which
+        // is idempotent; without this, a held window (which coalesces overlapping writes)
+        // could be replayed in part over newer data. Free when a client FLUSH or FUA already
+        // synced the records (group commit).
+        if let Err(e) = self.sync().await {
+            lock(&self.st).degraded.get_or_insert(format!("{e}"));
+            return false;
+        }
         let started = Instant::now();
         let pieces = window::coalesce(&window);
         let bytes: u64 = pieces.iter().map(|p| p.len).sum();
@@ -1493,9 +1508,9 @@ impl VolCache {
             };
             return false;
         }
-        // The datastore now holds the window durably: record the checkpoint, make it durable,
-        // and only then release the window's records (see cachelog::log's rules). The window
-        // that ends a replay also covers the void range above it (`Recovered::void_upto`).
+        // The datastore now holds the window durably: record the checkpoint, then release the
+        // window's records. The window that ends a replay also covers the void range above it
+        // (`Recovered::void_upto`).
         let ends_replay = {
             let st = lock(&self.st);
             st.replaying && st.staged.back().is_some_and(|w| w.w.ser <= last)
@@ -1521,12 +1536,10 @@ impl VolCache {
                 return false;
             }
         }
-        if self.sync().await.is_err() {
-            let mut st = lock(&self.st);
-            st.degraded
-                .get_or_insert("cache device failed while recording a checkpoint".into());
-            return false;
-        }
+        // No sync here: the window's records (durable, see above) may be released at once,
+        // because a segment they free is reused only after a later sync, which makes this
+        // checkpoint durable first (cachelog::log's rules). Until then a crash just replays
+        // the window again.
         let mut st = lock(&self.st);
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");

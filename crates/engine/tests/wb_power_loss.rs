@@ -38,6 +38,14 @@ enum Op {
     Destage,
     /// wb → uncached → wb: the volume leaves the cache and comes back (a new generation).
     Cycle,
+    /// Switches between FVP's batch windows and SLIM's held windows (which coalesce
+    /// overlapping writes).
+    Hold(bool),
+    /// A destage window whose datastore writes and FLUSH completed, and then the power failed:
+    /// before its checkpoint (the most dangerous moment for the datastore image).
+    CrashInDestage {
+        fates: Vec<u8>,
+    },
     PowerLoss {
         fates: Vec<u8>,
     },
@@ -55,6 +63,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Destage),
         1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::PowerLoss { fates }),
         1 => Just(Op::Cycle),
+        1 => any::<bool>().prop_map(Op::Hold),
+        1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::CrashInDestage { fates }),
     ]
 }
 
@@ -169,6 +179,12 @@ proptest! {
                         r.host.destage_turn(0).await;
                         check_checkpoint(&r, &writes)?;
                     }
+                    Op::Hold(on) => {
+                        // A hold of a nanosecond: windows are held (take everything staged)
+                        // and always ready.
+                        let hold_s = if *on { Some(1e-9) } else { Some(0.0) };
+                        r.vol.set_tuning(Tuning { hold_s, ..Tuning::default() });
+                    }
                     Op::Cycle => {
                         // Drive the destager while the policy change drains.
                         let host = r.host.clone();
@@ -189,8 +205,26 @@ proptest! {
                         durable = 1;
                         next = r.vol.cache().unwrap().checkpoint() + 1;
                     }
-                    Op::PowerLoss { fates } => {
+                    Op::PowerLoss { fates } | Op::CrashInDestage { fates } => {
+                        if matches!(op, Op::CrashInDestage { .. }) {
+                            if r.vol.cache().unwrap().clean() {
+                                continue; // nothing to destage: no window to crash in
+                            }
+                            // Power fails right after the window's datastore FLUSH; the cache
+                            // device is dead from then on, so nothing more reaches it.
+                            let (cache, fates) = (r.cache.clone(), fates.clone());
+                            r.store.after_next_flush(move || {
+                                cache.power_loss(|j, n| match fates[j % fates.len()] {
+                                    0 => Fate::Lost,
+                                    1 => Fate::Kept,
+                                    _ => Fate::Torn(n / 2),
+                                });
+                                cache.fail();
+                            });
+                            r.host.destage_turn(0).await;
+                        }
                         let Rig { cache, store, id, .. } = r;
+                        // (After a crash in destage this only revives the dead device.)
                         cache.power_loss(|j, n| match fates[j % fates.len()] {
                             0 => Fate::Lost,
                             1 => Fate::Kept,
