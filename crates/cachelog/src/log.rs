@@ -129,6 +129,9 @@ struct Inner {
     /// Freed, reusable after the next successful sync.
     freed_unsynced: Vec<u32>,
     current: HashMap<Uuid, u32>,
+    /// Segments each owner occupies (not free), kept as segments change hands so that
+    /// [`Log::segments_of`], asked on every append, is not a scan.
+    owned: HashMap<Uuid, usize>,
     meta: HashMap<Uuid, OwnerMeta>,
     next_seg_seq: u64,
     clock: u64,
@@ -213,6 +216,7 @@ impl Log {
                 free: (0..n as u32).collect(),
                 freed_unsynced: Vec::new(),
                 current: HashMap::new(),
+                owned: HashMap::new(),
                 meta: HashMap::new(),
                 next_seg_seq,
                 clock: 0,
@@ -350,6 +354,12 @@ impl Log {
                 .filter(|(_, s)| s.free)
                 .map(|(i, _)| i as u32)
                 .collect();
+            inner.owned = HashMap::new();
+            for s in segs.iter().filter(|s| !s.free) {
+                if let Some(o) = s.owner {
+                    *inner.owned.entry(o).or_default() += 1;
+                }
+            }
             inner.segs = segs;
             inner.meta = meta.into_iter().map(|(k, (m, _))| (k, m)).collect();
             inner.meta_segs = meta_at
@@ -380,7 +390,7 @@ impl Log {
                 })
                 .collect();
             for i in unclaimed {
-                inner.segs[i as usize].free = true;
+                Self::mark_free(&mut inner, i);
                 inner.free.push_back(i);
             }
             inner
@@ -406,7 +416,7 @@ impl Log {
             for i in std::mem::take(&mut inner.meta_segs) {
                 let s = &inner.segs[i as usize];
                 if !s.free && s.held == 0 && s.pins == 0 && !current.contains(&i) {
-                    inner.segs[i as usize].free = true;
+                    Self::mark_free(&mut inner, i);
                     inner.free.push_back(i);
                 }
             }
@@ -495,6 +505,7 @@ impl Log {
             touched: clock,
             ..Seg::default()
         };
+        *inner.owned.entry(owner).or_default() += 1;
         if let Some(old) = inner.current.insert(owner, s) {
             Self::maybe_free(&mut inner, old);
         }
@@ -682,8 +693,18 @@ impl Log {
         let is_current = inner.current.values().any(|c| *c == s);
         let seg = &mut inner.segs[s as usize];
         if !seg.free && seg.held == 0 && seg.pins == 0 && !is_current {
-            seg.free = true;
+            Self::mark_free(inner, s);
             inner.freed_unsynced.push(s);
+        }
+    }
+
+    /// Marks an occupied segment free (the caller puts it on a free list).
+    fn mark_free(inner: &mut Inner, s: u32) {
+        let seg = &mut inner.segs[s as usize];
+        debug_assert!(!seg.free, "segment {s} freed twice");
+        seg.free = true;
+        if let Some(c) = seg.owner.and_then(|o| inner.owned.get_mut(&o)) {
+            *c = c.saturating_sub(1);
         }
     }
 
@@ -720,11 +741,7 @@ impl Log {
 
     /// Segments `owner` occupies (including its current one).
     pub fn segments_of(&self, owner: Uuid) -> usize {
-        lock(&self.inner)
-            .segs
-            .iter()
-            .filter(|s| !s.free && s.owner == Some(owner))
-            .count()
+        lock(&self.inner).owned.get(&owner).copied().unwrap_or(0)
     }
 
     /// Segments free or about to be (after the next sync).
@@ -1083,6 +1100,15 @@ mod tests {
         assert!(l.sync().is_err(), "…but the log never trusts it again");
     }
 
+    /// What [`Log::segments_of`] must say, counted the slow way.
+    fn segments_of_by_scan(l: &Log, owner: Uuid) -> usize {
+        lock(&l.inner)
+            .segs
+            .iter()
+            .filter(|s| !s.free && s.owner == Some(owner))
+            .count()
+    }
+
     proptest! {
         /// Whatever survives a power loss, the scan returns exactly the synced records plus an
         /// arbitrary subset of the unsynced ones, each either intact or flagged — never a record
@@ -1121,6 +1147,52 @@ mod tests {
             }
             for ser in synced {
                 prop_assert!(found.contains(&ser), "synced record {} lost", ser);
+            }
+        }
+    }
+
+    proptest! {
+        /// The per-owner segment counts stay equal to a scan through appends that fill and
+        /// free segments, owners that go away, syncs, and a power loss with recovery.
+        #[test]
+        fn segment_counts_match_a_scan(
+            ops in proptest::collection::vec((0usize..3, 1u64..40, any::<bool>(), 0u8..8), 1..120),
+        ) {
+            let (d, mut l) = log(12);
+            let owners = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
+            let mut held: Vec<(Loc, u64)> = Vec::new();
+            for (i, (o, sectors, keep, what)) in ops.iter().enumerate() {
+                let owner = owners[*o];
+                match what {
+                    0 => l.forget(owner),
+                    1 => { l.sync().unwrap(); }
+                    2 if !held.is_empty() => {
+                        let (loc, n) = held.remove(i % held.len());
+                        l.release(&loc, n);
+                    }
+                    3 => {
+                        d.power_loss(|_, _| Fate::Kept);
+                        held.clear();
+                        l = reopen(&d).0;
+                    }
+                    _ => {
+                        let len = sectors * 512;
+                        match l.append(&data(owner, i as u64 + 1, 0, len), &vec![1u8; len as usize]) {
+                            Ok((loc, _)) => {
+                                if *keep {
+                                    l.hold(&loc, len);
+                                    held.push((loc, len));
+                                }
+                                l.unpin(&loc);
+                            }
+                            Err(LogError::NoSpace) => {}
+                            Err(e) => panic!("append failed: {e}"),
+                        }
+                    }
+                }
+                for o in owners {
+                    prop_assert_eq!(l.segments_of(o), segments_of_by_scan(&l, o));
+                }
             }
         }
     }

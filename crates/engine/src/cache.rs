@@ -116,11 +116,23 @@ impl IndexPiece for Ix {
     }
 }
 
+/// One record `append_write` appended: `len` bytes of the volume at `offset`.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    loc: Loc,
+    offset: u64,
+    len: u64,
+    ticket: u64,
+}
+
 /// A dirty write waiting for the destager, with the log record(s) it pins.
 #[derive(Debug, Clone)]
 struct StagedWrite {
     w: Staged<Loc>,
     rec: Loc,
+    /// The append's completion ticket: the record is durable once the log has synced
+    /// through it (`Log::sync_through`).
+    ticket: u64,
     /// When it was staged (hold time and maximum dirty age count from here).
     at: Instant,
 }
@@ -725,7 +737,8 @@ impl VolCache {
                     } else {
                         IxSrc::Rec(p.loc)
                     };
-                    v.stage(&mut st, h.ser, h.offset, h.len, src, p.loc);
+                    // Recovered records are durable (the device was synced before the scan).
+                    v.stage(&mut st, h.ser, h.offset, h.len, src, p.loc, 0);
                 }
             }
             if st.replaying {
@@ -785,7 +798,17 @@ impl VolCache {
     }
 
     /// Indexes and stages one dirty record (caller holds the state lock).
-    fn stage(&self, st: &mut VolState, ser: u64, offset: u64, len: u64, src: IxSrc, rec: Loc) {
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &self,
+        st: &mut VolState,
+        ser: u64,
+        offset: u64,
+        len: u64,
+        src: IxSrc,
+        rec: Loc,
+        ticket: u64,
+    ) {
         let ix = Ix {
             src,
             pos: 0,
@@ -805,6 +828,7 @@ impl VolCache {
                 },
             },
             rec,
+            ticket,
             at: Instant::now(),
         };
         // Concurrent writes finish their appends in any order; the queue stays in ser order
@@ -948,7 +972,7 @@ impl VolCache {
         offset: u64,
         len: u64,
         data: Option<&Bytes>,
-    ) -> Result<Vec<(Loc, u64, u64)>, Error> {
+    ) -> Result<Vec<Part>, Error> {
         let record_max = self.shared.record_max();
         let parts = if kind.has_payload() {
             len.div_ceil(record_max).max(1)
@@ -985,8 +1009,13 @@ impl VolCache {
                         })
                     });
                 match r {
-                    Ok((loc, _)) => {
-                        out.push((loc, e.offset, plen));
+                    Ok((loc, ticket)) => {
+                        out.push(Part {
+                            loc,
+                            offset: e.offset,
+                            len: plen,
+                            ticket,
+                        });
                         break;
                     }
                     Err(LogError::NoSpace) if kind == Kind::Fill => {
@@ -1020,9 +1049,9 @@ impl VolCache {
     }
 
     /// Releases the pins `append_write` returned its records with.
-    fn unpin_all(&self, recs: &[(Loc, u64, u64)]) {
-        for (l, _, _) in recs {
-            self.shared.log.unpin(l);
+    fn unpin_all(&self, recs: &[Part]) {
+        for p in recs {
+            self.shared.log.unpin(&p.loc);
         }
     }
 
@@ -1101,13 +1130,13 @@ impl VolCache {
                     .append_write(kind, ser, gen, offset, len, data.as_ref())
                     .await?;
                 let mut st = lock(&self.st);
-                for (loc, off, n) in &recs {
+                for p in &recs {
                     let src = if kind == Kind::Zero {
                         IxSrc::Zero
                     } else {
-                        IxSrc::Rec(*loc)
+                        IxSrc::Rec(p.loc)
                     };
-                    self.stage(&mut st, ser, *off, *n, src, *loc);
+                    self.stage(&mut st, ser, p.offset, p.len, src, p.loc, p.ticket);
                 }
                 drop(st);
                 self.unpin_all(&recs);
@@ -1121,7 +1150,11 @@ impl VolCache {
         // Complete in ser order: see the module doc.
         self.wait_until(|st| st.done_ser >= ser).await;
         if mode == Mode::Wb {
-            self.shared.wake.notify_one();
+            // Wake the destager only for a window it would take: a held volume's writes would
+            // otherwise wake it once each for nothing (it looks again every DESTAGER_IDLE).
+            if self.window_ready(Instant::now()) {
+                self.shared.wake.notify_one();
+            }
             if fua {
                 self.sync().await?;
             }
@@ -1169,14 +1202,14 @@ impl VolCache {
         };
         match (&ds, &cache) {
             (Ok(()), Ok(recs)) if !recs.is_empty() => {
-                for (loc, off, n) in recs {
+                for p in recs {
                     let ix = Ix {
-                        src: IxSrc::Rec(*loc),
+                        src: IxSrc::Rec(p.loc),
                         pos: 0,
                         ser,
                         wb: false,
                     };
-                    self.index_insert(&mut st, *off, *n, ix);
+                    self.index_insert(&mut st, p.offset, p.len, ix);
                 }
             }
             (_, cache) => {
@@ -1229,6 +1262,17 @@ impl VolCache {
         let log = self.shared.log.clone();
         datastore::device::on_pool(move || {
             log.sync().map_err(|e| std::io::Error::other(e.to_string()))
+        })
+        .await
+        .map_err(|e| Error::Cache(e.to_string()))
+    }
+
+    /// Makes the first `ticket` completed appends durable (nothing to do if they are).
+    async fn sync_through(&self, ticket: u64) -> Result<(), Error> {
+        let log = self.shared.log.clone();
+        datastore::device::on_pool(move || {
+            log.sync_through(ticket)
+                .map_err(|e| std::io::Error::other(e.to_string()))
         })
         .await
         .map_err(|e| Error::Cache(e.to_string()))
@@ -1383,15 +1427,15 @@ impl VolCache {
         };
         let mut st = lock(&self.st);
         let stale = st.evictions != evictions_before;
-        for (loc, off, n) in &recs {
+        for p in &recs {
             if stale {
                 break;
             }
-            for sp in st.index.lookup(*off, *n) {
+            for sp in st.index.lookup(p.offset, p.len) {
                 if sp.value.is_none() {
                     let ix = Ix {
-                        src: IxSrc::Rec(*loc),
-                        pos: sp.start - off,
+                        src: IxSrc::Rec(p.loc),
+                        pos: sp.start - p.offset,
                         ser: 0,
                         wb: false,
                     };
@@ -1444,7 +1488,7 @@ impl VolCache {
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
         }
-        let (window, last, gen) = {
+        let (window, last, gen, ticket) = {
             let st = lock(&self.st);
             let opts = *lock(&self.opts);
             let closing = if opts.hold.is_zero() {
@@ -1456,13 +1500,13 @@ impl VolCache {
             };
             // Only writes up to the completion watermark: a lower ser still in flight is not
             // staged yet, and a checkpoint past it would claim the datastore has it.
-            let all: Vec<Staged<Loc>> = st
+            let head: Vec<&StagedWrite> = st
                 .staged
                 .iter()
                 .take_while(|w| w.w.ser <= st.done_ser)
                 .take(WINDOW_MAX)
-                .map(|w| w.w)
                 .collect();
+            let all: Vec<Staged<Loc>> = head.iter().map(|w| w.w).collect();
             let n = window::window_len(&all, closing);
             if n == 0 {
                 return false;
@@ -1472,14 +1516,15 @@ impl VolCache {
             while n < all.len() && all[n].ser == all[n - 1].ser {
                 n += 1;
             }
-            (all[..n].to_vec(), all[n - 1].ser, st.gen)
+            let ticket = head[..n].iter().map(|w| w.ticket).max().unwrap_or(0);
+            (all[..n].to_vec(), all[n - 1].ser, st.gen, ticket)
         };
         // Only durable records are destaged. The datastore then never holds a write the log
         // could lose, so a replay after any crash re-applies whole windows in order, which
         // is idempotent; without this, a held window (which coalesces overlapping writes)
         // could be replayed in part over newer data. Free when a client FLUSH or FUA already
-        // synced the records (group commit).
-        if let Err(e) = self.sync().await {
+        // synced the records (group commit); one sync usually covers several windows.
+        if let Err(e) = self.sync_through(ticket).await {
             lock(&self.st).degraded.get_or_insert(format!("{e}"));
             return false;
         }
@@ -1576,27 +1621,33 @@ impl VolCache {
     /// Writes a window's pieces to the datastore, all concurrently (the datastore's gate
     /// bounds what is in flight), then flushes it.
     async fn send_window(&self, pieces: &[window::Piece<Loc>]) -> Result<(), Error> {
-        let mut records: HashMap<Loc, Bytes> = HashMap::new();
-        for p in pieces {
-            if let Source::Data(l, _) = p.source {
-                if let std::collections::hash_map::Entry::Vacant(e) = records.entry(l) {
-                    let log = self.shared.log.clone();
-                    let d = blocking(move || {
-                        log.read(&l)
-                            .map_err(|e| std::io::Error::other(e.to_string()))
-                    })
-                    .await
-                    .map_err(|e| {
-                        // Never destage what cannot be verified.
-                        let why =
-                            format!("a dirty cache record cannot be read ({e}); destaging stopped");
-                        lock(&self.st).degraded.get_or_insert(why.clone());
-                        Error::Cache(why)
-                    })?;
-                    e.insert(Bytes::from(d));
-                }
-            }
-        }
+        // The window's records, read and verified in one trip to the blocking pool.
+        let mut locs: Vec<Loc> = pieces
+            .iter()
+            .filter_map(|p| match p.source {
+                Source::Data(l, _) => Some(l),
+                Source::Zero => None,
+            })
+            .collect();
+        locs.sort_by_key(|l| (l.segment, l.offset));
+        locs.dedup();
+        let log = self.shared.log.clone();
+        let records: HashMap<Loc, Bytes> = blocking(move || {
+            locs.into_iter()
+                .map(|l| {
+                    log.read(&l)
+                        .map(|d| (l, Bytes::from(d)))
+                        .map_err(|e| std::io::Error::other(e.to_string()))
+                })
+                .collect()
+        })
+        .await
+        .map_err(|e| {
+            // Never destage what cannot be verified.
+            let why = format!("a dirty cache record cannot be read ({e}); destaging stopped");
+            lock(&self.st).degraded.get_or_insert(why.clone());
+            Error::Cache(why)
+        })?;
         let mut set = tokio::task::JoinSet::new();
         for p in pieces {
             let store = self.store.clone();
