@@ -79,6 +79,20 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Client writes among staged records in `ser` order (a large write is staged as several
+/// records, one per part, all with its `ser`).
+fn writes_among(sers: impl Iterator<Item = u64>) -> u64 {
+    let mut last = None;
+    let mut n = 0;
+    for s in sers {
+        if last != Some(s) {
+            n += 1;
+            last = Some(s);
+        }
+    }
+    n
+}
+
 fn log_err(e: LogError) -> Error {
     Error::Cache(e.to_string())
 }
@@ -1493,7 +1507,7 @@ impl VolCache {
             let opts = *lock(&self.opts);
             let closing = if opts.hold.is_zero() {
                 Closing::Batch {
-                    max_writes: self.store.gate().queue_depth() as usize,
+                    max_ios: self.store.gate().queue_depth() as usize,
                 }
             } else {
                 Closing::Held
@@ -1610,9 +1624,10 @@ impl VolCache {
         self.counters
             .destaged_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        self.counters
-            .destaged_writes
-            .fetch_add(window.len() as u64, Ordering::Relaxed);
+        self.counters.destaged_writes.fetch_add(
+            writes_among(window.iter().map(|w| w.ser)),
+            Ordering::Relaxed,
+        );
         self.changed.notify_waiters();
         self.shared.space.notify_waiters();
         true
@@ -1648,22 +1663,28 @@ impl VolCache {
             lock(&self.st).degraded.get_or_insert(why.clone());
             Error::Cache(why)
         })?;
+        let bytes_of = |p: &window::Piece<Loc>| match p.source {
+            Source::Data(l, pos) => Some(records[&l].slice(pos as usize..(pos + p.len) as usize)),
+            Source::Zero => None,
+        };
         let mut set = tokio::task::JoinSet::new();
-        for p in pieces {
+        for run in window::runs(pieces) {
             let store = self.store.clone();
-            let (off, len) = (p.offset, p.len);
-            let data = match p.source {
-                Source::Data(l, pos) => Some(records[&l].slice(pos as usize..(pos + len) as usize)),
-                Source::Zero => None,
+            let run = &pieces[run];
+            let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
+            // Adjacent pieces (from different records) go out as one IO.
+            let data = if run.len() == 1 {
+                bytes_of(&run[0])
+            } else {
+                let mut buf = bytes::BytesMut::with_capacity(len as usize);
+                for p in run {
+                    buf.extend_from_slice(&bytes_of(p).expect("runs hold only data pieces"));
+                }
+                Some(buf.freeze())
             };
-            set.spawn(async move {
-                let t = Instant::now();
-                let r = match data {
-                    Some(d) => store.write(off, d, false).await,
-                    None => store.write_zeroes(off, len, true).await,
-                };
-                (r, t.elapsed())
-            });
+            // Flow control wants the device's service time, not the wait behind the rest of
+            // the window for a slot.
+            set.spawn(async move { store.write_timed(off, len, data).await });
         }
         let mut first_err = None;
         while let Some(r) = set.join_next().await {
@@ -1784,7 +1805,7 @@ impl VolCache {
             },
             gen: st.gen,
             dirty_bytes: st.dirty_bytes,
-            dirty_writes: st.staged.len() as u64,
+            dirty_writes: writes_among(st.staged.iter().map(|w| w.w.ser)),
             share_bytes: self.shared.share_bytes(),
             used_bytes: self.shared.log.segments_of(self.id) as u64
                 * self.shared.log.superblock().segment_size,

@@ -11,12 +11,19 @@
 //! writes to the same bytes: [`coalesce`] keeps only the newest version of every byte.
 //!
 //! Two ways to close a window:
-//! - **batch** (FVP §5): at the first write that overlaps an earlier write of the window, or at
-//!   the datastore's queue depth — little is held back, destaging starts at once;
+//! - **batch** (FVP §5): at the first write that overlaps an earlier write of the window, or
+//!   when it would need more datastore IOs than the datastore's queue depth — little is held
+//!   back, destaging starts at once. Adjacent writes go to the datastore as one IO ([`runs`]),
+//!   so a sequential stream fills a window with far more than queue-depth writes;
 //! - **held** (SLIM's interval): everything staged when the window's hold time has passed, so
 //!   overwrites within it are absorbed and never sent.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// Largest datastore IO the destager assembles from adjacent pieces: large enough that a
+/// sequential stream costs few round trips, small enough that one IO never holds a slot long.
+pub const RUN_BYTES_MAX: u64 = 1 << 20;
 
 /// What a staged write puts in the volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,8 +54,9 @@ pub struct Piece<L> {
 /// How a volume's windows close.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closing {
-    /// At the first overlap or at `max_writes` writes.
-    Batch { max_writes: usize },
+    /// At the first overlap, or before the window would need more than `max_ios` datastore
+    /// IOs (adjacent writes counting as one, [`RUN_BYTES_MAX`] at a time).
+    Batch { max_ios: usize },
     /// Everything staged (the caller decides when the hold time has passed).
     Held,
 }
@@ -57,24 +65,76 @@ pub enum Closing {
 pub fn window_len<L>(staged: &[Staged<L>], closing: Closing) -> usize {
     match closing {
         Closing::Held => staged.len(),
-        Closing::Batch { max_writes } => {
-            let max = max_writes.max(1);
-            let mut taken: Vec<(u64, u64)> = Vec::new();
+        Closing::Batch { max_ios } => {
+            let max = max_ios.max(1);
+            // The window's bytes as maximal runs of adjacent writes: start -> end.
+            let mut taken: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut ios = 0usize;
             for (i, w) in staged.iter().enumerate() {
-                if i == max {
-                    return i;
-                }
+                let (start, end) = (w.offset, w.offset + w.len);
                 let overlaps = taken
-                    .iter()
-                    .any(|(s, e)| w.offset < *e && *s < w.offset + w.len);
-                if overlaps {
+                    .range(..end)
+                    .next_back()
+                    .is_some_and(|(_, e)| *e > start);
+                if overlaps && w.len > 0 {
                     return i.max(1);
                 }
-                taken.push((w.offset, w.offset + w.len));
+                // Merge with the runs it touches (ends at `start`, starts at `end`).
+                let mut lo = start;
+                let mut hi = end;
+                let mut delta = 0isize;
+                if let Some((&s, &e)) = taken.range(..=start).next_back() {
+                    if e == start {
+                        taken.remove(&s);
+                        delta -= ios_of(e - s) as isize;
+                        lo = s;
+                    }
+                }
+                if let Some(e) = taken.remove(&end) {
+                    delta -= ios_of(e - end) as isize;
+                    hi = e;
+                }
+                delta += ios_of(hi - lo) as isize;
+                let after = (ios as isize + delta) as usize;
+                if after > max && i > 0 {
+                    return i;
+                }
+                taken.insert(lo, hi);
+                ios = after;
             }
             staged.len()
         }
     }
+}
+
+/// Datastore IOs for `len` adjacent bytes.
+fn ios_of(len: u64) -> usize {
+    len.div_ceil(RUN_BYTES_MAX).max(1) as usize
+}
+
+/// Groups coalesced pieces (in offset order, as [`coalesce`] returns them) into datastore IOs:
+/// consecutive adjacent data pieces up to [`RUN_BYTES_MAX`] bytes each; zero pieces alone.
+pub fn runs<L>(pieces: &[Piece<L>]) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let mut bytes = 0u64;
+    for (i, p) in pieces.iter().enumerate() {
+        let joins = out.last().is_some_and(|r| {
+            let last = &pieces[r.end - 1];
+            r.end == i
+                && last.offset + last.len == p.offset
+                && !matches!(last.source, Source::Zero)
+                && !matches!(p.source, Source::Zero)
+                && bytes + p.len <= RUN_BYTES_MAX
+        });
+        if joins {
+            out.last_mut().expect("a run").end = i + 1;
+            bytes += p.len;
+        } else {
+            out.push(i..i + 1);
+            bytes = p.len;
+        }
+    }
+    out
 }
 
 /// The datastore writes that bring the volume from the state before `window` to the state
@@ -194,24 +254,71 @@ mod tests {
             prop_assert_eq!(got, expect);
         }
 
-        /// A batch window never holds two overlapping writes and never exceeds the queue depth,
-        /// and is never empty when there is something staged.
+        /// A batch window never holds two overlapping writes, never needs more datastore IOs
+        /// than the queue depth (unless one write alone does), and is never empty when there
+        /// is something staged. It closes for a reason: the end, an overlap, or the depth.
         #[test]
         fn batch_windows_close_at_overlap_or_depth(ws in staged(), depth in 1usize..8) {
-            let n = window_len(&ws, Closing::Batch { max_writes: depth });
-            prop_assert!(n >= 1 && n <= depth.min(ws.len()));
+            let n = window_len(&ws, Closing::Batch { max_ios: depth });
+            prop_assert!(n >= 1 && n <= ws.len());
             for i in 0..n {
                 for j in 0..i {
                     let (a, b) = (&ws[i], &ws[j]);
                     prop_assert!(a.offset >= b.offset + b.len || b.offset >= a.offset + a.len);
                 }
             }
-            // It closed for a reason: the end, the depth, or an overlap with the next write.
-            if n < ws.len() && n < depth {
+            // Non-overlapping writes: the IOs are the runs of the coalesced pieces (zero and
+            // data pieces counted alike, as the window does).
+            let ios = |k: usize| {
+                let mut iv: Vec<(u64, u64)> = ws[..k].iter().map(|w| (w.offset, w.offset + w.len)).collect();
+                iv.sort();
+                let mut merged: Vec<(u64, u64)> = Vec::new();
+                for (s, e) in iv {
+                    match merged.last_mut() {
+                        Some(m) if m.1 == s => m.1 = e,
+                        _ => merged.push((s, e)),
+                    }
+                }
+                merged.iter().map(|(s, e)| ios_of(e - s)).sum::<usize>()
+            };
+            prop_assert!(n == 1 || ios(n) <= depth, "{} IOs in a window of depth {}", ios(n), depth);
+            if n < ws.len() {
                 let next = &ws[n];
-                prop_assert!(ws[..n].iter().any(|w| next.offset < w.offset + w.len && w.offset < next.offset + next.len));
+                let overlap = ws[..n].iter().any(|w| next.offset < w.offset + w.len && w.offset < next.offset + next.len);
+                prop_assert!(overlap || ios(n + 1) > depth, "closed early at {} of {}", n, ws.len());
             }
             prop_assert_eq!(window_len(&ws, Closing::Held), ws.len());
+        }
+
+        /// Runs partition the pieces in order; each is adjacent bytes of data pieces within
+        /// RUN_BYTES_MAX (or a single piece), and zero pieces stand alone.
+        #[test]
+        fn runs_group_adjacent_data_pieces(ws in staged()) {
+            let pieces = coalesce(&ws);
+            let rs = runs(&pieces);
+            let mut next = 0;
+            for r in &rs {
+                prop_assert_eq!(r.start, next);
+                prop_assert!(r.end > r.start);
+                next = r.end;
+                let run = &pieces[r.clone()];
+                if run.len() > 1 {
+                    prop_assert!(run.iter().all(|p| !matches!(p.source, Source::Zero)));
+                    prop_assert!(run.iter().map(|p| p.len).sum::<u64>() <= RUN_BYTES_MAX);
+                }
+                for w in run.windows(2) {
+                    prop_assert_eq!(w[0].offset + w[0].len, w[1].offset);
+                }
+            }
+            prop_assert_eq!(next, pieces.len());
+            // Maximal: a run ends only where the next piece cannot join it.
+            for w in rs.windows(2) {
+                let (a, b) = (&pieces[w[0].end - 1], &pieces[w[1].start]);
+                let bytes: u64 = pieces[w[0].clone()].iter().map(|p| p.len).sum();
+                prop_assert!(a.offset + a.len != b.offset
+                    || matches!(a.source, Source::Zero) || matches!(b.source, Source::Zero)
+                    || bytes + b.len > RUN_BYTES_MAX);
+            }
         }
     }
 }
