@@ -297,6 +297,19 @@ impl Vestad {
         self.url(name)
     }
 
+    /// Adds the nbdkit LUN as datastore `name` with the given queue depth.
+    pub fn add_lun(&self, name: &str, lun: &Nbdkit, queue_depth: u32) {
+        self.vesta_ok(&[
+            "datastore",
+            "add",
+            name,
+            "--lun",
+            &lun.uri(),
+            "--queue-depth",
+            &queue_depth.to_string(),
+        ]);
+    }
+
     pub fn url(&self, name: &str) -> String {
         format!("nbd+unix:///{name}?socket={}", self.nbd_unix.display())
     }
@@ -352,6 +365,10 @@ impl Drop for Vestad {
         self.kill9();
     }
 }
+
+/// Where the first volume's bytes start on a fresh LUN, after its label and volume table
+/// (docs/FORMAT.md).
+pub const LUN_EXTENT: usize = 4 << 20;
 
 /// An `nbdkit` serving a file as an emulated SAN LUN on a unix socket.
 pub struct Nbdkit {

@@ -14,15 +14,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use nbd::client::Client;
 use nbd::uri::NbdUri;
-use vesta_tests::{read_file, Nbdkit, Vestad};
+use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
 
 const BLOCK: u64 = 4096;
 const BLOCKS: u64 = 1024;
 /// Writers; each owns the blocks ≡ its index mod WRITERS, so a block has at most one write in
 /// flight and its versions are strictly ordered.
 const WRITERS: u64 = 16;
-/// Where the volume's extent starts on a fresh LUN (docs/FORMAT.md).
-const EXTENT: usize = 4 << 20;
 
 /// What a block holds: its number and version, repeated.
 fn content(block: u64, version: u64) -> Vec<u8> {
@@ -126,15 +124,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
     // A LUN whose writes take a millisecond, so dirty data piles up in the cache.
     let lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
     let mut v = Vestad::start();
-    v.vesta_ok(&[
-        "datastore",
-        "add",
-        "san",
-        "--lun",
-        &lun.uri(),
-        "--queue-depth",
-        "8",
-    ]);
+    v.add_lun("san", &lun, 8);
     v.vesta_ok(&[
         "volume",
         "create",
@@ -205,7 +195,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
         });
         let img = read_file(&lun.image);
         assert!(
-            img[EXTENT..EXTENT + got.len()] == got[..],
+            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
             "round {round} (seed {seed}): after replay the LUN image differs from the volume"
         );
     }

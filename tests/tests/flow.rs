@@ -26,15 +26,7 @@ fn fio_json(out: &str) -> Value {
 fn flow_control_throttles_tracks_the_destager_and_releases() {
     let lun = Nbdkit::start(256 << 20, &["--filter=delay"], &["delay-write=2ms"]);
     let v = Vestad::start();
-    v.vesta_ok(&[
-        "datastore",
-        "add",
-        "san",
-        "--lun",
-        &lun.uri(),
-        "--queue-depth",
-        "8",
-    ]);
+    v.add_lun("san", &lun, 8);
     // An RPO of one second makes flow control start after about a second's worth of dirty data.
     v.vesta_ok(&[
         "volume",

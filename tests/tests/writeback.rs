@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
-use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Vestad};
+use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Vestad, LUN_EXTENT};
 
 fn show(v: &Vestad, name: &str) -> Value {
     v.vesta_json(&["volume", "show", name])
@@ -314,9 +314,6 @@ fn a_corrupted_record_is_detected_and_never_served_or_destaged() {
     assert!(img[2 << 20..(2 << 20) + 65536].iter().all(|b| *b == 0));
 }
 
-/// Where the first volume's bytes start on a fresh LUN (after its label and volume table).
-const LUN_EXTENT: usize = 4 << 20;
-
 /// A datastore that fails every IO (nbdkit's error filter, switched on and off through its
 /// error file) stalls destaging and loses nothing: writes keep completing from the cache,
 /// `vesta volume show` reports the destage error, and once the datastore heals the destager's
@@ -335,15 +332,7 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
         ],
     );
     let v = Vestad::start();
-    v.vesta_ok(&[
-        "datastore",
-        "add",
-        "san",
-        "--lun",
-        &lun.uri(),
-        "--queue-depth",
-        "8",
-    ]);
+    v.add_lun("san", &lun, 8);
     v.vesta_ok(&[
         "volume",
         "create",
