@@ -11,7 +11,12 @@
 //! | GET | /v1/volumes/{name} | | [`VolumeInfo`] |
 //! | DELETE | /v1/volumes/{name}?force=true | | [`VolumeInfo`] of what was deleted |
 //! | POST | /v1/volumes/{name}/policy | [`SetPolicy`] | [`VolumeInfo`] |
+//! | POST | /v1/volumes/{name}/relocate | [`Relocate`] | [`VolumeInfo`] |
 //! | GET | /v1/stats?volume=NAME | | [`StatsReport`] |
+//! | GET | /v1/models | | [`ModelsReport`] |
+//! | GET | /v1/balance/plan?max_moves=N&threshold=F | | [`BalancePlan`] |
+//! | GET | /v1/calibration | | [`Calibration`] (404 if none) |
+//! | PUT | /v1/calibration | [`Calibration`] | [`Calibration`] |
 //!
 //! Errors come back with a 4xx/5xx status and an [`ApiError`] body.
 
@@ -85,6 +90,9 @@ pub struct VolumeInfo {
     /// The cache's view, for cached policies.
     #[serde(default)]
     pub cache: Option<CacheInfo>,
+    /// Why `vesta volume create` chose this datastore, when it chose (no `--datastore`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<balance::Placement>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -189,4 +197,87 @@ pub struct StatsReport {
     pub interval_s: f64,
     pub volumes: Vec<VolumeStats>,
     pub datastores: Vec<DatastoreStats>,
+}
+
+/// Copy a volume to another datastore. Only `offline: true` exists so far: the volume must
+/// have no clients and no dirty data, and it serves again once the copy is done.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Relocate {
+    pub datastore: String,
+    #[serde(default)]
+    pub offline: bool,
+}
+
+/// The balancing models (BASIL, DESIGN §8) as the daemon sees them now.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelsReport {
+    pub interval_s: f64,
+    /// Intervals of history the models are built from, at most.
+    pub history: usize,
+    /// K1–K4 of the workload model in use.
+    pub constants: balance::Constants,
+    /// `defaults`, or which calibration they come from.
+    pub constants_from: String,
+    pub volumes: Vec<VolumeModel>,
+    pub datastores: Vec<DatastoreModel>,
+}
+
+/// One volume's workload model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VolumeModel {
+    pub name: String,
+    pub datastore: String,
+    /// Intervals with IO in the history.
+    pub samples: usize,
+    /// OIO, IO size, read % and random % at their 90th percentiles; `None` before the
+    /// first interval with IO.
+    pub p90: Option<balance::Characteristics>,
+    /// Its load `L`; 0 for a volume that has done no IO.
+    pub load: f64,
+    /// Median IOPS over the intervals with IO.
+    pub iops: f64,
+}
+
+/// One datastore's device model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DatastoreModel {
+    pub name: String,
+    /// Intervals in the history in which it served reads.
+    pub samples: usize,
+    /// Those that pass the filters (reads ≤ 32 KiB, sequentiality ≤ 90 %).
+    pub usable: usize,
+    /// `P = 1/slope` of read latency against outstanding reads, with its fit; `None` until
+    /// enough usable intervals with spread in load exist.
+    pub model: Option<balance::DeviceModel>,
+    /// `ΣL` of its volumes.
+    pub load: f64,
+    /// `N = ΣL / P`; `None` without a model.
+    pub normalized_load: Option<f64>,
+}
+
+/// A migration plan with what it was made from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BalancePlan {
+    pub plan: balance::Plan,
+    pub constants_from: String,
+    /// What the operator should know about the inputs (volumes without statistics, datastores
+    /// without a model).
+    pub notes: Vec<String>,
+}
+
+/// Fitted workload-model constants, stored by `vesta calibrate`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Calibration {
+    /// The datastore the sweep ran on.
+    pub datastore: String,
+    pub at_unix: u64,
+    pub constants: balance::Constants,
+    /// Experiments the fit used.
+    pub experiments: usize,
+    /// Median of |predicted − measured| / measured latency over them.
+    pub median_relative_error: f64,
+    /// Parameters the datastore's latency did not respond to (of `OIO`, `size`, `read`,
+    /// `random`); their constants are set so they do not move a load.
+    #[serde(default)]
+    pub insensitive: Vec<String>,
 }

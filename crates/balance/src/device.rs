@@ -43,9 +43,9 @@ pub struct DeviceSample {
     pub read_latency_ms: f64,
     /// Reads per second.
     pub read_iops: f64,
-    /// Average size of all IOs in the interval, KiB.
+    /// Average size of the interval's reads (the IOs the model uses), KiB.
     pub io_size_kib: f64,
-    /// Share of sequential IOs in the interval, 0–100.
+    /// Share of the interval's reads that were sequential, 0–100.
     pub sequential_pct: f64,
 }
 

@@ -26,6 +26,14 @@
 //! each. K5 is then the least-squares fit of measured latency against the numerator
 //! (`latency ≈ numerator / K5`, a line through the origin).
 //!
+//! A device may not respond to a parameter at all (an SSD to randomness, an emulated LUN
+//! with a fixed per-IO delay to read share): every pair's latency ratio is then 1 plus noise,
+//! Equation 3 divides noise by noise, and the median K can come out negative, which would make
+//! loads negative. The paper is silent on this. Such a parameter is marked *insensitive*
+//! (median latency change across its pairs under [`SENSITIVITY_MIN`], or a median K that is
+//! not positive) and gets `K = `[`K_INSENSITIVE`]` × its range`: its factor is then constant
+//! to within 0.1 %, which is what "latency does not depend on it" means in Equation 1.
+//!
 //! # Defaults
 //!
 //! The paper publishes no values for K1–K4; it only says they "lie in a narrow range even
@@ -150,7 +158,18 @@ pub struct Calibration {
     pub pairs: [usize; 4],
     /// Median of |predicted − measured| / measured over the experiments.
     pub median_relative_error: f64,
+    /// Parameters (OIO, size, read, random) the device did not respond to; their K is set so
+    /// their factor is constant.
+    pub insensitive: [bool; 4],
 }
+
+/// A parameter whose pairs change latency by less than this (median of |L1/L2 − 1|) is one
+/// the device does not respond to.
+pub const SENSITIVITY_MIN: f64 = 0.03;
+
+/// An insensitive parameter's K, in multiples of the parameter's range in the experiments (or
+/// of 1 if they did not vary it): its factor `(K + x)` then varies by at most 0.1 %.
+pub const K_INSENSITIVE: f64 = 1000.0;
 
 impl Calibration {
     /// Predicted latency of a workload with these characteristics on the calibrated device.
@@ -202,12 +221,26 @@ pub fn calibrate(experiments: &[Experiment]) -> Result<Calibration, CalibrationE
 
     let mut ks = [0.0; 4];
     let mut pairs = [0usize; 4];
+    let mut insensitive = [false; 4];
     for p in 0..4 {
-        let estimates = pairwise_estimates(&points, p);
+        let (estimates, changes) = pairwise_estimates(&points, p);
         pairs[p] = estimates.len();
-        ks[p] = stats::median(&estimates).ok_or(CalibrationError::NoPairs {
+        let k = stats::median(&estimates).ok_or(CalibrationError::NoPairs {
             parameter: PARAMETER_NAMES[p],
         })?;
+        let change = stats::median(&changes).unwrap_or(0.0);
+        if change < SENSITIVITY_MIN || !(k.is_finite() && k > 0.0) {
+            insensitive[p] = true;
+            let (lo, hi) = points
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(lo, hi), (x, _)| {
+                    (lo.min(x[p]), hi.max(x[p]))
+                });
+            let range = if hi > lo { hi - lo } else { 1.0 };
+            ks[p] = K_INSENSITIVE * range;
+        } else {
+            ks[p] = k;
+        }
     }
     let constants = Constants {
         k1: ks[0],
@@ -241,11 +274,13 @@ pub fn calibrate(experiments: &[Experiment]) -> Result<Calibration, CalibrationE
         k5,
         pairs,
         median_relative_error: stats::median(&errors).unwrap_or(f64::NAN),
+        insensitive,
     })
 }
 
-/// Equation 3 for parameter `p` over every pair of experiments that differ in `p` only.
-fn pairwise_estimates(good: &[([f64; 4], f64)], p: usize) -> Vec<f64> {
+/// Equation 3 for parameter `p` over every pair of experiments that differ in `p` only, and
+/// each pair's relative latency change |L1/L2 − 1|.
+fn pairwise_estimates(good: &[([f64; 4], f64)], p: usize) -> (Vec<f64>, Vec<f64>) {
     // Group by the exact bits of the other three parameters.
     let key = |x: &[f64; 4]| -> [u64; 3] {
         let mut k = [0u64; 3];
@@ -264,6 +299,7 @@ fn pairwise_estimates(good: &[([f64; 4], f64)], p: usize) -> Vec<f64> {
         groups.entry(key(x)).or_default().push((x[p], *lat));
     }
     let mut out = Vec::new();
+    let mut changes = Vec::new();
     for members in groups.values() {
         for (i, &(x1, l1)) in members.iter().enumerate() {
             for &(x2, l2) in &members[i + 1..] {
@@ -271,6 +307,7 @@ fn pairwise_estimates(good: &[([f64; 4], f64)], p: usize) -> Vec<f64> {
                     continue; // a repeat of the same experiment says nothing about K
                 }
                 let r = l1 / l2;
+                changes.push((r - 1.0).abs());
                 let k = (x1 - x2 * r) / (r - 1.0);
                 if k.is_finite() {
                     out.push(k);
@@ -278,7 +315,7 @@ fn pairwise_estimates(good: &[([f64; 4], f64)], p: usize) -> Vec<f64> {
             }
         }
     }
-    out
+    (out, changes)
 }
 
 /// The cross product of the paper's 750 calibration experiments (§3), without latencies.
@@ -408,6 +445,40 @@ mod tests {
             prop_assert!(rel(cal.k5, k5) < 0.15, "K5 {} vs {}", cal.k5, k5);
             prop_assert!(cal.median_relative_error < 0.06);
         }
+    }
+
+    #[test]
+    fn calibration_marks_parameters_the_device_ignores() {
+        // A device whose latency depends on OIO and size only (an emulated LUN with a fixed
+        // delay per IO): read share and randomness change nothing but the noise.
+        let mut rng = SplitMix64::new(7);
+        let exps: Vec<Experiment> = paper_experiment_grid()
+            .into_iter()
+            .map(|c| Experiment {
+                characteristics: c,
+                latency_ms: (4.0 + c.oio) * (60.0 + c.io_size_kib) / 900.0
+                    * (1.0 + 0.01 * (rng.next_f64() - 0.5)),
+            })
+            .collect();
+        let cal = calibrate(&exps).unwrap();
+        assert_eq!(cal.insensitive, [false, false, true, true]);
+        let k = cal.constants;
+        assert!(
+            (k.k1 - 4.0).abs() < 0.2 && (k.k2 - 60.0).abs() < 3.0,
+            "{k:?}"
+        );
+        assert_eq!((k.k3, k.k4), (K_INSENSITIVE, K_INSENSITIVE)); // ranges of 1
+                                                                  // Loads stay positive, and the model predicts the device.
+        assert!(exps.iter().all(|e| k.load(&e.characteristics) > 0.0));
+        assert!(
+            cal.median_relative_error < 0.01,
+            "{}",
+            cal.median_relative_error
+        );
+        // Read share and randomness no longer move a workload's load.
+        let a = k.load(&ch(8.0, 8.0, 0.0, 0.0));
+        let b = k.load(&ch(8.0, 8.0, 100.0, 100.0));
+        assert!((b / a - 1.0).abs() < 0.003, "{a} vs {b}");
     }
 
     #[test]

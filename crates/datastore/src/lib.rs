@@ -301,6 +301,7 @@ impl Extent {
 
     pub async fn read(&self, offset: u64, len: usize) -> io::Result<Bytes> {
         let at = self.check(offset, len as u64)?;
+        self.gate.stats.locate(Op::Read, at, len as u64);
         self.gate
             .run(Op::Read, len as u64, self.dev.read_at(at, len))
             .await
@@ -309,6 +310,7 @@ impl Extent {
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
         let at = self.check(offset, data.len() as u64)?;
         let n = data.len() as u64;
+        self.gate.stats.locate(Op::Write, at, n);
         self.gate
             .run(Op::Write, n, self.dev.write_at(at, data, fua))
             .await
@@ -344,6 +346,7 @@ impl Extent {
         };
         match data {
             Some(d) => {
+                self.gate.stats.locate(Op::Write, at, len);
                 self.gate
                     .run_timed(Op::Write, len, self.dev.write_at(at, d, false))
                     .await

@@ -5,6 +5,11 @@
 //! (rates, percentiles, mean outstanding IOs). Mean outstanding IOs over an interval comes from
 //! Little's law: the sum of all IO latencies in the interval divided by its length, which
 //! needs no sampling.
+//!
+//! For balancing (BASIL, DESIGN §8) an IO's position is classified when it is issued: it is
+//! *sequential* when it starts within [`SEQUENTIAL_WINDOW`] bytes of where the previous IO
+//! ended, *random* otherwise (the seek-distance test). Reads keep their own busy time, so an
+//! interval yields the datastore's mean outstanding reads and mean read latency as well.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -135,6 +140,11 @@ pub enum Op {
     WriteZeroes,
 }
 
+/// An IO that starts within this many bytes of the previous IO's end (either side) counts as
+/// sequential. 64 KiB: readahead-sized gaps and reordering among a queue of sequential IOs
+/// still count as a stream, a random 4 KiB IO on a multi-GiB disk almost never does.
+pub const SEQUENTIAL_WINDOW: u64 = 64 << 10;
+
 /// Counters and histograms for one volume or datastore.
 #[derive(Default)]
 pub struct IoStats {
@@ -148,6 +158,13 @@ pub struct IoStats {
     errors: AtomicU64,
     outstanding: AtomicU64,
     busy_us: AtomicU64,
+    read_busy_us: AtomicU64,
+    /// Where the last located IO ended, plus one (0: none yet).
+    last_end: AtomicU64,
+    located: AtomicU64,
+    random: AtomicU64,
+    located_reads: AtomicU64,
+    random_reads: AtomicU64,
     read_lat: Histogram,
     write_lat: Histogram,
 }
@@ -162,6 +179,28 @@ impl IoStats {
         Started(Instant::now())
     }
 
+    /// Classifies a read or write at `offset` of `len` bytes as sequential or random against
+    /// the IO located before it; call it as the IO is issued.
+    pub fn locate(&self, op: Op, offset: u64, len: u64) {
+        if !matches!(op, Op::Read | Op::Write) {
+            return;
+        }
+        let prev = self
+            .last_end
+            .swap(offset.saturating_add(len).saturating_add(1), Relaxed);
+        let random = prev == 0 || (prev - 1).abs_diff(offset) > SEQUENTIAL_WINDOW;
+        self.located.fetch_add(1, Relaxed);
+        if random {
+            self.random.fetch_add(1, Relaxed);
+        }
+        if op == Op::Read {
+            self.located_reads.fetch_add(1, Relaxed);
+            if random {
+                self.random_reads.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
     pub fn finish(&self, started: Started, op: Op, bytes: u64, ok: bool) {
         let us = started.0.elapsed().as_micros() as u64;
         self.outstanding.fetch_sub(1, Relaxed);
@@ -173,6 +212,7 @@ impl IoStats {
         match op {
             Op::Read => {
                 self.reads.fetch_add(1, Relaxed);
+                self.read_busy_us.fetch_add(us, Relaxed);
                 self.read_bytes.fetch_add(bytes, Relaxed);
                 self.read_lat.record(us);
             }
@@ -210,6 +250,11 @@ impl IoStats {
             errors: self.errors.load(Relaxed),
             outstanding: self.outstanding.load(Relaxed),
             busy_us: self.busy_us.load(Relaxed),
+            read_busy_us: self.read_busy_us.load(Relaxed),
+            located: self.located.load(Relaxed),
+            random: self.random.load(Relaxed),
+            located_reads: self.located_reads.load(Relaxed),
+            random_reads: self.random_reads.load(Relaxed),
             read_lat: self.read_lat.snapshot(),
             write_lat: self.write_lat.snapshot(),
         }
@@ -230,6 +275,11 @@ pub struct Snapshot {
     pub errors: u64,
     pub outstanding: u64,
     pub busy_us: u64,
+    pub read_busy_us: u64,
+    pub located: u64,
+    pub random: u64,
+    pub located_reads: u64,
+    pub random_reads: u64,
     pub read_lat: HistSnapshot,
     pub write_lat: HistSnapshot,
 }
@@ -251,6 +301,22 @@ pub struct Interval {
     /// IOs in flight at the end of the interval.
     pub outstanding_now: u64,
     pub errors: u64,
+    /// Reads and writes that completed in the interval.
+    pub ios: u64,
+    /// Mean size of those reads and writes, bytes (0 when none).
+    pub io_size_mean: f64,
+    /// Reads among them, percent (0 when none).
+    pub read_pct: f64,
+    /// Located IOs that were random (seek-distance test), percent (0 when none).
+    pub random_pct: f64,
+    /// Mean reads in flight over the interval (Little's law).
+    pub read_outstanding_mean: f64,
+    /// Mean read latency, microseconds (`None` when no reads).
+    pub read_latency_us_mean: Option<f64>,
+    /// Mean read size, bytes (0 when no reads).
+    pub read_size_mean: f64,
+    /// Located reads that were sequential, percent (0 when none).
+    pub read_sequential_pct: f64,
 }
 
 impl Snapshot {
@@ -259,12 +325,46 @@ impl Snapshot {
         let s = d.as_secs_f64().max(1e-9);
         let rl = self.read_lat.since(&earlier.read_lat);
         let wl = self.write_lat.since(&earlier.write_lat);
+        let reads = self.reads.saturating_sub(earlier.reads);
+        let writes = self.writes.saturating_sub(earlier.writes);
+        let read_bytes = self.read_bytes.saturating_sub(earlier.read_bytes);
+        let write_bytes = self.write_bytes.saturating_sub(earlier.write_bytes);
+        let read_busy = self.read_busy_us.saturating_sub(earlier.read_busy_us);
+        let located = self.located.saturating_sub(earlier.located);
+        let random = self.random.saturating_sub(earlier.random);
+        let located_reads = self.located_reads.saturating_sub(earlier.located_reads);
+        let random_reads = self.random_reads.saturating_sub(earlier.random_reads);
+        // Counters are read one by one while IOs go on, so a part may run one ahead of its
+        // whole; a share never exceeds 1.
+        let share = |part: u64, whole: u64| {
+            if whole == 0 {
+                0.0
+            } else {
+                (part as f64 / whole as f64).min(1.0)
+            }
+        };
+        let ratio = |part: u64, whole: u64| {
+            if whole == 0 {
+                0.0
+            } else {
+                part as f64 / whole as f64
+            }
+        };
         Interval {
+            ios: reads + writes,
+            io_size_mean: ratio(read_bytes + write_bytes, reads + writes),
+            read_pct: 100.0 * share(reads, reads + writes),
+            random_pct: 100.0 * share(random, located),
+            read_outstanding_mean: read_busy as f64 / (d.as_micros().max(1) as f64),
+            read_latency_us_mean: (reads > 0).then(|| read_busy as f64 / reads as f64),
+            read_size_mean: ratio(read_bytes, reads),
+            read_sequential_pct: 100.0
+                * share(located_reads.saturating_sub(random_reads), located_reads),
             seconds: d.as_secs_f64(),
-            read_iops: self.reads.saturating_sub(earlier.reads) as f64 / s,
-            write_iops: self.writes.saturating_sub(earlier.writes) as f64 / s,
-            read_bytes_per_s: self.read_bytes.saturating_sub(earlier.read_bytes) as f64 / s,
-            write_bytes_per_s: self.write_bytes.saturating_sub(earlier.write_bytes) as f64 / s,
+            read_iops: reads as f64 / s,
+            write_iops: writes as f64 / s,
+            read_bytes_per_s: read_bytes as f64 / s,
+            write_bytes_per_s: write_bytes as f64 / s,
             read_latency_us_p50: rl.quantile(0.5),
             read_latency_us_p99: rl.quantile(0.99),
             write_latency_us_p50: wl.quantile(0.5),
@@ -352,5 +452,64 @@ mod tests {
         assert!(i.read_latency_us_p50.is_some());
         st.finish(held, Op::Flush, 0, true);
         assert_eq!(st.outstanding(), 0);
+    }
+
+    fn io(st: &IoStats, op: Op, offset: u64, len: u64) {
+        st.locate(op, offset, len);
+        let t = st.start();
+        st.finish(t, op, len, true);
+    }
+
+    #[test]
+    fn seek_distance_classifies_streams_and_jumps() {
+        let st = IoStats::default();
+        let a = st.snapshot();
+        // The first IO has nothing to follow: random. Then a stream of 8 reads, a gap inside
+        // the window (still sequential), a jump (random) and a backwards jump (random).
+        io(&st, Op::Read, 0, 4096);
+        for i in 1..8 {
+            io(&st, Op::Read, i * 4096, 4096);
+        }
+        io(&st, Op::Write, 8 * 4096 + SEQUENTIAL_WINDOW, 8192);
+        io(&st, Op::Write, 1 << 30, 4096);
+        io(&st, Op::Read, 4096, 4096);
+        // Flushes are not positioned and do not break a stream.
+        st.locate(Op::Flush, 0, 0);
+        io(&st, Op::Read, 8192, 4096);
+        let i = st.snapshot().since(&a);
+        assert_eq!(i.ios, 12);
+        assert!((i.random_pct - 100.0 * 3.0 / 12.0).abs() < 1e-9, "{i:?}");
+        assert!((i.read_pct - 100.0 * 10.0 / 12.0).abs() < 1e-9);
+        assert!((i.read_sequential_pct - 100.0 * 8.0 / 10.0).abs() < 1e-9);
+        assert!((i.io_size_mean - (10.0 * 4096.0 + 8192.0 + 4096.0) / 12.0).abs() < 1e-9);
+        assert!((i.read_size_mean - 4096.0).abs() < 1e-9);
+        assert!(i.read_latency_us_mean.is_some());
+        let quiet = st.snapshot();
+        let i = st.snapshot().since(&quiet);
+        assert_eq!((i.ios, i.random_pct, i.read_pct), (0, 0.0, 0.0));
+        assert_eq!(i.read_latency_us_mean, None);
+    }
+
+    #[test]
+    fn read_outstanding_follows_littles_law() {
+        // Two reads held for (nearly) the whole interval: close to two reads in flight, never
+        // more. (The bounds hold however long the sleep overshoots.)
+        let st = IoStats::default();
+        let a = st.snapshot();
+        let r1 = st.start();
+        let r2 = st.start();
+        std::thread::sleep(Duration::from_millis(50));
+        st.finish(r1, Op::Read, 4096, true);
+        st.finish(r2, Op::Read, 4096, true);
+        let w = st.start();
+        st.finish(w, Op::Write, 4096, true);
+        let i = st.snapshot().since(&a);
+        assert!(
+            i.read_outstanding_mean > 1.0 && i.read_outstanding_mean <= 2.0,
+            "{}",
+            i.read_outstanding_mean
+        );
+        let mean = i.read_latency_us_mean.unwrap();
+        assert!(mean >= 50_000.0, "{mean}");
     }
 }

@@ -399,6 +399,7 @@ impl Volume {
 
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes> {
         self.check(offset, u64::from(len))?;
+        self.stats.locate(Op::Read, offset, u64::from(len));
         self.measured(Op::Read, u64::from(len), async {
             match self.route() {
                 Route::Uncached => self
@@ -415,6 +416,7 @@ impl Volume {
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<()> {
         let n = data.len() as u64;
         self.check(offset, n)?;
+        self.stats.locate(Op::Write, offset, n);
         self.measured(Op::Write, n, async {
             match self.route() {
                 Route::Uncached => self

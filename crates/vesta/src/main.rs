@@ -12,6 +12,8 @@ use serde::Serialize;
 
 use vesta_api::{self as api, format_size, parse_size};
 
+mod balancing;
+
 #[derive(Parser)]
 #[command(name = "vesta", version, about = "Control a Vesta daemon (vestad)")]
 struct Cli {
@@ -42,9 +44,44 @@ enum Cmd {
     Stats {
         /// Only this volume (and its datastore).
         volume: Option<String>,
+        /// The balancing models instead: each volume's characteristics at p90 and load L,
+        /// each datastore's performance P and fit.
+        #[arg(long, conflicts_with = "volume")]
+        models: bool,
+    },
+    /// Balance volumes across datastores (BASIL).
+    #[command(subcommand)]
+    Balance(BalanceCmd),
+    /// Fit the workload model's constants with a fio sweep against a scratch volume on
+    /// DATASTORE, and store them. Needs fio on this host.
+    Calibrate {
+        datastore: String,
+        /// The paper's full 750-experiment sweep instead of the short 16-experiment one.
+        #[arg(long)]
+        full: bool,
+        /// Seconds each experiment runs (after 1 s of ramp).
+        #[arg(long, default_value_t = 3)]
+        runtime: u32,
+        /// Size of the scratch volume.
+        #[arg(long, default_value = "1G")]
+        size: String,
     },
     /// Daemon status: version, addresses, counts.
     Status,
+}
+
+#[derive(Subcommand)]
+enum BalanceCmd {
+    /// Propose moves that even out the datastores' normalized load, with the predicted load
+    /// per datastore before and after. Nothing is moved.
+    Plan {
+        /// At most this many moves.
+        #[arg(long)]
+        max_moves: Option<usize>,
+        /// Stop once the imbalance f (σ/mean of normalized load) is at or under this.
+        #[arg(long)]
+        threshold: Option<f64>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -81,7 +118,8 @@ enum VolumeCmd {
         /// Size, e.g. 10G, 512M (binary units).
         #[arg(long)]
         size: String,
-        /// Datastore to create it on (default: the only one, or `default`).
+        /// Datastore to create it on (default: the only one; with several, the one the
+        /// balancing models place it on, with the reason printed).
         #[arg(long)]
         datastore: Option<String>,
         /// Cache policy: uncached, wt (write-through) or wb (write-back).
@@ -109,6 +147,16 @@ enum VolumeCmd {
         /// Delete even while clients are attached (they are disconnected).
         #[arg(long)]
         force: bool,
+    },
+    /// Move a volume to another datastore. Only --offline exists so far: the volume must
+    /// have no clients and no dirty data; it is copied, then serves from the new place.
+    Relocate {
+        name: String,
+        #[arg(long)]
+        datastore: String,
+        /// Copy while detached (required until live migration exists).
+        #[arg(long)]
+        offline: bool,
     },
     /// Print the NBD URI a client uses to reach the volume.
     Url {
@@ -187,6 +235,31 @@ impl Client {
         self.answer(
             self.agent
                 .post(format!("{}{path}", self.base))
+                .send_json(body),
+        )
+    }
+
+    /// [`Client::post`] for operations that take as long as they take (copying a volume):
+    /// no overall timeout.
+    fn post_long<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> anyhow::Result<T> {
+        self.answer(
+            self.agent
+                .post(format!("{}{path}", self.base))
+                .config()
+                .timeout_global(None)
+                .build()
+                .send_json(body),
+        )
+    }
+
+    fn put<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> anyhow::Result<T> {
+        self.answer(
+            self.agent
+                .put(format!("{}{path}", self.base))
                 .send_json(body),
         )
     }
@@ -353,6 +426,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 v.datastore,
                 v.policy
             );
+            if let Some(p) = &v.placement {
+                println!("placed: {}", p.reason);
+            }
             if let Some(u) = v.urls.first() {
                 println!("connect: {u}");
             }
@@ -498,7 +574,90 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 None => bail!("vestad has no NBD listener enabled; set [nbd] unix or tcp"),
             }
         }
-        Cmd::Stats { volume } => {
+        Cmd::Stats { models: true, .. } => {
+            let r: api::ModelsReport = c.get("/v1/models")?;
+            if cli.json {
+                return print_json(&r);
+            }
+            balancing::print_models(&r);
+        }
+        Cmd::Balance(BalanceCmd::Plan {
+            max_moves,
+            threshold,
+        }) => {
+            let mut q = Vec::new();
+            if let Some(m) = max_moves {
+                q.push(format!("max_moves={m}"));
+            }
+            if let Some(t) = threshold {
+                q.push(format!("threshold={t}"));
+            }
+            let path = if q.is_empty() {
+                "/v1/balance/plan".to_string()
+            } else {
+                format!("/v1/balance/plan?{}", q.join("&"))
+            };
+            let p: api::BalancePlan = c.get(&path)?;
+            if cli.json {
+                return print_json(&p);
+            }
+            balancing::print_plan(&p);
+        }
+        Cmd::Calibrate {
+            datastore,
+            full,
+            runtime,
+            size,
+        } => {
+            let size = parse_size(&size).map_err(|e| anyhow!("--size: {e}"))?;
+            if runtime == 0 {
+                bail!("--runtime must be at least 1 second");
+            }
+            balancing::calibrate(
+                &c,
+                balancing::CalibrateArgs {
+                    datastore,
+                    full,
+                    runtime_s: runtime,
+                    size,
+                    json: cli.json,
+                },
+            )?;
+        }
+        Cmd::Volume(VolumeCmd::Relocate {
+            name,
+            datastore,
+            offline,
+        }) => {
+            if !offline {
+                bail!(
+                    "live relocation is not available yet; detach the volume's clients and \
+                     pass --offline"
+                );
+            }
+            if !cli.json {
+                eprintln!(
+                    "copying volume {name} to datastore {datastore}; vestad logs progress, and \
+                     the volume serves again when this returns"
+                );
+            }
+            let started = std::time::Instant::now();
+            let v: api::VolumeInfo = c.post_long(
+                &format!("/v1/volumes/{name}/relocate"),
+                &api::Relocate { datastore, offline },
+            )?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!(
+                "relocated volume {} ({}) to datastore {} in {:.1} s",
+                v.name,
+                format_size(v.size),
+                v.datastore,
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Cmd::Stats { volume, .. } => {
             let path = match &volume {
                 Some(v) => format!("/v1/stats?volume={v}"),
                 None => "/v1/stats".into(),
@@ -595,6 +754,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    // `vesta … | head` should end quietly when head does, as other command-line tools do,
+    // not panic on the closed pipe.
+    // SAFETY: called before any thread exists; SIG_DFL is a valid disposition.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -53,7 +53,11 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
         .route("/v1/volumes/{name}/policy", axum::routing::post(set_policy))
+        .route("/v1/volumes/{name}/relocate", axum::routing::post(relocate))
         .route("/v1/stats", get(stats))
+        .route("/v1/models", get(models))
+        .route("/v1/balance/plan", get(balance_plan))
+        .route("/v1/calibration", get(get_calibration).put(put_calibration))
         .route("/v1/debug/faults", axum::routing::post(faults))
         .fallback(|| async {
             OpError::NotFound("no such API path; see the vesta-api crate for the routes".into())
@@ -169,4 +173,69 @@ async fn stats(
         d.entry(v)?;
     }
     Ok(Json(crate::stats::report(&d, q.volume.as_deref())))
+}
+
+async fn relocate(
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<api::Relocate>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<api::VolumeInfo>, OpError> {
+    let req = body(b)?;
+    Ok(Json(
+        detached(async move { d.relocate(&name, req).await }).await?,
+    ))
+}
+
+async fn models(State(d): D) -> Json<api::ModelsReport> {
+    Json(crate::balancing::inputs(&d).await.report)
+}
+
+#[derive(Deserialize)]
+struct PlanQuery {
+    max_moves: Option<usize>,
+    threshold: Option<f64>,
+}
+
+async fn balance_plan(
+    State(d): D,
+    Query(q): Query<PlanQuery>,
+) -> Result<Json<api::BalancePlan>, OpError> {
+    let mut policy = balance::Policy::default();
+    if let Some(m) = q.max_moves {
+        policy.max_moves = m;
+    }
+    if let Some(t) = q.threshold {
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(OpError::BadRequest(format!(
+                "threshold {t} is not a non-negative number (the imbalance f to stop at, e.g. \
+                 0.1)"
+            )));
+        }
+        policy.imbalance_threshold = t;
+    }
+    Ok(Json(crate::balancing::plan(&d, &policy).await?))
+}
+
+async fn get_calibration(State(d): D) -> Result<Json<api::Calibration>, OpError> {
+    crate::balancing::calibration(&d).map(Json).ok_or_else(|| {
+        OpError::NotFound(
+            "no calibration is stored; the default constants are in use (run `vesta \
+             calibrate DATASTORE`)"
+                .into(),
+        )
+    })
+}
+
+async fn put_calibration(
+    State(d): D,
+    b: Result<Json<api::Calibration>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<api::Calibration>, OpError> {
+    let c = body(b)?;
+    crate::balancing::store_calibration(&d, &c)?;
+    tracing::info!(
+        "stored workload constants calibrated on {}: {:?}",
+        c.datastore,
+        c.constants
+    );
+    Ok(Json(c))
 }

@@ -19,6 +19,12 @@ pub const API_DEFAULT: &str = "127.0.0.1:7370";
 pub const NBD_TCP_DEFAULT: &str = "127.0.0.1:10809";
 pub const NBD_UNIX_DEFAULT: &str = "nbd.sock";
 pub const DATA_DIR_DEFAULT: &str = "vesta-data";
+/// One hour of 2-second intervals: enough spread in load for a device model, short enough
+/// that a workload's model follows its changes within the hour.
+pub const HISTORY_DEFAULT: usize = 1800;
+/// A week of 2-second intervals (two f64 quadruples per volume each: a few tens of MB for
+/// hundreds of volumes).
+pub const HISTORY_MAX: usize = 302_400;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -52,6 +58,8 @@ pub struct ApiConfig {
 pub struct StatsConfig {
     /// Length of a statistics interval in seconds (2–10).
     pub interval_s: f64,
+    /// Intervals of history kept per volume and datastore for the balancing models.
+    pub history: usize,
 }
 
 /// The host's cache device (DESIGN §1: the paper's flash).
@@ -134,7 +142,10 @@ impl Default for ApiConfig {
 
 impl Default for StatsConfig {
     fn default() -> StatsConfig {
-        StatsConfig { interval_s: 2.0 }
+        StatsConfig {
+            interval_s: 2.0,
+            history: HISTORY_DEFAULT,
+        }
     }
 }
 
@@ -183,6 +194,12 @@ impl Config {
             bail!(
                 "stats.interval_s = {} is out of range: use 2 to 10 seconds",
                 self.stats.interval_s
+            );
+        }
+        if !(10..=HISTORY_MAX).contains(&self.stats.history) {
+            bail!(
+                "stats.history = {} is out of range: keep 10 to {HISTORY_MAX} intervals",
+                self.stats.history
             );
         }
         let mut seen = std::collections::HashSet::new();
@@ -327,6 +344,9 @@ mod tests {
             Config::parse("[stats]\ninterval_s = 60").unwrap_err()
         );
         assert!(e.contains("interval_s"), "{e}");
+        let e = format!("{:#}", Config::parse("[stats]\nhistory = 3").unwrap_err());
+        assert!(e.contains("stats.history"), "{e}");
+        assert_eq!(Config::parse("").unwrap().stats.history, HISTORY_DEFAULT);
         let e = format!(
             "{:#}",
             Config::parse(

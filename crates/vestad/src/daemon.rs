@@ -135,7 +135,15 @@ pub struct Daemon {
     pub nbd: OnceLock<NbdAddrs>,
     pub api_addr: OnceLock<std::net::SocketAddr>,
     pub sampler: Mutex<Sampler>,
+    /// Relocations done since start, newest last: the planner does not move a volume back
+    /// to where it just came from (no ping-pong).
+    recent_moves: Mutex<Vec<balance::RecentMove>>,
 }
+
+/// Relocations remembered for ping-pong avoidance.
+const RECENT_MOVES_KEPT: usize = 64;
+/// What an offline relocation copies per IO.
+const RELOCATE_CHUNK: u64 = 1 << 20;
 
 fn now_unix() -> u64 {
     SystemTime::now()
@@ -157,7 +165,8 @@ impl Daemon {
         cache: Option<Arc<CacheHost>>,
     ) -> anyhow::Result<Daemon> {
         let d = Daemon {
-            sampler: Mutex::new(Sampler::default()),
+            sampler: Mutex::new(Sampler::new(config.stats.history)),
+            recent_moves: Mutex::new(Vec::new()),
             config,
             coord,
             cache,
@@ -367,6 +376,7 @@ impl Daemon {
             connections: e.connections(),
             created_unix: e.record.created_unix,
             urls: self.urls(&e.record.name),
+            placement: None,
         }
     }
 
@@ -580,6 +590,7 @@ impl Daemon {
             req.rpo_s,
         )?;
         self.check_cache_for(policy)?;
+        let mut placement = None;
         let ds_name = match req.datastore {
             Some(d) => d,
             None => {
@@ -591,15 +602,13 @@ impl Daemon {
                             "there are no datastores; add one with `vesta datastore add`".into(),
                         ))
                     }
-                    many => {
-                        if many.iter().any(|n| n == "default") {
-                            "default".to_owned()
-                        } else {
-                            return Err(OpError::BadRequest(format!(
-                                "choose a datastore with --datastore; known datastores: {}",
-                                many.join(", ")
-                            )));
-                        }
+                    // Several: initial placement (BASIL §5) by the balancing models.
+                    _ => {
+                        let p = crate::balancing::place(self, &req.name, req.size).await?;
+                        info!("placing volume {:?}: {}", req.name, p.reason);
+                        let name = p.datastore.clone();
+                        placement = Some(p);
+                        name
                     }
                 }
             }
@@ -652,7 +661,165 @@ impl Daemon {
             ds_name,
             policy
         );
-        Ok(self.volume_info(&entry))
+        let mut info = self.volume_info(&entry);
+        info.placement = placement;
+        Ok(info)
+    }
+
+    /// Relocations done since start, for the planner's ping-pong rule.
+    pub fn recent_moves(&self) -> Vec<balance::RecentMove> {
+        self.recent_moves.lock().expect("lock").clone()
+    }
+
+    /// Copies a detached volume to another datastore (`vesta volume relocate --offline`).
+    ///
+    /// The volume must have no clients and no dirty data. It stops serving (new connections
+    /// are refused with "not found" meanwhile), its bytes are copied and flushed, then the
+    /// record is switched and the old storage freed. A crash before the switch leaves the
+    /// volume where it was (and an orphan copy on the target, logged); after it, the volume
+    /// is on the target (and its old storage may be left behind, logged). Data is never in
+    /// only one half-written place.
+    pub async fn relocate(&self, name: &str, req: api::Relocate) -> OpResult<api::VolumeInfo> {
+        if !req.offline {
+            return Err(OpError::BadRequest(
+                "live relocation is not available yet; detach the volume's clients and pass                  --offline"
+                    .into(),
+            ));
+        }
+        let _admin = self.admin.lock().await;
+        let entry = self.entry(name)?;
+        let from = entry.record.datastore.clone();
+        let to = req.datastore.clone();
+        if from == to {
+            return Err(OpError::BadRequest(format!(
+                "volume {name:?} is already on datastore {to:?}"
+            )));
+        }
+        let volume = entry
+            .volume
+            .as_ref()
+            .map_err(|e| OpError::Unavailable(format!("volume {name:?} is not open: {e}")))?
+            .clone();
+        let src_store = self.store(&from)?;
+        let dst_store = self.store(&to)?;
+        let n = entry.connections();
+        if n > 0 {
+            return Err(OpError::Conflict(format!(
+                "volume {name:?} has {n} client connection(s); an offline relocation needs                  them detached first"
+            )));
+        }
+        if let Some(c) = volume.cache_report() {
+            if c.dirty_bytes > 0 || c.replaying {
+                return Err(OpError::Conflict(format!(
+                    "volume {name:?} has {} of dirty data not yet on datastore {from:?};                      switch it to wt first (`vesta volume policy {name} wt` drains it),                      then relocate",
+                    api::format_size(c.dirty_bytes)
+                )));
+            }
+        }
+        {
+            let mut v = self.volumes.write().expect("lock");
+            if v.get(name).is_some_and(|e| e.connections() > 0) {
+                return Err(OpError::Conflict(format!(
+                    "volume {name:?} was attached meanwhile; retry"
+                )));
+            }
+            v.remove(name);
+        }
+        let restore = |why: String| {
+            volume.unrevoke();
+            self.reinstate(&entry, Ok(volume.clone()));
+            why
+        };
+        volume.stop_destaging().await;
+        if !volume.revoke(FORCE_DETACH_WAIT).await {
+            return Err(OpError::Unavailable(restore(format!(
+                "volume {name:?} still has IO in flight after {FORCE_DETACH_WAIT:?}; retry"
+            ))));
+        }
+        // Dirty data cannot have appeared (no clients), but check under the revoke.
+        if volume.cache_report().is_some_and(|c| c.dirty_bytes > 0) {
+            return Err(OpError::Conflict(restore(format!(
+                "volume {name:?} has dirty data; switch it to wt first, then relocate"
+            ))));
+        }
+        let mut rec = entry.record.clone();
+        rec.datastore = to.clone();
+        let src = match src_store.open_volume(&entry.record.spec()).await {
+            Ok(x) => x,
+            Err(e) => return Err(OpError::Unavailable(restore(e.to_string()))),
+        };
+        let dst = match dst_store.create_volume(&rec.spec()).await {
+            Ok(x) => x,
+            Err(e) => {
+                let why = restore(format!("cannot create the copy on {to:?}: {e}"));
+                return Err(match OpError::from(e) {
+                    OpError::Conflict(_) => OpError::Conflict(why),
+                    OpError::BadRequest(_) => OpError::BadRequest(why),
+                    _ => OpError::Unavailable(why),
+                });
+            }
+        };
+        info!(
+            "relocating volume {name:?} ({}) from {from:?} to {to:?}",
+            api::format_size(rec.size)
+        );
+        let started = std::time::Instant::now();
+        if let Err(e) = copy_extent(&src, &dst).await {
+            if let Err(e2) = dst_store.delete_volume(&rec.spec()).await {
+                warn!("volume {name:?}: the partial copy on {to:?} could not be removed: {e2}");
+            }
+            return Err(OpError::Unavailable(restore(format!(
+                "copying volume {name:?} to {to:?} failed: {e}; it stays on {from:?}"
+            ))));
+        }
+        if let Err(e) = self.coord.update_volume(rec.clone()).await {
+            if let Err(e2) = dst_store.delete_volume(&rec.spec()).await {
+                warn!("volume {name:?}: the copy on {to:?} could not be removed: {e2}");
+            }
+            return Err(OpError::Internal(restore(format!(
+                "cannot record the new datastore: {e}; the volume stays on {from:?}"
+            ))));
+        }
+        // From here the volume lives on `to`. What the cache holds of it is clean (checked
+        // above) and still right: the bytes did not change.
+        volume.detach_cache();
+        let reopened = Volume::open(
+            rec.id,
+            rec.name.clone(),
+            volume.policy(),
+            volume.tuning(),
+            dst,
+            self.cache.clone(),
+        )
+        .map(Arc::new)
+        .map_err(|e| format!("cannot open the relocated volume: {e}"));
+        if let Err(m) = &reopened {
+            warn!("volume {name:?}: {m}");
+        }
+        let new_entry = Arc::new(VolumeEntry::new(rec.clone(), reopened));
+        self.volumes
+            .write()
+            .expect("lock")
+            .insert(rec.name.clone(), new_entry.clone());
+        if let Err(e) = src_store.delete_volume(&entry.record.spec()).await {
+            warn!(
+                "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could                  not be freed: {e}"
+            );
+        }
+        {
+            let mut m = self.recent_moves.lock().expect("lock");
+            m.push(balance::RecentMove {
+                workload: name.to_string(),
+                from: from.clone(),
+            });
+            let excess = m.len().saturating_sub(RECENT_MOVES_KEPT);
+            m.drain(..excess);
+        }
+        info!(
+            "relocated volume {name:?} from {from:?} to {to:?} in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(self.volume_info(&new_entry))
     }
 
     /// Deletes a volume: refused while connections are attached unless `force`, which cuts
@@ -958,4 +1125,32 @@ fn datastore_info(
             Kind::Dir { .. } => None,
         },
     }
+}
+
+/// Copies every byte of `src` to `dst` (same size), then flushes `dst`. Chunks that read as
+/// zeroes are written as zeroes, so a sparse target stays sparse.
+async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::io::Result<()> {
+    let size = src.size();
+    let mut off = 0;
+    let mut told = std::time::Instant::now();
+    while off < size {
+        if told.elapsed() >= std::time::Duration::from_secs(5) {
+            info!(
+                "relocation: {} of {} copied ({:.0} %)",
+                api::format_size(off),
+                api::format_size(size),
+                100.0 * off as f64 / size as f64
+            );
+            told = std::time::Instant::now();
+        }
+        let len = RELOCATE_CHUNK.min(size - off);
+        let data = src.read(off, len as usize).await?;
+        if data.iter().all(|b| *b == 0) {
+            dst.write_zeroes(off, len, true).await?;
+        } else {
+            dst.write(off, data, false).await?;
+        }
+        off += len;
+    }
+    dst.flush().await
 }

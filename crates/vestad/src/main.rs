@@ -4,6 +4,7 @@
 //! exit 0.
 
 mod api;
+mod balancing;
 mod config;
 mod daemon;
 mod exports;

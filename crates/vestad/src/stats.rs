@@ -1,20 +1,70 @@
 //! Statistics intervals: every `stats.interval_s` a sampler snapshots the counters of each
 //! volume and datastore; the difference to the previous snapshot is the interval the admin
 //! API reports (rates, latency percentiles, mean outstanding IOs).
+//!
+//! The sampler also keeps a bounded history (`stats.history` intervals) for balancing
+//! (DESIGN §8): per volume, each interval with IO as the workload model's characteristics
+//! (mean outstanding IOs, IO size, read %, random % from seek distance) and its IOPS; per
+//! datastore, each interval with reads as a ⟨outstanding reads, read latency⟩ sample with the
+//! reads' size and sequentiality, which the device model filters. Volume histories follow the
+//! volume's name, not its datastore: a workload's characteristics are its own.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use balance::{Characteristics, DeviceSample};
 use datastore::stats::{Interval, Snapshot};
 use vesta_api as api;
 
 use crate::daemon::Daemon;
 
-#[derive(Default)]
+/// One interval of a volume, as the workload model sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct VolumeSample {
+    pub chars: Characteristics,
+    pub iops: f64,
+}
+
 pub struct Sampler {
     prev: HashMap<(Which, String), Snapshot>,
     latest: HashMap<(Which, String), Interval>,
     pub interval_s: f64,
+    /// Intervals kept per volume and datastore.
+    pub history: usize,
+    volumes: HashMap<String, VecDeque<VolumeSample>>,
+    datastores: HashMap<String, VecDeque<DeviceSample>>,
+}
+
+/// What a volume interval tells the workload model; `None` if the volume did no IO.
+pub fn volume_sample(i: &Interval) -> Option<VolumeSample> {
+    (i.ios > 0 && i.seconds > 0.0).then(|| VolumeSample {
+        chars: Characteristics {
+            oio: i.outstanding_mean,
+            io_size_kib: i.io_size_mean / 1024.0,
+            read_pct: i.read_pct,
+            random_pct: i.random_pct,
+        },
+        iops: i.ios as f64 / i.seconds,
+    })
+}
+
+/// What a datastore interval tells the device model; `None` if it served no reads.
+pub fn device_sample(i: &Interval) -> Option<DeviceSample> {
+    let latency_us = i.read_latency_us_mean?;
+    (i.read_iops > 0.0).then(|| DeviceSample {
+        read_oio: i.read_outstanding_mean,
+        read_latency_ms: latency_us / 1000.0,
+        read_iops: i.read_iops,
+        io_size_kib: i.read_size_mean / 1024.0,
+        sequential_pct: i.read_sequential_pct,
+    })
+}
+
+fn push_bounded<T>(q: &mut VecDeque<T>, v: T, cap: usize) {
+    while q.len() >= cap.max(1) {
+        q.pop_front();
+    }
+    q.push_back(v);
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,6 +74,17 @@ pub enum Which {
 }
 
 impl Sampler {
+    pub fn new(history: usize) -> Sampler {
+        Sampler {
+            prev: HashMap::new(),
+            latest: HashMap::new(),
+            interval_s: 0.0,
+            history,
+            volumes: HashMap::new(),
+            datastores: HashMap::new(),
+        }
+    }
+
     /// Takes one sample of everything listed; forgets what is no longer listed.
     pub fn sample(&mut self, items: Vec<(Which, String, Snapshot)>) {
         let mut prev = HashMap::with_capacity(items.len());
@@ -34,13 +95,52 @@ impl Sampler {
             if let Some(p) = self.prev.get(&key) {
                 let i = snap.since(p);
                 longest = longest.max(i.seconds);
+                self.remember(w, &key.1, &i);
                 latest.insert(key.clone(), i);
             }
             prev.insert(key, snap);
         }
+        self.volumes
+            .retain(|n, _| prev.contains_key(&(Which::Volume, n.clone())));
+        self.datastores
+            .retain(|n, _| prev.contains_key(&(Which::Datastore, n.clone())));
         self.prev = prev;
         self.latest = latest;
         self.interval_s = longest;
+    }
+
+    fn remember(&mut self, w: Which, name: &str, i: &Interval) {
+        let cap = self.history;
+        match w {
+            Which::Volume => {
+                if let Some(s) = volume_sample(i) {
+                    let q = self.volumes.entry(name.to_owned()).or_default();
+                    push_bounded(q, s, cap);
+                }
+            }
+            Which::Datastore => {
+                if let Some(s) = device_sample(i) {
+                    let q = self.datastores.entry(name.to_owned()).or_default();
+                    push_bounded(q, s, cap);
+                }
+            }
+        }
+    }
+
+    /// A volume's history, oldest first.
+    pub fn volume_history(&self, name: &str) -> Vec<VolumeSample> {
+        self.volumes
+            .get(name)
+            .map(|q| q.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// A datastore's history, oldest first.
+    pub fn datastore_history(&self, name: &str) -> Vec<DeviceSample> {
+        self.datastores
+            .get(name)
+            .map(|q| q.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     pub fn figures(&self, w: Which, name: &str, now: &Snapshot) -> api::IoFigures {

@@ -1,0 +1,295 @@
+//! Balancing in the daemon (BASIL, DESIGN §8): the sampler's history made into the pure
+//! `balance` crate's models, the pod they describe, migration plans, initial placement, and
+//! the workload-model constants `vesta calibrate` stores.
+//!
+//! - A volume's load `L` comes from the 90th percentiles of its intervals with IO; a volume
+//!   that has done no IO in the history has `L = 0`.
+//! - A datastore's `P` comes from its ⟨outstanding reads, read latency⟩ intervals that pass
+//!   the paper's filters. With one host the host's samples are the datastore's; with several
+//!   they are to be summed through the coordinator first (`balance::device::aggregate`), which
+//!   waits for the etcd coordinator.
+//! - The pod holds the datastores that are `ok`; no plan is made while one is not (nothing
+//!   moves while a datastore is degraded).
+
+use std::path::PathBuf;
+
+use balance::{workload, Constants, Pod, RecentMove};
+use vesta_api as api;
+
+use crate::daemon::{Daemon, OpError, OpResult};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Where the calibrated constants are kept, inside the data directory.
+pub const CALIBRATION_FILE: &str = "calibration.json";
+
+/// Everything the planner and placement need, and the report `vesta stats --models` prints.
+pub struct Inputs {
+    pub pod: Pod,
+    pub report: api::ModelsReport,
+    pub notes: Vec<String>,
+    /// Datastores left out of the pod, with why.
+    pub unavailable: Vec<(String, String)>,
+}
+
+fn calibration_path(d: &Daemon) -> PathBuf {
+    d.config.data_dir.join(CALIBRATION_FILE)
+}
+
+/// The stored calibration, if any. A file that does not parse is reported and ignored.
+pub fn calibration(d: &Daemon) -> Option<api::Calibration> {
+    let path = calibration_path(d);
+    let text = std::fs::read_to_string(&path).ok()?;
+    match serde_json::from_str(&text) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(
+                "{} does not parse ({e}); using the default workload constants",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// Stores constants from a calibration, replacing the file atomically.
+pub fn store_calibration(d: &Daemon, c: &api::Calibration) -> OpResult<()> {
+    let k = &c.constants;
+    let sane = [k.k1, k.k2, k.k3, k.k4]
+        .iter()
+        .all(|v| v.is_finite() && *v >= 0.0);
+    if !sane {
+        return Err(OpError::BadRequest(format!(
+            "constants {k:?} are not finite non-negative numbers; nothing was stored"
+        )));
+    }
+    let path = calibration_path(d);
+    let tmp = path.with_extension("json.tmp");
+    let body = serde_json::to_vec_pretty(c).map_err(|e| OpError::Internal(e.to_string()))?;
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&body)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        if let Some(dir) = path.parent() {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|e| OpError::Internal(format!("cannot write {}: {e}", path.display())))
+}
+
+/// The constants in use and where they come from.
+pub fn constants(d: &Daemon) -> (Constants, String) {
+    match calibration(d) {
+        Some(c) => (
+            c.constants,
+            format!(
+                "calibrated on datastore {} ({} experiments, median error {:.0} %)",
+                c.datastore,
+                c.experiments,
+                100.0 * c.median_relative_error
+            ),
+        ),
+        None => (Constants::DEFAULT, "defaults".to_string()),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// Builds the models and the pod from the sampler's history.
+pub async fn inputs(d: &Daemon) -> Inputs {
+    let infos = d.datastore_infos().await;
+    let (k, constants_from) = constants(d);
+    let entries = d.entries();
+    let sampler = d.sampler.lock().expect("lock");
+    let mut notes = Vec::new();
+
+    let mut volumes = Vec::with_capacity(entries.len());
+    for e in &entries {
+        let hist = sampler.volume_history(&e.record.name);
+        let chars: Vec<_> = hist.iter().map(|s| s.chars).collect();
+        let p90 = workload::characterize(&chars);
+        volumes.push(api::VolumeModel {
+            name: e.record.name.clone(),
+            datastore: e.record.datastore.clone(),
+            samples: hist.len(),
+            p90,
+            load: p90.map(|c| k.load(&c)).unwrap_or(0.0),
+            iops: median(hist.iter().map(|s| s.iops).collect()),
+        });
+    }
+
+    let mut datastores = Vec::with_capacity(infos.len());
+    let mut pod = Pod::default();
+    let mut unavailable = Vec::new();
+    for info in &infos {
+        let hist = sampler.datastore_history(&info.name);
+        let model = balance::device::model(&hist);
+        let load: f64 = volumes
+            .iter()
+            .filter(|v| v.datastore == info.name)
+            .map(|v| v.load)
+            .sum();
+        datastores.push(api::DatastoreModel {
+            name: info.name.clone(),
+            samples: hist.len(),
+            usable: hist
+                .iter()
+                .filter(|s| balance::device::is_usable(s))
+                .count(),
+            model,
+            load,
+            normalized_load: model.map(|m| balance::normalized_load(load, m.performance)),
+        });
+        match (info.status.as_str(), info.total_bytes, info.free_bytes) {
+            ("ok", Some(total), Some(free)) => {
+                let sized: u64 = entries
+                    .iter()
+                    .filter(|e| e.record.datastore == info.name)
+                    .map(|e| e.record.size)
+                    .sum();
+                // Sparse volumes use less than their size; the planner counts them whole,
+                // since that is what they may grow to and what a move copies.
+                let used = total.saturating_sub(free).max(sized);
+                pod.datastores.push(balance::Datastore {
+                    id: info.name.clone(),
+                    capacity_gib: total as f64 / GIB,
+                    used_gib: used as f64 / GIB,
+                    reliability: None,
+                    performance: model.map(|m| m.performance),
+                });
+                if model.is_none() {
+                    notes.push(format!(
+                        "datastore {} has no device model yet ({} usable intervals of reads); \
+                         it is given the median performance of the others and takes at most \
+                         one new volume until it has one",
+                        info.name,
+                        hist.iter()
+                            .filter(|s| balance::device::is_usable(s))
+                            .count()
+                    ));
+                }
+            }
+            (status, _, _) => unavailable.push((info.name.clone(), status.to_string())),
+        }
+    }
+    for (e, v) in entries.iter().zip(&volumes) {
+        if !pod.datastores.iter().any(|ds| ds.id == v.datastore) {
+            continue;
+        }
+        if e.volume.is_err() {
+            notes.push(format!(
+                "volume {} is not open; it stays where it is",
+                v.name
+            ));
+        }
+        if v.samples == 0 {
+            notes.push(format!(
+                "volume {} has done no IO in the history; its load counts as 0",
+                v.name
+            ));
+        }
+        pod.workloads.push(balance::Workload {
+            id: v.name.clone(),
+            datastore: v.datastore.clone(),
+            load: v.load,
+            size_gib: e.record.size as f64 / GIB,
+            iops: v.iops,
+            reliability: None,
+            // An unopened volume cannot be copied: it may only stay where it is.
+            affinity: if e.volume.is_err() {
+                vec![v.datastore.clone()]
+            } else {
+                Vec::new()
+            },
+            anti_affinity: Vec::new(),
+        });
+    }
+    let history = sampler.history;
+    let interval_s = d.config.stats.interval_s;
+    drop(sampler);
+    Inputs {
+        pod,
+        report: api::ModelsReport {
+            interval_s,
+            history,
+            constants: k,
+            constants_from,
+            volumes,
+            datastores,
+        },
+        notes,
+        unavailable,
+    }
+}
+
+/// A migration plan from the current models.
+pub async fn plan(d: &Daemon, policy: &balance::Policy) -> OpResult<api::BalancePlan> {
+    let inputs = inputs(d).await;
+    if let Some((name, why)) = inputs.unavailable.first() {
+        return Err(OpError::Conflict(format!(
+            "datastore {name} is not available ({why}); nothing is planned while a datastore \
+             is degraded"
+        )));
+    }
+    let recent: Vec<RecentMove> = d.recent_moves();
+    let plan = balance::plan(&inputs.pod, &recent, policy)
+        .map_err(|e| OpError::Internal(format!("the planner rejected the pod: {e}")))?;
+    Ok(api::BalancePlan {
+        plan,
+        constants_from: inputs.report.constants_from,
+        notes: inputs.notes,
+    })
+}
+
+/// Initial placement of a new volume of `size` bytes: the eligible datastore with the lowest
+/// normalized load once it is added. Its expected load is the median of the loaded volumes'
+/// (nothing is known about a new disk), or 0 when no volume has a load yet.
+pub async fn place(d: &Daemon, name: &str, size: u64) -> OpResult<balance::Placement> {
+    let inputs = inputs(d).await;
+    let loads: Vec<f64> = inputs
+        .pod
+        .workloads
+        .iter()
+        .map(|w| w.load)
+        .filter(|l| *l > 0.0)
+        .collect();
+    let new = balance::NewWorkload {
+        id: name.to_string(),
+        load: median(loads),
+        size_gib: size as f64 / GIB,
+        reliability: None,
+        affinity: Vec::new(),
+        anti_affinity: Vec::new(),
+    };
+    balance::place(&inputs.pod, &new).map_err(|e| match e {
+        balance::plan::PlacementError::NoEligibleDatastore { .. } => OpError::Conflict(format!(
+            "{e}. Name a datastore with --datastore{}",
+            if inputs
+                .pod
+                .datastores
+                .iter()
+                .all(|ds| ds.performance.is_none())
+            {
+                "; datastores get device models from a few minutes of reads (or from \
+                 `vesta calibrate`), after which placement can stack volumes"
+            } else {
+                ""
+            }
+        )),
+        other => OpError::Internal(format!("placement failed: {other}")),
+    })
+}

@@ -1,0 +1,318 @@
+//! Balancing end to end (issue 5, BASIL): three LUNs served by nbdkit with 3, 6 and 9 worker
+//! threads behind a fixed per-IO delay, so latency grows with outstanding IOs over the number
+//! of "spindles" (DESIGN §10).
+//!
+//! - the device models `vestad` fits from live statistics rank the LUNs in spindle order, and
+//!   the workload models read fio's shape back (IO size, read share, randomness);
+//! - a plan moves load off an overloaded LUN and predicts a lower imbalance; carrying a move
+//!   out with `vesta volume relocate --offline` keeps every byte, and is refused while a
+//!   client is attached;
+//! - initial placement picks the datastore with the lowest predicted load and says why;
+//! - `vesta calibrate` runs its fio sweep, stores constants, and the models use them.
+
+use std::fs;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+use vesta_tests::{run_ok, wait_for, Nbdkit, Scratch, Vestad};
+
+const DELAY: &str = "2ms";
+
+fn spindles(threads: u32) -> Nbdkit {
+    Nbdkit::start(
+        1 << 30,
+        &[&format!("--threads={threads}"), "--filter=delay"],
+        &[&format!("rdelay={DELAY}"), &format!("wdelay={DELAY}")],
+    )
+}
+
+fn config(luns: &[(&str, &Nbdkit)]) -> String {
+    let mut c = String::from("[stats]\ninterval_s = 2\n\n[cache]\npath = \"\"\n");
+    for (name, lun) in luns {
+        c.push_str(&format!(
+            "\n[[datastore]]\nname = \"{name}\"\nkind = \"lun\"\ntarget = \"{}\"\nqueue_depth = 64\n",
+            lun.uri()
+        ));
+    }
+    c
+}
+
+/// fio with one job per queue depth, run one after another (`stonewall`): the load on the
+/// LUN changes every few seconds, which is what gives a device model spread in OIO.
+fn fio_steps(dir: &Scratch, tag: &str, uri: &str, depths: &[u32], step_s: u32) -> Child {
+    let mut job = format!(
+        "[global]\nioengine=nbd\nuri={uri}\nrw=randrw\nrwmixread=70\nbs=8k\ntime_based\n\
+         runtime={step_s}\nrandrepeat=0\n"
+    );
+    for (i, d) in depths.iter().enumerate() {
+        job.push_str(&format!("\n[step{i}]\niodepth={d}\nstonewall\n"));
+    }
+    let path = dir.join(&format!("{tag}.fio"));
+    fs::write(&path, job).expect("write fio job");
+    Command::new("fio")
+        .arg("--output=/dev/null")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn fio")
+}
+
+fn wait_all(children: Vec<Child>) {
+    for mut c in children {
+        let st = c.wait().expect("wait for fio");
+        assert!(st.success(), "fio failed: {st}");
+    }
+}
+
+fn by_name<'a>(list: &'a Value, name: &str) -> &'a Value {
+    list.as_array()
+        .expect("array")
+        .iter()
+        .find(|x| x["name"] == name)
+        .unwrap_or_else(|| panic!("{name} not in {list}"))
+}
+
+/// The volume's whole contents, read through vestad.
+fn contents(url: &str, dir: &Scratch, tag: &str) -> Vec<u8> {
+    let out = dir.join(&format!("{tag}.img"));
+    run_ok(Command::new("nbdcopy").arg(url).arg(&out));
+    fs::read(&out).expect("read copy")
+}
+
+#[test]
+fn models_rank_luns_by_spindles_and_a_plan_moves_load_off_the_slow_one() {
+    let (l3, l6, l9) = (spindles(3), spindles(6), spindles(9));
+    let v = Vestad::start_with(vesta_tests::VestadOpts {
+        config: Some(config(&[("d3", &l3), ("d6", &l6), ("d9", &l9)])),
+    });
+    let dir = Scratch::new("balance");
+    for (vol, ds) in [("a3", "d3"), ("a6", "d6"), ("a9", "d9")] {
+        v.vesta_ok(&["volume", "create", vol, "--size", "256M", "--datastore", ds]);
+    }
+
+    // Phase 1: the same stepped load on each LUN.
+    let depths = [1, 2, 4, 8, 16, 32, 4, 12, 24];
+    wait_all(
+        ["a3", "a6", "a9"]
+            .iter()
+            .map(|n| fio_steps(&dir, &format!("{n}-1"), &v.url(n), &depths, 3))
+            .collect(),
+    );
+    // One more interval so the last step is in the history.
+    std::thread::sleep(Duration::from_secs(3));
+    let m = v.vesta_json(&["stats", "--models"]);
+    let perf = |ds: &str| -> f64 {
+        let d = by_name(&m["datastores"], ds);
+        d["model"]["performance"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("datastore {ds} has no model: {m:#}"))
+    };
+    let (p3, p6, p9) = (perf("d3"), perf("d6"), perf("d9"));
+    eprintln!("device models: P(d3) {p3:.2}, P(d6) {p6:.2}, P(d9) {p9:.2}");
+    assert!(
+        p3 < p6 && p6 < p9,
+        "P should rank the LUNs by spindles: {p3} {p6} {p9}\n{m:#}"
+    );
+    for name in ["a3", "a6", "a9"] {
+        let w = &by_name(&m["volumes"], name)["p90"];
+        let size = w["io_size_kib"].as_f64().unwrap();
+        let read = w["read_pct"].as_f64().unwrap();
+        let random = w["random_pct"].as_f64().unwrap();
+        assert!((7.9..=8.1).contains(&size), "{name}: IO size {size} KiB");
+        assert!((60.0..=85.0).contains(&read), "{name}: read {read} %");
+        assert!(random >= 95.0, "{name}: random {random} %");
+        assert!(by_name(&m["volumes"], name)["load"].as_f64().unwrap() > 0.0);
+    }
+    // The human table shows the same.
+    let table = v.vesta_ok(&["stats", "--models"]);
+    assert!(
+        table.contains("SLOPE-ms/OIO") && table.contains("a9"),
+        "{table}"
+    );
+
+    // Phase 2: two more heavy volumes on the 3-spindle LUN.
+    for vol in ["b1", "b2"] {
+        v.vesta_ok(&[
+            "volume",
+            "create",
+            vol,
+            "--size",
+            "256M",
+            "--datastore",
+            "d3",
+        ]);
+    }
+    wait_all(
+        ["a3", "b1", "b2"]
+            .iter()
+            .map(|n| fio_steps(&dir, &format!("{n}-2"), &v.url(n), &[16, 24, 16], 3))
+            .collect(),
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let p = v.vesta_json(&["balance", "plan"]);
+    let plan = &p["plan"];
+    let moves = plan["moves"].as_array().expect("moves");
+    assert!(
+        !moves.is_empty(),
+        "d3 is overloaded; expected a move: {p:#}"
+    );
+    // The hottest datastore gives first; later moves may even out the others.
+    assert_eq!(moves[0]["from"], "d3", "{p:#}");
+    let f0 = plan["imbalance_before"].as_f64().unwrap();
+    let mut f = f0;
+    for mv in moves {
+        assert_ne!(mv["to"], "d3", "{p:#}");
+        assert_ne!(mv["from"], mv["to"]);
+        let after = mv["imbalance_after"].as_f64().unwrap();
+        assert!(after < f, "every move lowers f: {p:#}");
+        f = after;
+    }
+    let n = |side: &str, ds: &str| {
+        by_name_ds(&plan[side], ds)["normalized_load"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(n("after", "d3") < n("before", "d3"), "{p:#}");
+    let human = v.vesta_ok(&["balance", "plan"]);
+    assert!(human.contains("relocate"), "{human}");
+
+    // Carry out the first move.
+    let mv = &moves[0];
+    let name = mv["workload"].as_str().unwrap().to_owned();
+    let to = mv["to"].as_str().unwrap().to_owned();
+    let url = v.url(&name);
+    let before = contents(&url, &dir, "before");
+
+    // Refused while a client is attached; nothing changes.
+    let mut holder = vesta_tests::nbdsh_cmd()
+        .arg("-u")
+        .arg(&url)
+        .arg("-c")
+        .arg("import time; time.sleep(30)")
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn nbdsh");
+    wait_for(Duration::from_secs(10), "the client to attach", || {
+        let s = v.vesta_json(&["volume", "show", &name]);
+        (s["connections"] == 1).then_some(())
+    });
+    let e = v.vesta_err(&["volume", "relocate", &name, "--datastore", &to, "--offline"]);
+    assert!(e.contains("client connection"), "{e}");
+    let _ = holder.kill();
+    let _ = holder.wait();
+    wait_for(Duration::from_secs(10), "the client to detach", || {
+        let s = v.vesta_json(&["volume", "show", &name]);
+        (s["connections"] == 0).then_some(())
+    });
+    let e = v.vesta_err(&["volume", "relocate", &name, "--datastore", &to]);
+    assert!(e.contains("--offline"), "{e}");
+    let e = v.vesta_err(&[
+        "volume",
+        "relocate",
+        &name,
+        "--datastore",
+        "nowhere",
+        "--offline",
+    ]);
+    assert!(e.contains("nowhere"), "{e}");
+    assert_eq!(v.vesta_json(&["volume", "show", &name])["datastore"], "d3");
+
+    let out = v.vesta_ok(&["volume", "relocate", &name, "--datastore", &to, "--offline"]);
+    assert!(out.contains(&format!("to datastore {to}")), "{out}");
+    let s = v.vesta_json(&["volume", "show", &name]);
+    assert_eq!(s["datastore"], to.as_str());
+    assert_eq!(s["status"], "ok");
+    let after = contents(&url, &dir, "after");
+    assert!(before == after, "relocation changed the volume's contents");
+    let ds = v.vesta_json(&["datastore", "list"]);
+    assert_eq!(by_name(&ds, "d3")["volumes"], 2);
+    // The volume is not planned straight back (no ping-pong).
+    let again = v.vesta_json(&["balance", "plan"]);
+    for mv in again["plan"]["moves"].as_array().unwrap() {
+        assert!(
+            !(mv["workload"] == name.as_str() && mv["to"] == "d3"),
+            "{again:#}"
+        );
+    }
+
+    // Initial placement: the lowest normalized load after adding the new volume, with why.
+    let c = v.vesta_json(&["volume", "create", "c1", "--size", "64M"]);
+    let pl = &c["placement"];
+    let best = pl["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|x| Some((x["normalized_load_after"].as_f64()?, x["datastore"].clone())))
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+        .expect("an eligible datastore");
+    assert_eq!(c["datastore"], best.1, "{c:#}");
+    assert!(pl["reason"]
+        .as_str()
+        .unwrap()
+        .contains("lowest normalized load"));
+    let out = v.vesta_ok(&["volume", "create", "c2", "--size", "64M"]);
+    assert!(out.contains("placed: "), "{out}");
+}
+
+fn by_name_ds<'a>(list: &'a Value, ds: &str) -> &'a Value {
+    list.as_array()
+        .expect("array")
+        .iter()
+        .find(|x| x["datastore"] == ds)
+        .unwrap_or_else(|| panic!("{ds} not in {list}"))
+}
+
+#[test]
+fn calibrate_stores_constants_the_models_then_use() {
+    // Reads cost more than writes here, as on an array with a write cache.
+    let lun = Nbdkit::start(
+        1 << 30,
+        &["--threads=4", "--filter=delay"],
+        &["rdelay=3ms", "wdelay=1ms"],
+    );
+    let v = Vestad::start_with(vesta_tests::VestadOpts {
+        config: Some(config(&[("l", &lun)])),
+    });
+    let before = v.vesta_json(&["stats", "--models"]);
+    assert_eq!(before["constants_from"], "defaults");
+    let e = v.vesta_err(&["calibrate", "nowhere", "--runtime", "1"]);
+    assert!(e.contains("nowhere"), "{e}");
+
+    let c = v.vesta_json(&["calibrate", "l", "--runtime", "1", "--size", "64M"]);
+    assert_eq!(c["datastore"], "l");
+    assert_eq!(c["experiments"], 16);
+    for k in ["k1", "k2", "k3", "k4"] {
+        let x = c["constants"][k].as_f64().unwrap();
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}: {c:#}");
+    }
+    // Read share matters on this LUN: its constant is fitted, not set aside.
+    let flat: Vec<&str> = c["insensitive"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|x| x.as_str())
+        .collect();
+    assert!(!flat.contains(&"read"), "{c:#}");
+    assert!(!flat.contains(&"OIO"), "{c:#}");
+
+    let after = v.vesta_json(&["stats", "--models"]);
+    assert!(
+        after["constants_from"]
+            .as_str()
+            .unwrap()
+            .contains("calibrated on datastore l"),
+        "{after:#}"
+    );
+    assert_eq!(after["constants"], c["constants"]);
+    // The scratch volume is gone, and the constants survive a restart.
+    let vols = v.vesta_json(&["volume", "list"]);
+    assert_eq!(vols.as_array().unwrap().len(), 0, "{vols:#}");
+    let mut v = v;
+    assert!(v.terminate().success());
+    v.launch();
+    assert_eq!(
+        v.vesta_json(&["stats", "--models"])["constants"],
+        c["constants"]
+    );
+}
