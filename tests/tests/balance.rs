@@ -8,14 +8,16 @@
 //!   out with `vesta volume relocate --offline` keeps every byte, and is refused while a
 //!   client is attached;
 //! - initial placement picks the datastore with the lowest predicted load and says why;
-//! - `vesta calibrate` runs its fio sweep, stores constants, and the models use them.
+//! - `vesta calibrate` runs its fio sweep, stores constants, and the models use them;
+//! - a relocation that fails halfway leaves the volume, its bytes and its datastore as they
+//!   were, and a volume with dirty data is not relocated.
 
 use std::fs;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use vesta_tests::{run_ok, wait_for, Nbdkit, Scratch, Vestad};
+use vesta_tests::{qemu_io, run_ok, wait_for, Nbdkit, Scratch, Vestad};
 
 const DELAY: &str = "2ms";
 
@@ -315,4 +317,86 @@ fn calibrate_stores_constants_the_models_then_use() {
         v.vesta_json(&["stats", "--models"])["constants"],
         c["constants"]
     );
+}
+
+#[test]
+fn a_failed_relocation_leaves_the_volume_where_it_was() {
+    // The source fails reads while `on` exists: the copy is created on the target, then
+    // the copy fails halfway.
+    let errors = Scratch::new("errfile");
+    let on = errors.join("on");
+    let src = Nbdkit::start(
+        256 << 20,
+        &["--filter=error"],
+        &[
+            "error-pread=EIO",
+            "error-pread-rate=100%",
+            &format!("error-pread-file={}", on.display()),
+        ],
+    );
+    let dst = Nbdkit::start(256 << 20, &[], &[]);
+    let v = Vestad::start();
+    v.add_lun("src", &src, 8);
+    v.add_lun("dst", &dst, 8);
+    for (name, policy) in [("r", "wt"), ("w", "wb")] {
+        v.vesta_ok(&[
+            "volume",
+            "create",
+            name,
+            "--size",
+            "32M",
+            "--datastore",
+            "src",
+            "--policy",
+            policy,
+            "--hold",
+            "600",
+        ]);
+    }
+    let url = v.url("r");
+    qemu_io(&url, &["write -P 0x5a 0 1M", "write -P 0xa5 8M 64k"]);
+
+    // Dirty data is refused, with the way out.
+    qemu_io(&v.url("w"), &["write -P 0x11 0 64k"]);
+    let e = v.vesta_err(&["volume", "relocate", "w", "--datastore", "dst", "--offline"]);
+    assert!(e.contains("dirty") && e.contains("wt"), "{e}");
+
+    fs::write(&on, b"").unwrap();
+    let e = v.vesta_err(&["volume", "relocate", "r", "--datastore", "dst", "--offline"]);
+    assert!(e.contains("stays on \"src\""), "{e}");
+    fs::remove_file(&on).unwrap();
+    let s = v.vesta_json(&["volume", "show", "r"]);
+    assert_eq!(
+        (s["datastore"].as_str(), s["status"].as_str()),
+        (Some("src"), Some("ok"))
+    );
+    qemu_io(
+        &url,
+        &[
+            "read -P 0x5a 0 1M",
+            "read -P 0xa5 8M 64k",
+            "write -P 0x33 2M 4k",
+        ],
+    );
+    let dsts = v.vesta_json(&["datastore", "list"]);
+    assert_eq!(by_name(&dsts, "dst")["volumes"], 0, "{dsts:#}");
+
+    v.vesta_ok(&["volume", "relocate", "r", "--datastore", "dst", "--offline"]);
+    assert_eq!(v.vesta_json(&["volume", "show", "r"])["datastore"], "dst");
+    qemu_io(
+        &url,
+        &[
+            "read -P 0x5a 0 1M",
+            "read -P 0x33 2M 4k",
+            "read -P 0xa5 8M 64k",
+            "read -P 0 4M 1M",
+        ],
+    );
+    // The bytes are on the new LUN, where its first volume starts.
+    let img = vesta_tests::read_file(&dst.image);
+    let at = vesta_tests::LUN_EXTENT;
+    assert!(img[at..at + (1 << 20)].iter().all(|b| *b == 0x5a));
+    assert!(img[at + (2 << 20)..at + (2 << 20) + 4096]
+        .iter()
+        .all(|b| *b == 0x33));
 }

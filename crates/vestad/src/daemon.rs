@@ -144,6 +144,9 @@ pub struct Daemon {
 const RECENT_MOVES_KEPT: usize = 64;
 /// What an offline relocation copies per IO.
 const RELOCATE_CHUNK: u64 = 1 << 20;
+/// Chunks an offline relocation keeps in flight: enough to keep a LUN's queue busy, few
+/// enough (8 MiB) to leave it to the other volumes.
+const RELOCATE_IN_FLIGHT: usize = 8;
 
 fn now_unix() -> u64 {
     SystemTime::now()
@@ -898,6 +901,7 @@ impl Daemon {
             v.detach_cache();
         }
         self.coord.delete_volume(name).await?;
+        self.sampler.lock().expect("lock").forget_volume(name);
         info!("deleted volume {name:?}");
         Ok(info)
     }
@@ -1127,30 +1131,58 @@ fn datastore_info(
     }
 }
 
-/// Copies every byte of `src` to `dst` (same size), then flushes `dst`. Chunks that read as
-/// zeroes are written as zeroes, so a sparse target stays sparse.
+/// Copies every byte of `src` to `dst` (same size), [`RELOCATE_IN_FLIGHT`] chunks at a time,
+/// then flushes `dst`. Chunks that read as zeroes are written as zeroes, so a sparse target
+/// stays sparse.
 async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::io::Result<()> {
+    async fn chunk(
+        src: datastore::Extent,
+        dst: datastore::Extent,
+        off: u64,
+        len: u64,
+    ) -> std::io::Result<()> {
+        let data = src.read(off, len as usize).await?;
+        if data.iter().all(|b| *b == 0) {
+            dst.write_zeroes(off, len, true).await
+        } else {
+            dst.write(off, data, false).await
+        }
+    }
     let size = src.size();
-    let mut off = 0;
+    let mut next = 0;
+    let mut done = 0;
     let mut told = std::time::Instant::now();
-    while off < size {
+    let mut running = tokio::task::JoinSet::new();
+    let mut failed = None;
+    loop {
+        while failed.is_none() && next < size && running.len() < RELOCATE_IN_FLIGHT {
+            let len = RELOCATE_CHUNK.min(size - next);
+            running.spawn(chunk(src.clone(), dst.clone(), next, len));
+            next += len;
+        }
+        let Some(r) = running.join_next().await else {
+            break;
+        };
+        // After an error the chunks in flight still finish (none is abandoned mid-write: the
+        // copy is deleted next, and no late write may land in what replaces it).
+        if let Err(e) = r.map_err(std::io::Error::other).and_then(|r| r) {
+            failed.get_or_insert(e);
+            continue;
+        }
+        done += 1;
         if told.elapsed() >= std::time::Duration::from_secs(5) {
+            let copied = (done * RELOCATE_CHUNK).min(size);
             info!(
                 "relocation: {} of {} copied ({:.0} %)",
-                api::format_size(off),
+                api::format_size(copied),
                 api::format_size(size),
-                100.0 * off as f64 / size as f64
+                100.0 * copied as f64 / size as f64
             );
             told = std::time::Instant::now();
         }
-        let len = RELOCATE_CHUNK.min(size - off);
-        let data = src.read(off, len as usize).await?;
-        if data.iter().all(|b| *b == 0) {
-            dst.write_zeroes(off, len, true).await?;
-        } else {
-            dst.write(off, data, false).await?;
-        }
-        off += len;
     }
-    dst.flush().await
+    match failed {
+        Some(e) => Err(e),
+        None => dst.flush().await,
+    }
 }

@@ -100,10 +100,8 @@ impl Sampler {
             }
             prev.insert(key, snap);
         }
-        self.volumes
-            .retain(|n, _| prev.contains_key(&(Which::Volume, n.clone())));
-        self.datastores
-            .retain(|n, _| prev.contains_key(&(Which::Datastore, n.clone())));
+        // Histories outlive a volume's absence from the list (a relocation takes it out of
+        // service for a while); they go when the volume is deleted ([`Sampler::forget_volume`]).
         self.prev = prev;
         self.latest = latest;
         self.interval_s = longest;
@@ -125,6 +123,11 @@ impl Sampler {
                 }
             }
         }
+    }
+
+    /// Drops a deleted volume's history.
+    pub fn forget_volume(&mut self, name: &str) {
+        self.volumes.remove(name);
     }
 
     /// A volume's history, oldest first.
@@ -233,5 +236,62 @@ pub fn report(d: &Daemon, only: Option<&str>) -> api::StatsReport {
         interval_s: sampler.interval_s,
         volumes,
         datastores,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datastore::stats::{IoStats, Op};
+
+    fn io(st: &IoStats, op: Op, offset: u64, len: u64) {
+        st.locate(op, offset, len);
+        let t = st.start();
+        st.finish(t, op, len, true);
+    }
+
+    #[test]
+    fn history_keeps_busy_intervals_only_and_is_bounded() {
+        let vol = IoStats::default();
+        let ds = IoStats::default();
+        let mut s = Sampler::new(3);
+        let tick = |s: &mut Sampler| {
+            s.sample(vec![
+                (Which::Volume, "v".into(), vol.snapshot()),
+                (Which::Datastore, "d".into(), ds.snapshot()),
+            ])
+        };
+        tick(&mut s); // the first snapshot only sets the baseline
+        tick(&mut s); // idle: no sample
+        assert!(s.volume_history("v").is_empty());
+        assert!(s.datastore_history("d").is_empty());
+        for round in 0..5u64 {
+            // Three random 8 KiB reads and one write far away: 75 % reads, all random.
+            for i in 0..3 {
+                io(&vol, Op::Read, (round * 10 + i) << 30, 8192);
+                io(&ds, Op::Read, (round * 10 + i) << 30, 8192);
+            }
+            io(&vol, Op::Write, 7 << 40, 8192);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            tick(&mut s);
+        }
+        let h = s.volume_history("v");
+        assert_eq!(h.len(), 3, "bounded by the history length");
+        for x in &h {
+            assert_eq!(x.chars.io_size_kib, 8.0);
+            assert_eq!(x.chars.read_pct, 75.0);
+            assert_eq!(x.chars.random_pct, 100.0);
+            assert!(x.iops > 0.0);
+        }
+        let d = s.datastore_history("d");
+        assert_eq!(d.len(), 3);
+        assert!(d
+            .iter()
+            .all(|x| x.io_size_kib == 8.0 && x.sequential_pct == 0.0));
+        // A volume out of service for a while keeps its history; a deleted one loses it.
+        s.sample(vec![]);
+        assert_eq!(s.volume_history("v").len(), 3);
+        s.forget_volume("v");
+        assert!(s.volume_history("v").is_empty());
     }
 }
