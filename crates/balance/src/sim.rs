@@ -4,23 +4,59 @@
 //!
 //! # The testbed
 //!
-//! Datastores are LUNs of `k` spindles. Workloads are closed loops, like Iometer: each keeps
-//! its outstanding IOs in flight, so its IOPS are `OIO / latency` (Little's law). A workload's
-//! IO costs a spindle `s` milliseconds, from its characteristics ([`Physics::service_ms`]);
-//! on a datastore every IO waits behind the work queued there spread over the spindles, and
-//! then takes its own service time:
+//! Datastores are LUNs of `k` spindles. Workloads are closed loops with no think time, like
+//! Iometer and fio: each keeps its outstanding IOs in flight, so its IOPS are
+//! `OIO / latency` (Little's law). A workload's IO costs a spindle `s` milliseconds, from its
+//! characteristics ([`Physics::service_ms`]), and its latency is that service time plus a
+//! wait `W` shared by every IO on the datastore ([`Queueing`]).
+//!
+//! **Saturating spindles** ([`Queueing::Saturating`], [`Physics::PAPER`]'s). A LUN is a station of `k`
+//! pooled servers holding `N = Σ OIO_v` IOs, all of them, always: a closed loop with no think
+//! time reissues an IO the moment one completes. A free spindle takes the next IO, so
+//! `min(N, k)` spindles are busy at every instant (exactly, whatever the service-time
+//! distribution). Below `k` nobody waits and each workload sees its own service time; from
+//! `k` on, all `k` spindles are busy, the spindles' throughput is pinned,
+//! `Σ_v IOPS_v · s_v = k`, and with one wait `W` for all (FCFS: an IO's wait does not depend
+//! on its own size) Little's law per workload, `IOPS_v = OIO_v / (s_v + W)`, gives
 //!
 //! ```text
-//! latency_ms(w) = s_w + Σ_{v on the datastore} OIO_v · s_v / k
+//! W = 0                                  if N ≤ k
+//! Σ_v OIO_v · s_v / (s_v + W) = k        otherwise (one root, found by Newton)
+//! latency_ms(w) = s_w + W                ≈ max(s_w, Σ_v OIO_v · s_v / k)
 //! ```
 //!
-//! Latency grows linearly with OIO/k, as BASIL measured on real arrays (§3 Figure 2(a), §4
-//! Figure 6), and the spindles are never more than fully busy (`Σ IOPS·s < k`). The service
+//! For a single service time this is `max(s, N·s/k)`: the asymptotic bounds of a closed
+//! network, which for one `k`-server station with no think time are exact (the mean-value
+//! analysis of a load-dependent station gives the same). It is what nbdkit `--threads=k`
+//! behind `--filter=delay` implements (DESIGN §10), and the real-IO bench
+//! (`bench/basil_real.sh`) measures it: its 3-thread LUN (6 servers, two connections) held
+//! 36 OIO at 30 ms, `36 × 5 ms / 6`, and its lightly loaded 9-thread LUN served at the 5 ms
+//! delay plus overhead. BASIL saw it too: latency linear in OIO over 8–64 OIO, and
+//! "non-linear behavior" at very small OIO "because of the improvement in device throughput"
+//! (§3). Simulating the paper's Table 2 start, the bench's one move gains +54 % on
+//! saturating spindles shaped like the rig ([`Physics::NBDKIT_5MS`]) and +28 % on linear
+//! ones; the bench measured +45 % and +47 % (docs/BENCHMARKS.md).
+//!
+//! **Linear spindles** ([`Queueing::Linear`], [`Physics::PAPER_LINEAR`], the physics issue 5
+//! specifies and the default of `basil-sim` and `bench/basil_sim.sh`): every IO waits behind all outstanding work spread over the spindles, busy or
+//! not, `latency_ms(w) = s_w + Σ_v OIO_v · s_v / k`. That is close to a striped RAID LUN
+//! whose `k` disks each have their own queue and receive IOs at random: the exact mean-value
+//! analysis of that closed network is `s·(1 + (N − 1)/k)` for one service time, so IOs
+//! collide on a disk well before `k` are outstanding. Real arrays sit between the two forms;
+//! the test rig is the saturating one.
+//!
+//! Either way the spindles are never more than fully busy (`Σ IOPS·s ≤ k`). The service
 //! time is linear in IO size and randomness and proportional to a read/write mix in which the
 //! array's write cache makes a write cost a tenth of a read — the linear dependencies of §3.
 //! [`Physics::PAPER`] is calibrated so that the paper's Table 1 workloads cost a spindle
 //! about 4.3 ms per IO, which is what Table 3's `P` values say (P = 0.7 on 3 disks is
 //! 1.43 ms per OIO, 4.3 ms per spindle).
+//!
+//! What saturation means for BASIL: a datastore whose spindles are not all busy has a flat
+//! latency, so its device model (`P = 1/slope`, [`crate::device`]) has no slope to fit and
+//! the planner cannot see the spare capacity where balancing gains most; and once every
+//! datastore is saturated, total throughput is `Σ k_j / s` whatever the placement. Balancing
+//! gains only by keeping spindles busy.
 //!
 //! Each simulated interval (the paper sampled every 2–10 s) draws each workload's OIO
 //! uniformly from its Table 1 range — Iometer cycling its outstanding IOs — and reports what a
@@ -112,7 +148,76 @@ impl WorkloadType {
     }
 }
 
-/// The simulated testbed: what an IO costs a spindle, and how noisy the measurements are.
+/// How a datastore's spindles share the IOs outstanding to it: the wait an IO sees before
+/// its own service time. See the module doc for the derivation and the evidence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Queueing {
+    /// Pooled spindles, the exact closed-loop behaviour of `k` servers with no think time: an
+    /// IO waits only when all `k` spindles are busy. With `N = Σ OIO_v ≤ k` the wait is 0;
+    /// above, all `k` spindles are busy and the wait `W` is the root of
+    /// `Σ_v OIO_v · s_v / (s_v + W) = k`, so that latency is `max(s, N·s/k)` for a single
+    /// service time `s`. What nbdkit `--threads=k` behind `--filter=delay` implements.
+    Saturating,
+    /// The first simulator's form: every IO waits behind all outstanding work spread over the
+    /// spindles, `W = Σ_v OIO_v · s_v / k`, busy or not. Close to `k` independent spindles
+    /// with per-spindle queues and IOs striped at random, whose exact mean-value analysis
+    /// gives `s·(1 + (N − 1)/k)`. Kept for comparison.
+    Linear,
+}
+
+/// Largest number of Newton steps for the saturating wait; from the starting point of
+/// [`Queueing::wait_ms`] three or four reach machine precision for Table 1's service times.
+const WAIT_NEWTON_STEPS_MAX: usize = 64;
+
+impl Queueing {
+    /// Mean wait, before its own service time, of an IO on a datastore of `spindles` that
+    /// holds these workloads, each given as (outstanding IOs, mean service time in ms).
+    pub fn wait_ms<I>(self, spindles: u32, workloads: I) -> f64
+    where
+        I: Iterator<Item = (f64, f64)> + Clone,
+    {
+        let k = f64::from(spindles.max(1));
+        match self {
+            Queueing::Linear => workloads.map(|(o, s)| o * s).sum::<f64>() / k,
+            Queueing::Saturating => {
+                let (mut n, mut work, mut s_max) = (0.0, 0.0, 0.0f64);
+                for (o, s) in workloads.clone() {
+                    n += o;
+                    work += o * s;
+                    s_max = s_max.max(s);
+                }
+                if n <= k {
+                    return 0.0; // a spindle for every outstanding IO
+                }
+                // g(W) = Σ o·s/(s + W) − k is the spindles' excess demand: convex and
+                // decreasing in W, positive at W = work/k − s_max (every term is at least
+                // o·s/(s_max + W)) and at W = 0 (g(0) = n − k > 0). Newton from a point where
+                // g ≥ 0 climbs monotonically to the root and never overshoots.
+                let mut w = (work / k - s_max).max(0.0);
+                for _ in 0..WAIT_NEWTON_STEPS_MAX {
+                    let (mut g, mut dg) = (-k, 0.0);
+                    for (o, s) in workloads.clone() {
+                        let d = s + w;
+                        g += o * s / d;
+                        dg += o * s / (d * d);
+                    }
+                    if g <= 0.0 || dg <= 0.0 {
+                        break;
+                    }
+                    let step = g / dg;
+                    w += step;
+                    if step <= 1e-12 * (w + s_max) {
+                        break;
+                    }
+                }
+                w
+            }
+        }
+    }
+}
+
+/// The simulated testbed: what an IO costs a spindle, how spindles share IOs, and how noisy
+/// the measurements are.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Physics {
     /// Seek plus rotation of a random IO.
@@ -127,6 +232,7 @@ pub struct Physics {
     pub latency_noise: f64,
     /// Standard deviation, in percentage points, of a reported interval's read % and random %.
     pub mix_noise_pct: f64,
+    pub queueing: Queueing,
 }
 
 impl Physics {
@@ -139,7 +245,8 @@ impl Physics {
     ///   order of magnitude" slower);
     /// - 5 % latency noise: a 10-second interval of a few hundred IOs per second averages
     ///   thousands of IOs, but bursts and the array's background work add more;
-    /// - 1.5 points of mix noise: the binomial spread of ~1,000 IOs per interval.
+    /// - 1.5 points of mix noise: the binomial spread of ~1,000 IOs per interval;
+    /// - saturating spindles ([`Queueing::Saturating`]).
     pub const PAPER: Physics = Physics {
         position_ms: 6.0,
         sequential_ms: 0.2,
@@ -147,6 +254,26 @@ impl Physics {
         write_cost: 0.1,
         latency_noise: 0.05,
         mix_noise_pct: 1.5,
+        queueing: Queueing::Saturating,
+    };
+
+    /// [`Physics::PAPER`] with the first simulator's [`Queueing::Linear`], for comparison.
+    pub const PAPER_LINEAR: Physics = Physics {
+        queueing: Queueing::Linear,
+        ..Physics::PAPER
+    };
+
+    /// The real-IO bench's LUNs (`bench/basil_real.sh`): nbdkit's delay filter holds a worker
+    /// thread 5 ms for every IO, whatever its size, direction or offset, so every IO costs a
+    /// "spindle" (a thread) 5 ms. Use it with twice the thread counts as spindles: `vestad`
+    /// opens two connections to each NBD datastore (`NBD_POOL_DEFAULT`) and nbdkit's
+    /// `--threads` is per connection.
+    pub const NBDKIT_5MS: Physics = Physics {
+        position_ms: 5.0,
+        sequential_ms: 5.0,
+        media_kib_per_ms: f64::MAX,
+        write_cost: 1.0,
+        ..Physics::PAPER
     };
 
     /// Spindle time of one read of this size and randomness.
@@ -176,7 +303,7 @@ pub fn calibration_experiments(
         .into_iter()
         .map(|c| {
             let s = physics.service_ms(&c);
-            let truth = s + c.oio * s / f64::from(spindles);
+            let truth = s + physics.queueing.wait_ms(spindles, [(c.oio, s)].into_iter());
             let noise = rng.as_mut().map_or(1.0, |r| {
                 (1.0 + physics.latency_noise * r.normal()).max(0.05)
             });
@@ -279,12 +406,14 @@ impl<'a> Testbed<'a> {
     }
 
     fn queue_ms_into(&self, at: &[usize], oio: &[f64], q: &mut [f64]) {
-        q.fill(0.0);
-        for ((&j, o), i) in at.iter().zip(oio).zip(&self.inst) {
-            q[j] += o * i.service_ms;
-        }
-        for (q, k) in q.iter_mut().zip(self.spindles) {
-            *q /= f64::from(*k);
+        for (j, (q, &k)) in q.iter_mut().zip(self.spindles).enumerate() {
+            let here = at
+                .iter()
+                .zip(oio)
+                .zip(&self.inst)
+                .filter(move |((&a, _), _)| a == j)
+                .map(|((_, &o), i)| (o, i.service_ms));
+            *q = self.physics.queueing.wait_ms(k, here);
         }
     }
 
@@ -600,6 +729,42 @@ pub fn balance_from(
         balanced: at,
         rounds,
     }
+}
+
+/// BASIL Table 2's starting configuration (§6.2), as `bench/basil_real.sh` places it: two
+/// OLTP and a workstation on the 3-spindle LUN, two Exchange and a workstation on the
+/// 6-spindle one, two webservers on the 9-spindle one. (Table 1 type, datastore index for
+/// LUNs listed in spindle order.)
+pub const TABLE2_START: [(&str, usize); 8] = [
+    ("oltp", 0),
+    ("oltp", 0),
+    ("workstation", 0),
+    ("exchange", 1),
+    ("exchange", 1),
+    ("workstation", 1),
+    ("webserver", 2),
+    ("webserver", 2),
+];
+
+/// [`TABLE2_START`] as workload types and a placement, for [`balance_from`].
+pub fn table2_start() -> (Vec<WorkloadType>, Vec<usize>) {
+    TABLE2_START
+        .iter()
+        .map(|&(name, j)| {
+            let kind = TABLE1.iter().find(|k| k.name == name);
+            (*kind.expect("TABLE2_START names Table 1 types"), j)
+        })
+        .unzip()
+}
+
+/// Truth for placement `at` of `kinds`, over the same OIO draws as
+/// `balance_from(cfg, config, kinds, _)` scores its placements with: to score a placement the
+/// planner did not choose (say, the moves a real bench made) on equal terms.
+pub fn score(cfg: &BalancingConfig, config: usize, kinds: &[WorkloadType], at: &[usize]) -> Perf {
+    let mut rng = SplitMix64::for_item(cfg.seed ^ STREAM_SCORE, config as u64);
+    let tb = Testbed::new(&cfg.physics, &cfg.spindles, kinds);
+    let draws = score_draws(&tb, cfg.score_draws, &mut rng);
+    tb.perf(at, &draws)
 }
 
 /// All configurations of a balancing study.
@@ -948,7 +1113,12 @@ mod tests {
 
     #[test]
     fn the_defaults_are_the_papers_procedure_on_the_simulated_lun() {
-        let cal = calibrate_lun(&Physics::PAPER, 4, None).unwrap();
+        // On the linear physics: §3's calibration LUN is a striped 4-disk RAID-0, whose
+        // per-disk queues make latency grow from the first IO (see `Queueing::Linear`). On
+        // pooled spindles every experiment of the grid (OIO ≥ 4 = k) is saturated, latency is
+        // proportional to OIO, K1 is 0, and `workload::calibrate` reads a K1 that is not
+        // positive as "insensitive" (see `on_pooled_spindles_latency_is_proportional_to_oio`).
+        let cal = calibrate_lun(&Physics::PAPER_LINEAR, 4, None).unwrap();
         let (got, want) = (cal.constants, Constants::DEFAULT);
         for (g, w) in [
             (got.k1, want.k1),
@@ -984,8 +1154,106 @@ mod tests {
     }
 
     #[test]
-    fn latency_is_linear_in_oio_over_spindles() {
+    fn on_pooled_spindles_latency_is_proportional_to_oio() {
+        // What the paper's calibration grid sees on saturating spindles: every pair of
+        // experiments that differ in OIO only has the latency ratio of their OIOs (K1 = 0).
+        let exps = calibration_experiments(&Physics::PAPER, 4, None);
+        for a in &exps {
+            for b in &exps {
+                let (ca, cb) = (a.characteristics, b.characteristics);
+                if (ca.io_size_kib, ca.read_pct, ca.random_pct)
+                    == (cb.io_size_kib, cb.read_pct, cb.random_pct)
+                {
+                    let r = (a.latency_ms / b.latency_ms) / (ca.oio / cb.oio);
+                    assert!((r - 1.0).abs() < 1e-9, "{ca:?} {cb:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn saturating_latency_is_the_service_time_up_to_k_then_linear() {
         let tb = Testbed::new(&Physics::PAPER, &[4], &[kind("exchange")]);
+        let s = tb.inst[0].service_ms;
+        for oio in [1.0, 2.0, 3.0, 4.0, 5.0, 8.0, 32.0] {
+            let p = tb.perf(&[0], &[vec![oio]]);
+            let want = if oio <= 4.0 { s } else { s * oio / 4.0 };
+            assert!((p.latency_ms - want).abs() < 1e-9, "OIO {oio}: {p:?}");
+            // Busy spindles: min(OIO, k).
+            assert!(
+                (p.iops * s / 1000.0 - oio.min(4.0)).abs() < 1e-9,
+                "OIO {oio}: {p:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn saturating_wait_is_shared_by_workloads_of_different_service_times() {
+        // Two workloads, 1 ms and 9 ms IOs, 6 OIO each, on 4 spindles: all spindles busy, each
+        // workload's IOs wait the same W, and W solves 6·1/(1+W) + 6·9/(9+W) = 4.
+        let w = Queueing::Saturating.wait_ms(4, [(6.0, 1.0), (6.0, 9.0)].into_iter());
+        let busy = 6.0 / (1.0 + w) + 54.0 / (9.0 + w);
+        assert!((busy - 4.0).abs() < 1e-9, "W {w}, busy {busy}");
+        // 6(9 + W) + 54(1 + W) = 4(1 + W)(9 + W), i.e. W² − 5W − 18 = 0: W = (5 + √97) / 2.
+        assert!((w - (5.0 + 97f64.sqrt()) / 2.0).abs() < 1e-9, "W {w}");
+        // Exactly k outstanding IOs: a spindle each, no wait.
+        let w = Queueing::Saturating.wait_ms(4, [(1.0, 1.0), (3.0, 9.0)].into_iter());
+        assert_eq!(w, 0.0);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn spindles_are_never_more_than_fully_busy(
+            k in 1u32..20,
+            load in proptest::collection::vec((0u32..40, 0.2f64..20.0), 0..9),
+        ) {
+            let load: Vec<(f64, f64)> = load.into_iter().map(|(o, s)| (f64::from(o), s)).collect();
+            let n: f64 = load.iter().map(|l| l.0).sum();
+            let kf = f64::from(k);
+            for q in [Queueing::Saturating, Queueing::Linear] {
+                let w = q.wait_ms(k, load.iter().copied());
+                proptest::prop_assert!(w.is_finite() && w >= 0.0);
+                // Spindle-time demanded per ms: Σ IOPS·s = Σ OIO·s/(s + W).
+                let busy: f64 = load.iter().map(|&(o, s)| o * s / (s + w)).sum();
+                proptest::prop_assert!(busy <= kf * (1.0 + 1e-9), "{q:?}: busy {busy} of {k}");
+                if q == Queueing::Saturating {
+                    // Work-conserving: min(N, k) spindles busy, waits only when all are.
+                    let want = n.min(kf);
+                    proptest::prop_assert!((busy - want).abs() <= 1e-9 * want.max(1.0),
+                        "busy {busy}, want {want}");
+                    proptest::prop_assert!(n > kf || w == 0.0);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_rigs_table2_move_gains_what_the_real_bench_measured_only_on_saturating_spindles() {
+        // bench/basil_real.sh moved one OLTP disk from the 3- to the 9-thread LUN and measured
+        // +45 % and +47 % IOPS (docs/BENCHMARKS.md); its LUNs have twice their thread counts
+        // as servers (two connections each).
+        let (kinds, start) = table2_start();
+        let mut moved = start.clone();
+        moved[1] = 2;
+        let gain = |queueing| {
+            let cfg = BalancingConfig {
+                physics: Physics {
+                    queueing,
+                    ..Physics::NBDKIT_5MS
+                },
+                spindles: vec![6, 12, 18],
+                ..BalancingConfig::paper(1)
+            };
+            score(&cfg, 0, &kinds, &moved).iops / score(&cfg, 0, &kinds, &start).iops - 1.0
+        };
+        let (sat, lin) = (gain(Queueing::Saturating), gain(Queueing::Linear));
+        assert!((0.40..0.65).contains(&sat), "saturating: {sat}");
+        assert!(lin < 0.35, "linear: {lin}");
+    }
+
+    #[test]
+    fn linear_latency_is_linear_in_oio_over_spindles() {
+        let tb = Testbed::new(&Physics::PAPER_LINEAR, &[4], &[kind("exchange")]);
         let s = tb.inst[0].service_ms;
         for oio in [1.0, 8.0, 32.0] {
             let p = tb.perf(&[0], &[vec![oio]]);
@@ -1064,6 +1332,21 @@ mod tests {
     fn balancing_gains_and_comes_close_to_the_oracle() {
         let cfg = BalancingConfig {
             configs: 40,
+            ..BalancingConfig::paper(2010)
+        };
+        let s = BalancingSummary::new(&run_balancing(&cfg));
+        assert!(s.median_gain > 0.0, "{s:?}");
+        assert!(s.median_share_of_best.unwrap() > 0.95, "{s:?}");
+        // Not `worse`: on saturating spindles the device model cannot see a LUN below
+        // saturation (its latency does not rise with OIO), and moves that leave spindles idle
+        // make about a fifth of the configurations slightly worse (docs/BENCHMARKS.md).
+    }
+
+    #[test]
+    fn on_linear_spindles_balancing_rarely_makes_things_worse() {
+        let cfg = BalancingConfig {
+            configs: 40,
+            physics: Physics::PAPER_LINEAR,
             ..BalancingConfig::paper(2010)
         };
         let s = BalancingSummary::new(&run_balancing(&cfg));

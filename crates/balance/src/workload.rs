@@ -40,9 +40,10 @@
 //! when measured across devices", so a fixed set may be used, or a per-device calibration run
 //! when a datastore is provisioned. [`Constants::DEFAULT`] is what the paper's own procedure
 //! gives on the paper's own calibration setup — the 750 experiments on a 4-spindle LUN — run
-//! on the simulated spindles of [`crate::sim`] ([`crate::sim::Physics::PAPER`], whose
-//! parameters come from the paper's measurements and textbook 2010 FC disks). A test keeps the
-//! two in step. Operators of other hardware (SSDs above all, where randomness matters little
+//! on the simulated spindles of [`crate::sim`] ([`crate::sim::Physics::PAPER_LINEAR`], whose
+//! parameters come from the paper's measurements and textbook 2010 FC disks; the linear
+//! queueing because §3's LUN was a striped RAID-0 and the paper found K1 positive). A test
+//! keeps the two in step. Operators of other hardware (SSDs above all, where randomness matters little
 //! and size a lot) should calibrate.
 
 use serde::{Deserialize, Serialize};
