@@ -23,7 +23,15 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; true; }
+# Newest first: vestad before the nbdkit it holds connections to (nbdkit waits for its
+# clients on SIGTERM, so the other order hangs).
+cleanup() {
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        kill "${pids[i]}" 2>/dev/null
+        wait "${pids[i]}" 2>/dev/null
+    done
+    true
+}
 trap cleanup EXIT
 wait_sock() { for _ in $(seq 100); do [ -S "$1" ] && return; sleep 0.1; done; echo "no $1" >&2; exit 1; }
 
