@@ -5,6 +5,14 @@
 //! - the client's write rate converges to the destage rate;
 //! - after the burst, throttling releases and writes complete at cache speed again.
 //!
+//! The client's queue depth is 8. With each write held at most 4× the datastore latency, a
+//! client keeping D writes in flight cannot be slowed below D / (4 × latency) writes/s: 1,000/s
+//! at D = 8 and 2 ms, 2,000/s at D = 16. Convergence to the destage rate within the bound is
+//! only possible when that floor is under the destage rate, which at D = 16 it is not on a
+//! loaded 2-core machine (the destager then sends 800–1,400 writes/s): such a client runs at
+//! the floor, which is "SAN speed" as FVP §6 puts it, and its backlog grows until the share
+//! fills (`bench/sustained.sh` shows this case).
+//!
 //! **Not met yet, so not asserted:** issue 3 asks that no write wait more than 4× the
 //! datastore's write latency plus 1 ms. The injected delay is at most 4× by construction
 //! (`engine::flow`, proptested), but what a client sees adds tokio's millisecond timer and
@@ -49,7 +57,7 @@ fn flow_control_throttles_tracks_the_destager_and_releases() {
             &format!("--uri={}", v.url("f")),
             "--rw=randwrite",
             "--bs=4k",
-            "--iodepth=16",
+            "--iodepth=8",
             "--size=128M",
             "--time_based",
             &format!("--runtime={burst_s}"),

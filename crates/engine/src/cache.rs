@@ -68,6 +68,10 @@ const STALL_FRACTION: f64 = 0.85;
 /// Most writes one window carries. A held window takes everything staged up to this: one
 /// enormous window would hold up every stalled writer until all of it were on the datastore.
 const WINDOW_MAX: usize = 4096;
+/// A batch window carries up to this many queue-depths of datastore IOs, sent at most a queue
+/// depth at a time: each window ends in a datastore FLUSH and a checkpoint, and a window of a
+/// single queue depth spends as long on those as on its writes.
+const WINDOW_WAVES: usize = 4;
 /// Longest wait between destager visits when nothing wakes it.
 const DESTAGER_IDLE: Duration = Duration::from_millis(50);
 /// Longest backoff between retries of a failing datastore.
@@ -1507,7 +1511,7 @@ impl VolCache {
             let opts = *lock(&self.opts);
             let closing = if opts.hold.is_zero() {
                 Closing::Batch {
-                    max_ios: self.store.gate().queue_depth() as usize,
+                    max_ios: self.store.gate().queue_depth() as usize * WINDOW_WAVES,
                 }
             } else {
                 Closing::Held
