@@ -125,9 +125,16 @@ fn flow_control_throttles_tracks_the_destager_and_releases() {
     );
 
     // After the burst, throttling releases: once the destager catches up, writes are fast.
+    // "Off" comes first, as pressure falls under the onset; the backlog is still near the
+    // trigger then, and a write or a slow window can lift it over the onset again (the curve
+    // has no hysteresis: that would be a cliff). Caught up means nothing dirty is left.
     wait_for(Duration::from_secs(60), "flow control to release", || {
         let j = v.vesta_json(&["volume", "show", "f"]);
         (j["cache"]["flow_control"] == "off").then_some(())
+    });
+    wait_for(Duration::from_secs(60), "the destager to catch up", || {
+        let j = v.vesta_json(&["volume", "show", "f"]);
+        (j["cache"]["dirty_writes"] == 0).then_some(())
     });
     let before = v.vesta_json(&["volume", "show", "f"])["cache"]["throttled_writes"]
         .as_u64()
