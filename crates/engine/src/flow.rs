@@ -53,7 +53,8 @@ pub struct Signals {
     pub write_latency: Duration,
     /// Moving average destage throughput in bytes per second (0 if not yet measured).
     pub destage_bytes_per_s: f64,
-    /// Writes one destage window can carry (the datastore's queue depth).
+    /// Writes the destager has in flight per datastore round trip (the datastore's queue
+    /// depth; a window carries a few such waves).
     pub queue_depth: u32,
 }
 

@@ -275,7 +275,22 @@ pub async fn place(d: &Daemon, name: &str, size: u64) -> OpResult<balance::Place
         affinity: Vec::new(),
         anti_affinity: Vec::new(),
     };
-    balance::place(&inputs.pod, &new).map_err(|e| match e {
+    match balance::place(&inputs.pod, &new) {
+        Err(balance::plan::PlacementError::NoEligibleDatastore { .. })
+            if inputs
+                .pod
+                .datastores
+                .iter()
+                .all(|ds| ds.performance.is_none()) =>
+        {
+            // A pod with no device model at all (a new cluster, or one without reads yet):
+            // BASIL's one-workload-per-unmodeled-datastore rule would refuse every volume after
+            // the first few. Place by free space instead, and say so.
+            return by_free_space(&inputs.pod, &new);
+        }
+        r => r,
+    }
+    .map_err(|e| match e {
         balance::plan::PlacementError::NoEligibleDatastore { .. } => OpError::Conflict(format!(
             "{e}. Name a datastore with --datastore{}",
             if inputs
@@ -291,5 +306,47 @@ pub async fn place(d: &Daemon, name: &str, size: u64) -> OpResult<balance::Place
             }
         )),
         other => OpError::Internal(format!("placement failed: {other}")),
+    })
+}
+
+/// Placement when no datastore has a model: the one with the most free space that fits.
+fn by_free_space(pod: &Pod, new: &balance::NewWorkload) -> OpResult<balance::Placement> {
+    let free = |ds: &balance::Datastore| ds.capacity_gib - ds.used_gib;
+    let best = pod
+        .datastores
+        .iter()
+        .filter(|ds| free(ds) >= new.size_gib)
+        .max_by(|a, b| free(a).total_cmp(&free(b)))
+        .ok_or_else(|| {
+            OpError::Conflict(format!(
+                "no datastore has {:.1} GiB free for {}",
+                new.size_gib, new.id
+            ))
+        })?;
+    Ok(balance::Placement {
+        datastore: best.id.clone(),
+        normalized_load_before: 0.0,
+        normalized_load_after: 0.0,
+        reason: format!(
+            "no datastore has a device model yet, so loads cannot be compared; {} has the \
+             most free space ({:.1} GiB)",
+            best.id,
+            free(best)
+        ),
+        candidates: pod
+            .datastores
+            .iter()
+            .map(|ds| balance::plan::Candidate {
+                datastore: ds.id.clone(),
+                normalized_load_after: None,
+                excluded: (free(ds) < new.size_gib).then(|| {
+                    format!(
+                        "{:.1} GiB free, the workload needs {:.1}",
+                        free(ds),
+                        new.size_gib
+                    )
+                }),
+            })
+            .collect(),
     })
 }

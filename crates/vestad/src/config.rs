@@ -22,9 +22,9 @@ pub const DATA_DIR_DEFAULT: &str = "vesta-data";
 /// One hour of 2-second intervals: enough spread in load for a device model, short enough
 /// that a workload's model follows its changes within the hour.
 pub const HISTORY_DEFAULT: usize = 1800;
-/// A week of 2-second intervals (two f64 quadruples per volume each: a few tens of MB for
-/// hundreds of volumes).
-pub const HISTORY_MAX: usize = 302_400;
+/// A day of 2-second intervals: a volume's sample is 40 bytes, so about 1.7 MB per volume
+/// and datastore at the limit.
+pub const HISTORY_MAX: usize = 43_200;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]

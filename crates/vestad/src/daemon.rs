@@ -5,7 +5,7 @@
 //! requests can never both create the same name or delete a volume while it is being created.
 //! The IO path never takes that lock: connections look volumes up in a read-locked map.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -138,6 +138,21 @@ pub struct Daemon {
     /// Relocations done since start, newest last: the planner does not move a volume back
     /// to where it just came from (no ping-pong).
     recent_moves: Mutex<Vec<balance::RecentMove>>,
+    /// Volumes with a policy change or a relocation under way: one at a time per volume, so
+    /// neither acts on a volume object or record the other has replaced.
+    busy: Mutex<HashSet<String>>,
+}
+
+/// A claim on a volume for one long operation; released when dropped.
+struct Busy<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    name: String,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.set.lock().expect("lock").remove(&self.name);
+    }
 }
 
 /// Relocations remembered for ping-pong avoidance.
@@ -170,6 +185,7 @@ impl Daemon {
         let d = Daemon {
             sampler: Mutex::new(Sampler::new(config.stats.history)),
             recent_moves: Mutex::new(Vec::new()),
+            busy: Mutex::new(HashSet::new()),
             config,
             coord,
             cache,
@@ -669,6 +685,21 @@ impl Daemon {
         Ok(info)
     }
 
+    /// Claims `name` for a long operation (`what`), or says which one is already under way.
+    fn claim(&self, name: &str, what: &'static str) -> OpResult<Busy<'_>> {
+        let mut set = self.busy.lock().expect("lock");
+        if !set.insert(name.to_owned()) {
+            return Err(OpError::Conflict(format!(
+                "volume {name:?} has a policy change or relocation under way; retry {what} \
+                 when it completes"
+            )));
+        }
+        Ok(Busy {
+            set: &self.busy,
+            name: name.to_owned(),
+        })
+    }
+
     /// Relocations done since start, for the planner's ping-pong rule.
     pub fn recent_moves(&self) -> Vec<balance::RecentMove> {
         self.recent_moves.lock().expect("lock").clone()
@@ -685,10 +716,11 @@ impl Daemon {
     pub async fn relocate(&self, name: &str, req: api::Relocate) -> OpResult<api::VolumeInfo> {
         if !req.offline {
             return Err(OpError::BadRequest(
-                "live relocation is not available yet; detach the volume's clients and pass                  --offline"
+                "live relocation is not available yet; detach the volume's clients and pass --offline"
                     .into(),
             ));
         }
+        let _busy = self.claim(name, "the relocation")?;
         let _admin = self.admin.lock().await;
         let entry = self.entry(name)?;
         let from = entry.record.datastore.clone();
@@ -708,13 +740,13 @@ impl Daemon {
         let n = entry.connections();
         if n > 0 {
             return Err(OpError::Conflict(format!(
-                "volume {name:?} has {n} client connection(s); an offline relocation needs                  them detached first"
+                "volume {name:?} has {n} client connection(s); an offline relocation needs them detached first"
             )));
         }
         if let Some(c) = volume.cache_report() {
             if c.dirty_bytes > 0 || c.replaying {
                 return Err(OpError::Conflict(format!(
-                    "volume {name:?} has {} of dirty data not yet on datastore {from:?};                      switch it to wt first (`vesta volume policy {name} wt` drains it),                      then relocate",
+                    "volume {name:?} has {} of dirty data not yet on datastore {from:?}; switch it to wt first (`vesta volume policy {name} wt` drains it), then relocate",
                     api::format_size(c.dirty_bytes)
                 )));
             }
@@ -726,7 +758,16 @@ impl Daemon {
                     "volume {name:?} was attached meanwhile; retry"
                 )));
             }
-            v.remove(name);
+            // Until the copy is done the volume is shown, and refused, as relocating.
+            v.insert(
+                name.to_owned(),
+                Arc::new(VolumeEntry::new(
+                    entry.record.clone(),
+                    Err(format!(
+                        "relocating to datastore {to:?}; it serves again when the copy is done"
+                    )),
+                )),
+            );
         }
         let restore = |why: String| {
             volume.unrevoke();
@@ -745,12 +786,30 @@ impl Daemon {
                 "volume {name:?} has dirty data; switch it to wt first, then relocate"
             ))));
         }
+        // The record gets the policy and tuning in effect (the open volume's).
         let mut rec = entry.record.clone();
         rec.datastore = to.clone();
+        rec.policy = volume.policy();
+        rec.tuning = volume.tuning();
         let src = match src_store.open_volume(&entry.record.spec()).await {
             Ok(x) => x,
             Err(e) => return Err(OpError::Unavailable(restore(e.to_string()))),
         };
+        // A copy of this volume already on the target is what an interrupted relocation left
+        // (the record names the source, so nothing uses it): remove it, or the create fails.
+        if let Ok(there) = dst_store.recorded_volumes().await {
+            if there.iter().any(|s| s.id == rec.id) {
+                warn!(
+                    "volume {name:?}: datastore {to:?} holds a stale copy from an interrupted \
+                     relocation; removing it"
+                );
+                if let Err(e) = dst_store.delete_volume(&rec.spec()).await {
+                    return Err(OpError::Unavailable(restore(format!(
+                        "cannot remove the stale copy of {name:?} on {to:?}: {e}"
+                    ))));
+                }
+            }
+        }
         let dst = match dst_store.create_volume(&rec.spec()).await {
             Ok(x) => x,
             Err(e) => {
@@ -783,8 +842,8 @@ impl Daemon {
                 "cannot record the new datastore: {e}; the volume stays on {from:?}"
             ))));
         }
-        // From here the volume lives on `to`. What the cache holds of it is clean (checked
-        // above) and still right: the bytes did not change.
+        // From here the volume lives on `to`. Its cache data (clean, checked above) goes with
+        // the old volume object; the reopened volume starts cold, in a new generation.
         volume.detach_cache();
         let reopened = Volume::open(
             rec.id,
@@ -806,7 +865,7 @@ impl Daemon {
             .insert(rec.name.clone(), new_entry.clone());
         if let Err(e) = src_store.delete_volume(&entry.record.spec()).await {
             warn!(
-                "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could                  not be freed: {e}"
+                "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not be freed: {e}"
             );
         }
         {
@@ -919,6 +978,7 @@ impl Daemon {
     /// Changes a volume's policy and/or tuning. Leaving `wb` drains dirty data first, which
     /// can take as long as the datastore needs to take it; IO goes on meanwhile.
     pub async fn set_policy(&self, name: &str, req: api::SetPolicy) -> OpResult<api::VolumeInfo> {
+        let _busy = self.claim(name, "the policy change")?;
         let entry = self.entry(name)?;
         let volume = entry
             .volume
@@ -1132,8 +1192,9 @@ fn datastore_info(
 }
 
 /// Copies every byte of `src` to `dst` (same size), [`RELOCATE_IN_FLIGHT`] chunks at a time,
-/// then flushes `dst`. Chunks that read as zeroes are written as zeroes, so a sparse target
-/// stays sparse.
+/// then flushes `dst`. Chunks that read as zeroes are skipped: a new volume reads as zeroes
+/// on every kind (a `dir` file is created new and sparse, a `lun` extent is zeroed by
+/// `create_volume`), and the target stays sparse.
 async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::io::Result<()> {
     async fn chunk(
         src: datastore::Extent,
@@ -1143,7 +1204,7 @@ async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::i
     ) -> std::io::Result<()> {
         let data = src.read(off, len as usize).await?;
         if data.iter().all(|b| *b == 0) {
-            dst.write_zeroes(off, len, true).await
+            Ok(())
         } else {
             dst.write(off, data, false).await
         }
