@@ -10,6 +10,10 @@
 #
 #   bench/policies.sh            # 10 s per run
 #   RUNTIME=30 bench/policies.sh
+#   ONLY=overhead bench/policies.sh   # part 1 only (for A/B runs of the write path)
+#   CACHE=6G bench/policies.sh        # cache file size (default 12G)
+#   CACHE_PREP=written bench/policies.sh  # a cache file whose blocks were all written before,
+#                                         # as after the log has wrapped (default: sparse)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${VESTA_BIN_DIR:-target/release}
@@ -45,6 +49,11 @@ wait_sock "$OUT/slow.sock"
 # The cache is sized to absorb a run's writes, as FVP's flash is (the embedded default, 1 GiB,
 # takes about 2 s of 4 KiB writes at QD32 before flow control starts).
 printf '[cache]\nsize = "%s"\n' "${CACHE:-12G}" >"$OUT/vestad.toml"
+if [ "${CACHE_PREP:-sparse}" = written ]; then
+    mkdir -p "$OUT/vesta"
+    dd if=/dev/zero of="$OUT/vesta/cache.img" bs=4M oflag=direct status=none \
+        count=$(($(numfmt --from=iec "${CACHE:-12G}") / (4 << 20)))
+fi
 "$BIN/vestad" -c "$OUT/vestad.toml" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" \
     >"$OUT/vestad.log" 2>&1 &
 pids+=($!)
@@ -96,6 +105,7 @@ rows = [("4k randwrite QD1, mean latency (us)", $wl, $kl),
 for what, v, k in rows:
     print(f"| {what} | {v} | {k} | **{v / k:.2f}** |")
 EOF
+[ "${ONLY:-}" = overhead ] && exit 0
 echo
 echo "### Policies on a 1 ms datastore"
 echo

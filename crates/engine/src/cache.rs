@@ -205,13 +205,9 @@ struct VolState {
     draining: bool,
 }
 
-/// Log bytes of one staged record: its header and its payload padded to a sector.
+/// Log bytes of one staged record (`cachelog::format::log_bytes`).
 fn log_bytes(src: IxSrc, len: u64) -> u64 {
-    let payload = match src {
-        IxSrc::Rec(_) => len.next_multiple_of(512),
-        IxSrc::Zero => 0,
-    };
-    cachelog::format::HEADER_LEN as u64 + payload
+    cachelog::format::log_bytes(matches!(src, IxSrc::Rec(_)), len)
 }
 
 fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
@@ -345,8 +341,10 @@ impl Shared {
     /// The largest part a write is split into: [`RECORD_MAX`], or a quarter segment if that
     /// is smaller, so a part always fits a segment with its header and metadata copies.
     fn record_max(&self) -> u64 {
-        let quarter = self.log.superblock().segment_size / 4 / 512 * 512;
-        RECORD_MAX.min(quarter).max(512)
+        // Whole pages, so that the parts of a page-aligned write are paged too.
+        let page = cachelog::format::PAGE;
+        let quarter = self.log.superblock().segment_size / 4 / page * page;
+        RECORD_MAX.min(quarter).max(page)
     }
 
     fn share_segments(&self) -> u64 {

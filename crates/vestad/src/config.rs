@@ -171,8 +171,8 @@ impl Config {
             .map_err(|e| anyhow::anyhow!("cache.size: {e}"))?;
         let seg = vesta_api::parse_size(&self.cache.segment_size)
             .map_err(|e| anyhow::anyhow!("cache.segment_size: {e}"))?;
-        if !(64 << 10..=64 << 20).contains(&seg) || seg % 512 != 0 {
-            bail!("cache.segment_size must be between 64K and 64M, a multiple of 512 (e.g. 1M)");
+        if !(64 << 10..=64 << 20).contains(&seg) || seg % 4096 != 0 {
+            bail!("cache.segment_size must be between 64K and 64M, a multiple of 4K (e.g. 1M)");
         }
         if size < (1 << 20) + 4 * seg {
             bail!(
