@@ -5,7 +5,7 @@
 //! requests can never both create the same name or delete a volume while it is being created.
 //! The IO path never takes that lock: connections look volumes up in a read-locked map.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -140,12 +140,13 @@ pub struct Daemon {
     recent_moves: Mutex<Vec<balance::RecentMove>>,
     /// Volumes with a policy change or a relocation under way: one at a time per volume, so
     /// neither acts on a volume object or record the other has replaced.
-    busy: Mutex<HashSet<String>>,
+    /// (It maps the volume to the operation, `relocation` or `policy change`.)
+    busy: Mutex<HashMap<String, &'static str>>,
 }
 
 /// A claim on a volume for one long operation; released when dropped.
 struct Busy<'a> {
-    set: &'a Mutex<HashSet<String>>,
+    set: &'a Mutex<HashMap<String, &'static str>>,
     name: String,
 }
 
@@ -185,7 +186,7 @@ impl Daemon {
         let d = Daemon {
             sampler: Mutex::new(Sampler::new(config.stats.history)),
             recent_moves: Mutex::new(Vec::new()),
-            busy: Mutex::new(HashSet::new()),
+            busy: Mutex::new(HashMap::new()),
             config,
             coord,
             cache,
@@ -685,15 +686,16 @@ impl Daemon {
         Ok(info)
     }
 
-    /// Claims `name` for a long operation (`what`), or says which one is already under way.
+    /// Claims `name` for a long operation (`what`: `relocation` or `policy change`), or says
+    /// which one is already under way.
     fn claim(&self, name: &str, what: &'static str) -> OpResult<Busy<'_>> {
         let mut set = self.busy.lock().expect("lock");
-        if !set.insert(name.to_owned()) {
+        if let Some(other) = set.get(name) {
             return Err(OpError::Conflict(format!(
-                "volume {name:?} has a policy change or relocation under way; retry {what} \
-                 when it completes"
+                "volume {name:?} has a {other} under way; retry the {what} when it completes"
             )));
         }
+        set.insert(name.to_owned(), what);
         Ok(Busy {
             set: &self.busy,
             name: name.to_owned(),
@@ -720,8 +722,11 @@ impl Daemon {
                     .into(),
             ));
         }
-        let _busy = self.claim(name, "the relocation")?;
-        let _admin = self.admin.lock().await;
+        let _busy = self.claim(name, "relocation")?;
+        // Held while the volume is taken out of service and the copy created, and again for
+        // the switch; not during the copy, which may take hours. The claim keeps other
+        // operations on this volume out meanwhile (a delete is refused).
+        let admin = self.admin.lock().await;
         let entry = self.entry(name)?;
         let from = entry.record.datastore.clone();
         let to = req.datastore.clone();
@@ -826,7 +831,10 @@ impl Daemon {
             api::format_size(rec.size)
         );
         let started = std::time::Instant::now();
-        if let Err(e) = copy_extent(&src, &dst).await {
+        drop(admin);
+        let copied = copy_extent(&src, &dst).await;
+        let _admin = self.admin.lock().await;
+        if let Err(e) = copied {
             if let Err(e2) = dst_store.delete_volume(&rec.spec()).await {
                 warn!("volume {name:?}: the partial copy on {to:?} could not be removed: {e2}");
             }
@@ -890,6 +898,11 @@ impl Daemon {
     pub async fn delete_volume(&self, name: &str, force: bool) -> OpResult<api::VolumeInfo> {
         let _admin = self.admin.lock().await;
         let entry = self.entry(name)?;
+        if self.busy.lock().expect("lock").get(name) == Some(&"relocation") {
+            return Err(OpError::Conflict(format!(
+                "volume {name:?} is being relocated; delete it once the relocation completes"
+            )));
+        }
         let n = entry.connections();
         if n > 0 && !force {
             return Err(OpError::Conflict(format!(
@@ -978,7 +991,7 @@ impl Daemon {
     /// Changes a volume's policy and/or tuning. Leaving `wb` drains dirty data first, which
     /// can take as long as the datastore needs to take it; IO goes on meanwhile.
     pub async fn set_policy(&self, name: &str, req: api::SetPolicy) -> OpResult<api::VolumeInfo> {
-        let _busy = self.claim(name, "the policy change")?;
+        let _busy = self.claim(name, "policy change")?;
         let entry = self.entry(name)?;
         let volume = entry
             .volume
