@@ -12,6 +12,7 @@
 # $OUT/table.md (the table for docs/BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 BIN=${VESTA_BIN_DIR:-target/release}
 BIN=$(cd "$BIN" && pwd)
 OUT=${OUT:-bench/out/basil_real}
@@ -19,38 +20,22 @@ ROUND_S=${ROUND_S:-60}
 STEP_S=${STEP_S:-5}
 DELAY=${DELAY:-5ms}
 ROUNDS=${ROUNDS:-3}
-rm -rf "$OUT" && mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-
-pids=()
-# Newest first: vestad before the nbdkit it holds connections to (nbdkit waits for its
-# clients on SIGTERM, so the other order hangs).
-cleanup() {
-    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-        kill "${pids[i]}" 2>/dev/null
-        wait "${pids[i]}" 2>/dev/null
-    done
-    true
-}
-trap cleanup EXIT
-wait_sock() { for _ in $(seq 100); do [ -S "$1" ] && return; sleep 0.1; done; echo "no $1" >&2; exit 1; }
+OUT=$(bench_out "$OUT")
 
 {
     printf '[stats]\ninterval_s = 2\n\n[cache]\npath = ""\n'
     for n in 3 6 9; do
         truncate -s 8G "$OUT/lun$n.img"
         nbdkit -f --unix "$OUT/lun$n.sock" --threads=$n --filter=delay file "$OUT/lun$n.img" \
-            rdelay="$DELAY" wdelay="$DELAY" >"$OUT/nbdkit$n.log" 2>&1 &
-        pids+=($!)
+            rdelay="$DELAY" wdelay="$DELAY" >"$OUT/nbdkit$n.log" 2>&1 & started
         printf '\n[[datastore]]\nname = "lun%s"\nkind = "lun"\ntarget = "nbd+unix:///?socket=%s"\nqueue_depth = 64\n' \
             "$n" "$OUT/lun$n.sock"
     done
 } >"$OUT/vestad.toml"
 for n in 3 6 9; do wait_sock "$OUT/lun$n.sock"; done
 "$BIN/vestad" -c "$OUT/vestad.toml" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" \
-    >"$OUT/vestad.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
+    >"$OUT/vestad.log" 2>&1 & started
+vestad_api "$OUT/vesta" >/dev/null
 
 VESTA="$BIN/vesta" OUT="$OUT" ROUND_S="$ROUND_S" STEP_S="$STEP_S" ROUNDS="$ROUNDS" DELAY="$DELAY" \
     python3 - <<'EOF'

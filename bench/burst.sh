@@ -15,26 +15,19 @@
 # Target (issue 3): wb burst writes/s at least 10x uncached (FVP: 4x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 BIN=${VESTA_BIN_DIR:-target/release}
 BURST_S=${BURST_S:-40}
 STEADY_S=${STEADY_S:-60}
 STEADY_IOPS=${STEADY_IOPS:-500}
 OUT=${OUT:-bench/out/burst}
-rm -rf "$OUT" && mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+OUT=$(bench_out "$OUT")
 command -v gnuplot >/dev/null || scripts/apt.sh gnuplot-nox
-
-cleanup() {
-    [ -n "${VPID:-}" ] && kill -TERM "$VPID" 2>/dev/null && wait "$VPID" 2>/dev/null || true
-    [ -n "${KPID:-}" ] && kill "$KPID" 2>/dev/null && wait "$KPID" 2>/dev/null || true
-}
-trap cleanup EXIT
 
 truncate -s 32G "$OUT/lun.img"
 nbdkit -f --unix "$OUT/lun.sock" --threads=4 --filter=delay file "$OUT/lun.img" delay-write=2ms \
-    >"$OUT/nbdkit.log" 2>&1 &
-KPID=$!
-for _ in $(seq 100); do [ -S "$OUT/lun.sock" ] && break; sleep 0.1; done
+    >"$OUT/nbdkit.log" 2>&1 & started
+wait_sock "$OUT/lun.sock"
 
 # The cache must hold both bursts: FVP's hosts had 120 GB of flash.
 cat >"$OUT/vestad.toml" <<EOF
@@ -51,10 +44,8 @@ kind = "lun"
 target = "nbd+unix:///?socket=$OUT/lun.sock"
 queue_depth = 4
 EOF
-"$BIN/vestad" --config "$OUT/vestad.toml" >"$OUT/vestad.log" 2>&1 &
-VPID=$!
-for _ in $(seq 300); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
-API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+"$BIN/vestad" --config "$OUT/vestad.toml" >"$OUT/vestad.log" 2>&1 & started
+API=$(vestad_api "$OUT/vesta")
 vesta() { "$BIN/vesta" --api "$API" "$@"; }
 # An RPO long enough that flow control leaves the bursts alone: this is about absorption.
 vesta volume create wb --size 8G --policy wb --rpo 900 >/dev/null

@@ -16,33 +16,17 @@
 #                                         # as after the log has wrapped (default: sparse)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 BIN=${VESTA_BIN_DIR:-target/release}
 RUNTIME=${RUNTIME:-10}
 OUT=${OUT:-bench/out/policies}
-rm -rf "$OUT" && mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-
-pids=()
-# Newest first: vestad before the nbdkit it holds connections to (nbdkit waits for its
-# clients on SIGTERM, so the other order hangs).
-cleanup() {
-    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-        kill "${pids[i]}" 2>/dev/null
-        wait "${pids[i]}" 2>/dev/null
-    done
-    true
-}
-trap cleanup EXIT
-
-wait_sock() { for _ in $(seq 100); do [ -S "$1" ] && return; sleep 0.1; done; echo "no $1" >&2; exit 1; }
+OUT=$(bench_out "$OUT")
 
 truncate -s 8G "$OUT/nbdkit.img"
-nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 &
-pids+=($!)
+nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 & started
 truncate -s 8G "$OUT/slow.img"
 nbdkit -f --unix "$OUT/slow.sock" --filter=delay file "$OUT/slow.img" delay-write=1ms \
-    >"$OUT/slow.log" 2>&1 &
-pids+=($!)
+    >"$OUT/slow.log" 2>&1 & started
 wait_sock "$OUT/nbdkit.sock"
 wait_sock "$OUT/slow.sock"
 
@@ -55,10 +39,8 @@ if [ "${CACHE_PREP:-sparse}" = written ]; then
         count=$(($(numfmt --from=iec "${CACHE:-12G}") / (4 << 20)))
 fi
 "$BIN/vestad" -c "$OUT/vestad.toml" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" \
-    >"$OUT/vestad.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 300); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
-API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+    >"$OUT/vestad.log" 2>&1 & started
+API=$(vestad_api "$OUT/vesta")
 vesta() { "$BIN/vesta" --api "$API" "$@"; }
 vesta datastore add slow --lun "nbd+unix:///?socket=$OUT/slow.sock" --queue-depth 16 >/dev/null
 V="nbd+unix:///%s?socket=$OUT/vesta/nbd.sock"

@@ -20,6 +20,7 @@
 #   SUSTAIN_S=60 GAP_S=30 BURST2_S=15 bench/sustained.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 BIN=${VESTA_BIN_DIR:-target/release}
 SUSTAIN_S=${SUSTAIN_S:-160}
 GAP_S=${GAP_S:-90}
@@ -27,22 +28,13 @@ BURST2_S=${BURST2_S:-30}
 BURST_IOPS=${BURST_IOPS:-5000}
 RPO_S=${RPO_S:-60}
 OUT=${OUT:-bench/out/sustained}
-rm -rf "$OUT" && mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+OUT=$(bench_out "$OUT")
 command -v gnuplot >/dev/null || scripts/apt.sh gnuplot-nox
-
-cleanup() {
-    [ -n "${SPID:-}" ] && kill "$SPID" 2>/dev/null && wait "$SPID" 2>/dev/null || true
-    [ -n "${VPID:-}" ] && kill -TERM "$VPID" 2>/dev/null && wait "$VPID" 2>/dev/null || true
-    [ -n "${KPID:-}" ] && kill "$KPID" 2>/dev/null && wait "$KPID" 2>/dev/null || true
-}
-trap cleanup EXIT
 
 truncate -s 16G "$OUT/lun.img"
 nbdkit -f --unix "$OUT/lun.sock" --threads=4 --filter=delay file "$OUT/lun.img" delay-write=2ms \
-    >"$OUT/nbdkit.log" 2>&1 &
-KPID=$!
-for _ in $(seq 100); do [ -S "$OUT/lun.sock" ] && break; sleep 0.1; done
+    >"$OUT/nbdkit.log" 2>&1 & started
+wait_sock "$OUT/lun.sock"
 
 cat >"$OUT/vestad.toml" <<EOF
 data_dir = "$OUT/vesta"
@@ -58,10 +50,8 @@ kind = "lun"
 target = "nbd+unix:///?socket=$OUT/lun.sock"
 queue_depth = 4
 EOF
-"$BIN/vestad" --config "$OUT/vestad.toml" >"$OUT/vestad.log" 2>&1 &
-VPID=$!
-for _ in $(seq 300); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
-API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+"$BIN/vestad" --config "$OUT/vestad.toml" >"$OUT/vestad.log" 2>&1 & started
+API=$(vestad_api "$OUT/vesta")
 "$BIN/vesta" --api "$API" volume create wb --size 4G --policy wb --rpo "$RPO_S" >/dev/null
 
 # The sampler: one line a second until killed.
@@ -77,6 +67,7 @@ while True:
           f'{c["dirty_bytes"]},{c["flow_control"]}', flush=True)
     time.sleep(1.0 - (time.monotonic() - t0) % 1.0)
 EOF
+started
 SPID=$!
 
 burst() { # NAME SECONDS
@@ -93,7 +84,6 @@ T2=$(date +%s.%N)
 burst burst2 "$BURST2_S"
 sleep 2
 kill "$SPID" && wait "$SPID" 2>/dev/null || true
-SPID=
 
 python3 - "$OUT" "$T0" "$T1" "$T2" "$BURST2_S" <<'EOF'
 import csv, glob, sys

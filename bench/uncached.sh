@@ -15,38 +15,27 @@
 # Targets (issue 2): vestad IOPS at QD32 >= 0.9x nbdkit; vestad mean latency at QD1 <= 1.1x.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. bench/lib.sh
 BIN=${VESTA_BIN_DIR:-target/release}
 RUNTIME=${RUNTIME:-10}
 SIZE=${SIZE:-1G}
 OUT=${OUT:-bench/out/uncached}
-rm -rf "$OUT" && mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+OUT=$(bench_out "$OUT")
 
-cleanup() {
-    [ -n "${VPID:-}" ] && kill -TERM "$VPID" 2>/dev/null && wait "$VPID" 2>/dev/null || true
-    [ -n "${KPID:-}" ] && kill "$KPID" 2>/dev/null && wait "$KPID" 2>/dev/null || true
-    [ -n "${QPID:-}" ] && kill "$QPID" 2>/dev/null && wait "$QPID" 2>/dev/null || true
-}
-trap cleanup EXIT
-
-"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 &
-VPID=$!
-for _ in $(seq 100); do [ -f "$OUT/vesta/vestad.json" ] && break; sleep 0.1; done
-API=http://$(python3 -c "import json;print(json.load(open('$OUT/vesta/vestad.json'))['api'])")
+"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 & started
+API=$(vestad_api "$OUT/vesta")
 "$BIN/vesta" --api "$API" volume create bench --size "$SIZE" >/dev/null
 VURI="nbd+unix:///bench?socket=$OUT/vesta/nbd.sock"
 
 truncate -s "$SIZE" "$OUT/nbdkit.img"
-nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 &
-KPID=$!
-for _ in $(seq 100); do [ -S "$OUT/nbdkit.sock" ] && break; sleep 0.1; done
+nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 & started
+wait_sock "$OUT/nbdkit.sock"
 KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
 
 truncate -s "$SIZE" "$OUT/qemu-nbd.img"
 qemu-nbd -f raw --cache=writeback --aio=threads --shared=4 --persistent -x bench \
-    --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 &
-QPID=$!
-for _ in $(seq 100); do [ -S "$OUT/qemu-nbd.sock" ] && break; sleep 0.1; done
+    --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 & started
+wait_sock "$OUT/qemu-nbd.sock"
 QURI="nbd+unix:///bench?socket=$OUT/qemu-nbd.sock"
 
 truncate -s "$SIZE" "$OUT/raw.img"

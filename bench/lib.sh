@@ -1,0 +1,33 @@
+# Shared by the bench scripts (sourced, not run): the output directory, background processes
+# stopped at exit, and waits for an NBD socket or a ready vestad.
+
+# bench_out DIR: DIR emptied and created; prints its absolute path.
+bench_out() { rm -rf "$1" && mkdir -p "$1" && (cd "$1" && pwd); }
+
+# Background processes to stop at exit: `cmd & started`. They stop newest first, so vestad
+# goes before the nbdkit it holds connections to (nbdkit waits for its clients on SIGTERM,
+# so the other order hangs).
+pids=()
+started() { pids+=("$!"); }
+stop_started() {
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+        # `|| true`: the trap runs under `set -e`, and a process may be gone already.
+        kill "${pids[i]}" 2>/dev/null || true
+        wait "${pids[i]}" 2>/dev/null || true
+    done
+}
+trap stop_started EXIT
+
+# wait_sock PATH: until the unix socket exists (10 s).
+wait_sock() {
+    for _ in $(seq 100); do [ -S "$1" ] && return; sleep 0.1; done
+    echo "no socket $1" >&2
+    exit 1
+}
+
+# vestad_api DATA_DIR: waits for vestad's ready file (30 s); prints its admin API's URL.
+vestad_api() {
+    for _ in $(seq 300); do [ -f "$1/vestad.json" ] && break; sleep 0.1; done
+    [ -f "$1/vestad.json" ] || { echo "vestad did not become ready; see its log" >&2; exit 1; }
+    echo "http://$(python3 -c 'import json,sys;print(json.load(open(sys.argv[1]))["api"])' "$1/vestad.json")"
+}
