@@ -94,9 +94,11 @@ struct Rig {
 }
 
 impl Rig {
-    fn open(cache: Arc<SimDevice>, store: Arc<MemDevice>, id: Uuid) -> Rig {
+    /// `depth`: the datastore's queue depth. A small one makes windows carry more IOs than
+    /// can be in flight at once, so they go out in waves.
+    fn open(cache: Arc<SimDevice>, store: Arc<MemDevice>, id: Uuid, depth: u32) -> Rig {
         let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
-        let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+        let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(depth)));
         let vol = Volume::open(
             id,
             "p".into(),
@@ -144,13 +146,16 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
     #[test]
-    fn every_durable_write_survives_and_the_volume_is_a_prefix(ops in proptest::collection::vec(op(), 1..60)) {
+    fn every_durable_write_survives_and_the_volume_is_a_prefix(
+        ops in proptest::collection::vec(op(), 1..60),
+        depth in prop::sample::select(vec![1u32, 2, 8]),
+    ) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async {
             let id = Uuid::new_v4();
             let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
             let store = Arc::new(MemDevice::new(VOL));
-            let mut r = Rig::open(cache, store, id);
+            let mut r = Rig::open(cache, store, id, depth);
             // Every write issued, in ser order; how many are durable; the next ser.
             let mut writes: Vec<W> = Vec::new();
             let mut durable = 0usize;
@@ -230,7 +235,7 @@ proptest! {
                             1 => Fate::Kept,
                             _ => Fate::Torn(n / 2),
                         });
-                        r = Rig::open(cache, store, id);
+                        r = Rig::open(cache, store, id, depth);
                         let (recovered, void) = r.vol.cache().unwrap().recovery_marks();
                         r.destage_all().await;
                         // The log gave back a prefix (by ser) holding every durable write.
