@@ -92,7 +92,10 @@ impl LocalCoordinator {
     }
 }
 
-fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Replaces the file at `path` with `bytes` so that a crash leaves the old or the new
+/// contents, never a mix: write a sibling temporary file, sync it, rename it over, sync the
+/// directory.
+pub fn replace_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension("json.tmp");
     {
         let mut f = File::create(&tmp)?;

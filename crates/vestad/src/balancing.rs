@@ -64,20 +64,12 @@ pub fn store_calibration(d: &Daemon, c: &api::Calibration) -> OpResult<()> {
         )));
     }
     let path = calibration_path(d);
-    let tmp = path.with_extension("json.tmp");
     let body = serde_json::to_vec_pretty(c).map_err(|e| OpError::Internal(e.to_string()))?;
-    let write = || -> std::io::Result<()> {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&body)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        if let Some(dir) = path.parent() {
-            std::fs::File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    };
-    write().map_err(|e| OpError::Internal(format!("cannot write {}: {e}", path.display())))
+    // Two stores at once would share the temporary file.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    cluster::local::replace_atomically(&path, &body)
+        .map_err(|e| OpError::Internal(format!("cannot write {}: {e}", path.display())))
 }
 
 /// The constants in use and where they come from.
@@ -96,17 +88,8 @@ pub fn constants(d: &Daemon) -> (Constants, String) {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
+fn median(v: Vec<f64>) -> f64 {
+    balance::stats::median(&v).unwrap_or(0.0)
 }
 
 /// Builds the models and the pod from the sampler's history.
