@@ -5,6 +5,8 @@
 //! - [`Nbdkit`]: an emulated SAN LUN (`nbdkit file` with filters such as `delay` or `error`).
 //! - [`run`]/[`sh`]: real clients (`qemu-io`, `qemu-img`, `nbdsh`, `nbdinfo`, `fio`).
 //! - [`raw`]: a hand-driven NBD connection for protocol negatives no real client would send.
+//! - [`Etcd`]: a one-member etcd for the cluster tests; [`VestadOpts::ip`] puts each host's
+//!   daemon on its own loopback address.
 //!
 //! Binaries come from `VESTA_BIN_DIR` (set by `make test`), else from the workspace's target
 //! directory of the profile the tests are built with. `cargo test -p vesta-tests` alone does
@@ -140,6 +142,9 @@ pub struct Vestad {
 pub struct VestadOpts {
     /// TOML written to `vestad.toml` and passed with `--config` (data_dir is set by the rig).
     pub config: Option<String>,
+    /// Loopback address for the API and NBD TCP listeners (a host of its own, e.g.
+    /// `127.0.0.2`); `127.0.0.1` if unset.
+    pub ip: Option<String>,
 }
 
 impl Vestad {
@@ -150,14 +155,15 @@ impl Vestad {
     pub fn start_with(opts: VestadOpts) -> Vestad {
         let scratch = Scratch::new("vestad");
         let data_dir = scratch.join("data");
+        let ip = opts.ip.as_deref().unwrap_or("127.0.0.1");
         let mut extra = vec![
             "--test-faults".to_owned(),
             "--data-dir".to_owned(),
             data_dir.display().to_string(),
             "--api".to_owned(),
-            "127.0.0.1:0".to_owned(),
+            format!("{ip}:0"),
             "--nbd-tcp".to_owned(),
-            "127.0.0.1:0".to_owned(),
+            format!("{ip}:0"),
         ];
         if let Some(c) = &opts.config {
             let p = scratch.join("vestad.toml");
@@ -363,6 +369,113 @@ impl Drop for Vestad {
             eprintln!("--- vestad log ---\n{}", self.log());
         }
         self.kill9();
+    }
+}
+
+/// A one-member etcd on loopback, with its data in a scratch directory.
+pub struct Etcd {
+    child: Option<Child>,
+    pub scratch: Scratch,
+    pub endpoint: String,
+}
+
+/// A TCP port free at the moment of asking.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+        .port()
+}
+
+impl Etcd {
+    pub fn start() -> Etcd {
+        let scratch = Scratch::new("etcd");
+        let (client, peer) = (free_port(), free_port());
+        let endpoint = format!("http://127.0.0.1:{client}");
+        let log = fs::File::create(scratch.join("etcd.log")).expect("log");
+        let child = Command::new("etcd")
+            .arg("--data-dir")
+            .arg(scratch.join("data"))
+            .arg("--listen-client-urls")
+            .arg(&endpoint)
+            .arg("--advertise-client-urls")
+            .arg(&endpoint)
+            .arg("--listen-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-advertise-peer-urls")
+            .arg(format!("http://127.0.0.1:{peer}"))
+            .arg("--initial-cluster")
+            .arg(format!("default=http://127.0.0.1:{peer}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd (is it installed? run `make deps`)");
+        let mut e = Etcd {
+            child: Some(child),
+            scratch,
+            endpoint,
+        };
+        wait_for(Duration::from_secs(20), "etcd to serve", || {
+            if let Some(Ok(Some(st))) = e.child.as_mut().map(|c| c.try_wait()) {
+                panic!(
+                    "etcd exited with {st}: {}",
+                    fs::read_to_string(e.scratch.join("etcd.log")).unwrap_or_default()
+                );
+            }
+            let out = e.etcdctl(&["endpoint", "health"]);
+            out.status.success().then_some(())
+        });
+        e
+    }
+
+    pub fn etcdctl(&self, args: &[&str]) -> Output {
+        run(Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg("--endpoints")
+            .arg(&self.endpoint)
+            .arg("--dial-timeout=1s")
+            .arg("--command-timeout=2s")
+            .args(args))
+    }
+
+    /// Keys under `prefix`.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        let out = self.etcdctl(&["get", "--prefix", "--keys-only", prefix]);
+        assert!(out.status.success(), "etcdctl get: {out:?}");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// SIGSTOP: etcd stops answering, as in a partition between the hosts and it.
+    pub fn pause(&self) {
+        signal(self.child.as_ref().expect("running").id(), libc::SIGSTOP);
+    }
+
+    pub fn resume(&self) {
+        signal(self.child.as_ref().expect("running").id(), libc::SIGCONT);
+    }
+
+    /// The `[cluster]` section naming this etcd.
+    pub fn cluster_config(&self, host: &str, fault_domain: &str, lease_ttl_s: u64) -> String {
+        format!(
+            "[cluster]\netcd = [\"{}\"]\nhost = \"{host}\"\nfault_domain = \"{fault_domain}\"\n\
+             lease_ttl_s = {lease_ttl_s}\n",
+            self.endpoint
+        )
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            signal(c.id(), libc::SIGCONT);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

@@ -87,6 +87,7 @@ fn models_rank_luns_by_spindles_and_a_plan_moves_load_off_the_slow_one() {
     let (l3, l6, l9) = (spindles(3), spindles(6), spindles(9));
     let v = Vestad::start_with(vesta_tests::VestadOpts {
         config: Some(config(&[("d3", &l3), ("d6", &l6), ("d9", &l9)])),
+        ..Default::default()
     });
     let dir = Scratch::new("balance");
     for (vol, ds) in [("a3", "d3"), ("a6", "d6"), ("a9", "d9")] {
@@ -267,6 +268,7 @@ fn calibrate_stores_constants_the_models_then_use() {
     );
     let v = Vestad::start_with(vesta_tests::VestadOpts {
         config: Some(config(&[("l", &lun)])),
+        ..Default::default()
     });
     let before = v.vesta_json(&["stats", "--models"]);
     assert_eq!(before["constants_from"], "defaults");

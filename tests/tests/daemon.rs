@@ -141,6 +141,7 @@ fn a_config_file_defines_datastores() {
             "[stats]\ninterval_s = 3\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\ntarget = \"{}\"\nclass = \"ssd\"\nqueue_depth = 4\n",
             k.uri()
         )),
+        ..Default::default()
     });
     let list = v.vesta_json(&["datastore", "list"]);
     assert_eq!(

@@ -4,6 +4,7 @@
 //! | method | path | body | answer |
 //! |---|---|---|---|
 //! | GET | /v1/status | | [`Status`] |
+//! | GET | /v1/hosts | | `[HostInfo]` |
 //! | GET | /v1/datastores | | `[DatastoreInfo]` |
 //! | POST | /v1/datastores | [`AddDatastore`] | [`DatastoreInfo`] |
 //! | GET | /v1/volumes | | `[VolumeInfo]` |
@@ -37,6 +38,11 @@ pub struct Status {
     pub version: String,
     pub data_dir: String,
     pub coordinator: String,
+    /// This host's name and fault domain.
+    #[serde(default)]
+    pub host: String,
+    #[serde(default)]
+    pub fault_domain: String,
     pub nbd_unix: Option<String>,
     pub nbd_tcp: Option<String>,
     pub api: String,
@@ -93,6 +99,28 @@ pub struct VolumeInfo {
     /// Why `vesta volume create` chose this datastore, when it chose (no `--datastore`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub placement: Option<balance::Placement>,
+    /// The host that serves the volume.
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// That host's admin API, when it is another host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_api: Option<String>,
+}
+
+/// One host of the cluster (`GET /v1/hosts`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HostInfo {
+    pub name: String,
+    pub fault_domain: String,
+    /// Whether its lease is alive.
+    pub alive: bool,
+    pub api: Option<String>,
+    pub nbd: Option<String>,
+    pub cache_bytes: u64,
+    pub cache_used_bytes: u64,
+    pub started_unix: u64,
+    /// Volumes it owns.
+    pub volumes: usize,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -4,16 +4,22 @@
 //! - [`record`]: the records (datastores, volumes, policies).
 //! - [`local`]: the single-host coordinator, the embedded default: a state file in the data
 //!   directory, replaced atomically on every change. No external service.
-//!
-//! The `etcd` coordinator (host leases, vault locks and records) plugs in behind the same trait.
+//! - [`etcd`]: a cluster of hosts sharing one etcd (v3 API): host registration bound to a
+//!   lease, per-volume vault locks bound to the holder's lease, vault records, and the
+//!   self-fencing that stops a host's datastore writes before its lease can expire.
 
+pub mod etcd;
 pub mod local;
 pub mod record;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
+use uuid::Uuid;
 
-pub use record::{Policy, State, Tuning, VolumeRecord};
+pub use record::{HostRecord, HostStatus, Policy, State, Tuning, Vault, VolumeRecord};
 
+use datastore::fence::Fence;
 use datastore::DatastoreSpec;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +30,15 @@ pub enum Error {
     NotFound(String),
     #[error("coordinator state {path}: {msg}")]
     Corrupt { path: String, msg: String },
+    /// The coordination service cannot be reached or refused the request.
+    #[error("coordinator: {0}")]
+    Unavailable(String),
+    /// Another host holds the lock.
+    #[error("{0}")]
+    Locked(String),
+    /// This host does not (or no longer) hold the lock the change needs.
+    #[error("{0}")]
+    NotHeld(String),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -49,6 +64,52 @@ pub trait Coordinator: Send + Sync + 'static {
     async fn create_volume(&self, v: VolumeRecord) -> Result<()>;
     /// Replaces a volume's record (same id).
     async fn update_volume(&self, v: VolumeRecord) -> Result<()>;
-    /// Forgets a volume; fails with [`Error::NotFound`] if there is none by that name.
+    /// Forgets a volume and its vault; fails with [`Error::NotFound`] if there is none by
+    /// that name.
     async fn delete_volume(&self, name: &str) -> Result<()>;
+
+    /// This host's name.
+    fn host(&self) -> &str;
+    /// Publishes this host's record (addresses once bound, cache use).
+    async fn publish_host(&self, h: HostRecord) -> Result<()>;
+    /// Every host that ever registered, with its liveness.
+    async fn hosts(&self) -> Result<Vec<HostStatus>>;
+    /// The fence every datastore of this host writes through ([`Fence`]).
+    fn fence(&self) -> Arc<Fence>;
+
+    /// Takes the volume's vault lock for this host (a no-op if it holds it already); fails
+    /// with [`Error::Locked`] naming the holder. Only the holder writes the volume's datastore.
+    async fn lock_vault(&self, volume: Uuid) -> Result<()>;
+    /// Gives the vault lock up (after the volume's dirty data is on its datastore, or when
+    /// the volume is deleted).
+    async fn unlock_vault(&self, volume: Uuid) -> Result<()>;
+    /// The volume's vault record, if one was written.
+    async fn vault(&self, volume: Uuid) -> Result<Option<Vault>>;
+    /// Writes the vault record; fails with [`Error::NotHeld`] unless this host holds the
+    /// volume's vault lock at this moment (the lock's revision fences a stale holder).
+    async fn put_vault(&self, v: &Vault) -> Result<()>;
+
+    /// Serializes changes to a datastore's own metadata (a `lun`'s volume table) across
+    /// hosts. Held until the guard is passed to [`Coordinator::unlock_datastore`].
+    async fn lock_datastore(&self, name: &str) -> Result<DatastoreLock>;
+    async fn unlock_datastore(&self, lock: DatastoreLock) -> Result<()>;
+
+    /// Leaves the cluster at a clean stop (this host shows as down at once).
+    async fn shutdown(&self) {}
+}
+
+/// A held datastore metadata lock ([`Coordinator::lock_datastore`]).
+#[derive(Debug)]
+pub struct DatastoreLock {
+    pub name: String,
+    /// The coordinator's handle on the lock (etcd's lock key); empty for `local`.
+    pub key: Vec<u8>,
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }

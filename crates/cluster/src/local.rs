@@ -7,32 +7,52 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use tokio::sync::Mutex;
+use uuid::Uuid;
 
+use datastore::fence::Fence;
 use datastore::DatastoreSpec;
 
-use crate::record::{State, VolumeRecord};
-use crate::{Coordinator, Error, Result};
+use crate::record::{HostRecord, HostStatus, State, Vault, VolumeRecord};
+use crate::{Coordinator, DatastoreLock, Error, Result};
 
 const FILE: &str = "state.json";
 /// Version of the state file layout; bumped on incompatible changes.
 const VERSION: u32 = 1;
 
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Default, serde::Serialize, serde::Deserialize)]
 struct OnDisk {
     version: u32,
     #[serde(flatten)]
     state: State,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    vaults: Vec<Vault>,
 }
 
 pub struct LocalCoordinator {
     path: PathBuf,
-    state: Mutex<State>,
+    state: Mutex<OnDisk>,
+    name: String,
+    host: std::sync::Mutex<HostRecord>,
+    /// Never closes: with no lease there is nothing to lose, and the data directory's lock
+    /// already keeps a second daemon away.
+    fence: Arc<Fence>,
 }
 
 impl LocalCoordinator {
-    /// Loads `state.json` from `dir`, or starts empty if there is none.
+    /// Loads `state.json` from `dir`, or starts empty if there is none. `host` names this
+    /// host in status output.
+    pub fn open_as(dir: &Path, host: HostRecord) -> Result<LocalCoordinator> {
+        let mut c = LocalCoordinator::open(dir)?;
+        c.name = host.name.clone();
+        c.host = std::sync::Mutex::new(host);
+        Ok(c)
+    }
+
+    /// [`LocalCoordinator::open_as`] a host named `local`.
     pub fn open(dir: &Path) -> Result<LocalCoordinator> {
         let path = dir.join(FILE);
         let state = match fs::read(&path) {
@@ -50,9 +70,12 @@ impl LocalCoordinator {
                         ),
                     });
                 }
-                d.state
+                d
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => OnDisk {
+                version: VERSION,
+                ..OnDisk::default()
+            },
             Err(e) => {
                 return Err(Error::Io {
                     what: format!("read {}", path.display()),
@@ -63,20 +86,27 @@ impl LocalCoordinator {
         Ok(LocalCoordinator {
             path,
             state: Mutex::new(state),
+            name: "local".into(),
+            host: std::sync::Mutex::new(HostRecord {
+                name: "local".into(),
+                fault_domain: "local".into(),
+                ..HostRecord::default()
+            }),
+            fence: Arc::new(Fence::open()),
         })
     }
 
     /// Applies `change` to a copy of the state, persists the copy, then makes it current.
     async fn change(&self, change: impl FnOnce(&mut State) -> Result<()>) -> Result<()> {
+        self.change_all(|d| change(&mut d.state)).await
+    }
+
+    async fn change_all(&self, change: impl FnOnce(&mut OnDisk) -> Result<()>) -> Result<()> {
         let mut cur = self.state.lock().await;
         let mut next = cur.clone();
         change(&mut next)?;
         let path = self.path.clone();
-        let bytes = serde_json::to_vec_pretty(&OnDisk {
-            version: VERSION,
-            state: next.clone(),
-        })
-        .expect("state serializes");
+        let bytes = serde_json::to_vec_pretty(&next).expect("state serializes");
         tokio::task::spawn_blocking(move || replace_atomically(&path, &bytes))
             .await
             .map_err(|e| Error::Io {
@@ -116,7 +146,7 @@ impl Coordinator for LocalCoordinator {
     }
 
     async fn state(&self) -> Result<State> {
-        Ok(self.state.lock().await.clone())
+        Ok(self.state.lock().await.state.clone())
     }
 
     async fn add_datastore(&self, d: DatastoreSpec) -> Result<()> {
@@ -174,15 +204,71 @@ impl Coordinator for LocalCoordinator {
     }
 
     async fn delete_volume(&self, name: &str) -> Result<()> {
-        self.change(|s| {
-            let before = s.volumes.len();
-            s.volumes.retain(|x| x.name != name);
-            if s.volumes.len() == before {
+        self.change_all(|d| {
+            let Some(v) = d.state.volumes.iter().find(|x| x.name == name) else {
                 return Err(Error::NotFound(format!("no volume named {name:?}")));
-            }
+            };
+            let id = v.id;
+            d.state.volumes.retain(|x| x.id != id);
+            d.vaults.retain(|x| x.volume != id);
             Ok(())
         })
         .await
+    }
+
+    fn host(&self) -> &str {
+        &self.name
+    }
+
+    async fn publish_host(&self, mut h: HostRecord) -> Result<()> {
+        h.name = self.name.clone();
+        *self.host.lock().expect("lock") = h;
+        Ok(())
+    }
+
+    async fn hosts(&self) -> Result<Vec<HostStatus>> {
+        Ok(vec![HostStatus {
+            record: self.host.lock().expect("lock").clone(),
+            alive: true,
+        }])
+    }
+
+    fn fence(&self) -> Arc<Fence> {
+        self.fence.clone()
+    }
+
+    async fn lock_vault(&self, _volume: Uuid) -> Result<()> {
+        Ok(())
+    }
+
+    async fn unlock_vault(&self, _volume: Uuid) -> Result<()> {
+        Ok(())
+    }
+
+    async fn vault(&self, volume: Uuid) -> Result<Option<Vault>> {
+        let d = self.state.lock().await;
+        Ok(d.vaults.iter().find(|v| v.volume == volume).cloned())
+    }
+
+    async fn put_vault(&self, v: &Vault) -> Result<()> {
+        self.change_all(|d| {
+            d.vaults.retain(|x| x.volume != v.volume);
+            d.vaults.push(v.clone());
+            Ok(())
+        })
+        .await
+    }
+
+    async fn lock_datastore(&self, name: &str) -> Result<DatastoreLock> {
+        // One host: the daemon's admin lock already serializes metadata changes.
+        Ok(DatastoreLock {
+            name: name.into(),
+            key: Vec::new(),
+        })
+    }
+
+    async fn unlock_datastore(&self, _lock: DatastoreLock) -> Result<()> {
+        Ok(())
     }
 }
 
@@ -207,6 +293,7 @@ mod tests {
             policy: Policy::Uncached,
             created_unix: 1,
             tuning: Default::default(),
+            owner: None,
         }
     }
 

@@ -108,6 +108,67 @@ pub struct VolumeRecord {
     /// Write-back tuning; absent means the defaults.
     #[serde(default)]
     pub tuning: Tuning,
+    /// The host that serves the volume (DESIGN §1). Absent in a single-host state: the one
+    /// host owns everything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+}
+
+impl VolumeRecord {
+    /// Whether `host` serves this volume.
+    pub fn owned_by(&self, host: &str) -> bool {
+        self.owner.as_deref().is_none_or(|o| o == host)
+    }
+}
+
+/// One host as it registered with the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct HostRecord {
+    pub name: String,
+    pub fault_domain: String,
+    /// Admin API address (`http://ip:port`), once bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<String>,
+    /// NBD TCP address (`ip:port`), once bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<String>,
+    /// Peer replication address (`ip:port`), once bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<String>,
+    /// Cache device size and bytes in use, as last published.
+    #[serde(default)]
+    pub cache_bytes: u64,
+    #[serde(default)]
+    pub cache_used_bytes: u64,
+    /// Seconds since the Unix epoch when this vestad registered.
+    #[serde(default)]
+    pub started_unix: u64,
+}
+
+/// A host with its liveness: a host is alive while its lease is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostStatus {
+    #[serde(flatten)]
+    pub record: HostRecord,
+    pub alive: bool,
+}
+
+/// A volume's vault record (DESIGN §4): what a host needs to recover the volume without its
+/// owner. Written only by the holder of the volume's vault lock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Vault {
+    pub volume: Uuid,
+    /// The policy in effect (a transition to `wt` is complete once this says so).
+    pub policy: Policy,
+    /// A recent checkpoint: every write with `ser` ≤ this is on the datastore.
+    pub checkpoint: u64,
+    /// Incremented by every transition to `wt`; replicas of an older gen are stale.
+    pub gen: u64,
+    pub owner: String,
+    #[serde(default)]
+    pub peers: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_owner: Option<String>,
 }
 
 /// Per-volume write-back tuning (DESIGN §3).
@@ -127,6 +188,7 @@ pub struct Tuning {
 impl Eq for Tuning {}
 
 impl VolumeRecord {
+    /// The volume as its datastore knows it.
     pub fn spec(&self) -> datastore::VolumeSpec {
         datastore::VolumeSpec {
             id: self.id,

@@ -6,10 +6,12 @@
 //!   each volume a contiguous extent. The format is in [`label`] and `docs/FORMAT.md`.
 //! - [`device`]: the byte-addressed targets underneath: files, block devices, NBD exports.
 //! - [`Extent`]: a volume's bytes on a datastore; every IO through it passes the datastore's
-//!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]).
+//!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]),
+//!   and refuses writes while the host's [`fence::Fence`] is closed.
 
 pub mod device;
 pub mod dir;
+pub mod fence;
 pub mod label;
 pub mod lun;
 pub mod stats;
@@ -27,6 +29,7 @@ use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use device::Device;
+use fence::Fence;
 use stats::{IoStats, Op};
 
 /// Device class, used by migration cost and wear accounting.
@@ -207,6 +210,8 @@ pub struct Gate {
     slots: Semaphore,
     queue_depth: u32,
     pub stats: IoStats,
+    /// The host's fence, once a coordinator with leases sets it; open until then.
+    fence: std::sync::OnceLock<Arc<Fence>>,
 }
 
 impl Gate {
@@ -215,7 +220,18 @@ impl Gate {
             slots: Semaphore::new(queue_depth as usize),
             queue_depth,
             stats: IoStats::default(),
+            fence: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Makes every later write, trim and zeroing through this gate wait on `fence`. Set once;
+    /// a second call keeps the first fence (one host has one lease).
+    pub fn set_fence(&self, fence: Arc<Fence>) {
+        let _ = self.fence.set(fence);
+    }
+
+    fn fenced(&self, op: Op) -> bool {
+        op != Op::Read && self.fence.get().is_some_and(|f| !f.allows_writes())
     }
 
     pub fn queue_depth(&self) -> u32 {
@@ -249,6 +265,11 @@ impl Gate {
                 )
             }
         };
+        // Checked after the wait for a slot, right before the IO is issued: a write that
+        // queued while the lease was still good must not go out after it lapsed.
+        if self.fenced(op) {
+            return (Err(io::Error::other(fence::FENCED)), Duration::ZERO);
+        }
         let t = self.stats.start();
         let started = Instant::now();
         let r = io.await;

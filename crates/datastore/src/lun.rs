@@ -198,6 +198,39 @@ impl LunDatastore {
             )))
     }
 
+    /// Reads the table back from the device and takes it if it is newer than `t`: another
+    /// host may have changed it. Callers on several hosts serialize table changes through the
+    /// coordinator's datastore lock, so after this `t` is the newest table and the next
+    /// commit goes to the other slot.
+    async fn refresh(&self, t: &mut Table) -> Result<()> {
+        let start = label::TABLE_SLOT_OFFSETS[0];
+        let len = (label::TABLE_SLOT_OFFSETS[1] - start) as usize + label::TABLE_SLOT_LEN;
+        let b = self.dev.read_at(start, len).await.map_err(io_err(format!(
+            "read volume table of datastore {:?}",
+            self.spec.name
+        )))?;
+        let slot = |i: usize| {
+            let o = (label::TABLE_SLOT_OFFSETS[i] - start) as usize;
+            Table::decode(&b[o..o + label::TABLE_SLOT_LEN])
+        };
+        let Some(newest) = Table::newest([slot(0), slot(1)]) else {
+            return Err(Error::Invalid(format!(
+                "datastore {:?}: neither volume table copy is valid any more",
+                self.spec.name
+            )));
+        };
+        if newest.generation > t.generation {
+            newest.check(self.label.device_size).map_err(|why| {
+                Error::Invalid(format!(
+                    "datastore {:?}: the volume table is inconsistent ({why}); refusing to use it",
+                    self.spec.name
+                ))
+            })?;
+            *t = newest;
+        }
+        Ok(())
+    }
+
     fn extent(&self, e: &Entry, size: u64) -> Extent {
         Extent::new(self.dev.clone(), e.offset, size, self.gate.clone())
     }
@@ -246,6 +279,7 @@ impl Datastore for LunDatastore {
 
     async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {
         let mut t = self.table.lock().await;
+        self.refresh(&mut t).await?;
         if t.entries
             .iter()
             .any(|e| e.volume_id == v.id || e.name == v.name)
@@ -289,7 +323,11 @@ impl Datastore for LunDatastore {
     }
 
     async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
-        let t = self.table.lock().await;
+        let mut t = self.table.lock().await;
+        if !t.entries.iter().any(|e| e.volume_id == v.id) {
+            // Created by another host since this one read the table.
+            self.refresh(&mut t).await?;
+        }
         let e = t
             .entries
             .iter()
@@ -311,6 +349,7 @@ impl Datastore for LunDatastore {
 
     async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {
         let mut t = self.table.lock().await;
+        self.refresh(&mut t).await?;
         let Some(i) = t.entries.iter().position(|e| e.volume_id == v.id) else {
             return Ok(());
         };
@@ -330,7 +369,8 @@ impl Datastore for LunDatastore {
     }
 
     async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
-        let t = self.table.lock().await;
+        let mut t = self.table.lock().await;
+        self.refresh(&mut t).await?;
         Ok(t.entries
             .iter()
             .map(|e| VolumeSpec {

@@ -66,8 +66,18 @@ enum Cmd {
         #[arg(long, default_value = "1G")]
         size: String,
     },
+    /// Hosts of the cluster: fault domain, liveness, cache use.
+    #[command(subcommand)]
+    Host(HostCmd),
     /// Daemon status: version, addresses, counts.
     Status,
+}
+
+#[derive(Subcommand)]
+enum HostCmd {
+    /// Every host that registered: alive or down, fault domain, addresses, cache use and
+    /// how many volumes it owns.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -323,6 +333,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             println!("vestad {}", s.version);
             println!("data dir     {}", s.data_dir);
+            println!("host         {} (fault domain {})", s.host, s.fault_domain);
             println!("coordinator  {}", s.coordinator);
             println!("api          http://{}", s.api);
             println!("nbd unix     {}", s.nbd_unix.as_deref().unwrap_or("-"));
@@ -461,7 +472,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 return print_json(&v);
             }
             table(
-                &["NAME", "SIZE", "DATASTORE", "POLICY", "CONNS", "STATUS"],
+                &[
+                    "NAME",
+                    "SIZE",
+                    "DATASTORE",
+                    "POLICY",
+                    "OWNER",
+                    "CONNS",
+                    "STATUS",
+                ],
                 v.into_iter()
                     .map(|v| {
                         vec![
@@ -469,8 +488,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                             format_size(v.size),
                             v.datastore,
                             v.policy,
+                            v.owner.unwrap_or_else(|| "-".into()),
                             v.connections.to_string(),
                             v.status,
+                        ]
+                    })
+                    .collect(),
+            );
+        }
+        Cmd::Host(HostCmd::List) => {
+            let hosts: Vec<api::HostInfo> = c.get("/v1/hosts")?;
+            if cli.json {
+                return print_json(&hosts);
+            }
+            table(
+                &[
+                    "NAME",
+                    "FAULT DOMAIN",
+                    "STATE",
+                    "VOLUMES",
+                    "CACHE USED",
+                    "API",
+                    "NBD",
+                ],
+                hosts
+                    .into_iter()
+                    .map(|h| {
+                        vec![
+                            h.name,
+                            h.fault_domain,
+                            if h.alive { "alive" } else { "down" }.into(),
+                            h.volumes.to_string(),
+                            if h.cache_bytes == 0 {
+                                "-".into()
+                            } else {
+                                format!(
+                                    "{} of {}",
+                                    format_size(h.cache_used_bytes),
+                                    format_size(h.cache_bytes)
+                                )
+                            },
+                            h.api.unwrap_or_else(|| "-".into()),
+                            h.nbd.unwrap_or_else(|| "-".into()),
                         ]
                     })
                     .collect(),
@@ -486,6 +545,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("size         {} ({} bytes)", format_size(v.size), v.size);
             println!("datastore    {}", v.datastore);
             println!("policy       {}", v.policy);
+            if let Some(o) = &v.owner {
+                println!("owner        {o}");
+            }
             println!("status       {}", v.status);
             println!("connections  {}", v.connections);
             for u in &v.urls {

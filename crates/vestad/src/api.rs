@@ -49,6 +49,7 @@ async fn detached<T: Send + 'static>(
 pub fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/v1/status", get(status))
+        .route("/v1/hosts", get(list_hosts))
         .route("/v1/datastores", get(list_datastores).post(add_datastore))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
@@ -89,7 +90,14 @@ async fn add_datastore(
 }
 
 async fn list_volumes(State(d): D) -> Json<Vec<api::VolumeInfo>> {
-    Json(d.entries().iter().map(|e| d.volume_info(e)).collect())
+    let mut out: Vec<api::VolumeInfo> = d.entries().iter().map(|e| d.volume_info(e)).collect();
+    out.extend(d.foreign_volumes().await);
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Json(out)
+}
+
+async fn list_hosts(State(d): D) -> Result<Json<Vec<api::HostInfo>>, OpError> {
+    Ok(Json(d.host_infos().await?))
 }
 
 async fn create_volume(
@@ -105,8 +113,11 @@ async fn show_volume(
     State(d): D,
     Path(name): Path<String>,
 ) -> Result<Json<api::VolumeInfo>, OpError> {
-    let e = d.entry(&name)?;
-    Ok(Json(d.volume_info(&e)))
+    match d.entry(&name) {
+        Ok(e) => Ok(Json(d.volume_info(&e))),
+        Err(OpError::NotFound(m)) => d.foreign(&name).await.map(Json).ok_or(OpError::NotFound(m)),
+        Err(e) => Err(e),
+    }
 }
 
 #[derive(Deserialize)]

@@ -34,8 +34,82 @@ pub struct Config {
     pub api: ApiConfig,
     pub stats: StatsConfig,
     pub cache: CacheConfig,
+    pub cluster: ClusterConfig,
     #[serde(rename = "datastore")]
     pub datastores: Vec<DatastoreConfig>,
+}
+
+/// The cluster this host belongs to (DESIGN §4). No `etcd` endpoints: the `local`
+/// coordinator, one host with its state in the data directory.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// etcd endpoints, e.g. `["http://127.0.0.1:2379"]`; empty = single host.
+    pub etcd: Vec<String>,
+    /// This host's name in the cluster; empty = the machine's host name.
+    pub host: String,
+    /// The fault domain (e.g. a rack) peer rules choose by.
+    pub fault_domain: String,
+    /// Key prefix in etcd: one per pod.
+    pub prefix: String,
+    /// Seconds the host's lease lives without renewal (3–60). Datastore writes stop after
+    /// half of it without a renewal.
+    pub lease_ttl_s: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> ClusterConfig {
+        ClusterConfig {
+            etcd: Vec::new(),
+            host: String::new(),
+            fault_domain: "default".into(),
+            prefix: "/vesta".into(),
+            lease_ttl_s: LEASE_TTL_DEFAULT_S,
+        }
+    }
+}
+
+/// Six seconds: datastore writes stop 3 s after the last renewal, which leaves a write issued
+/// just before that 3 s to land before any contender may take a lock; a vestad killed without
+/// warning keeps its volumes for at most this long.
+pub const LEASE_TTL_DEFAULT_S: u64 = 6;
+
+impl ClusterConfig {
+    /// This host's name: the configured one, else the machine's.
+    pub fn host_name(&self) -> String {
+        if !self.host.is_empty() {
+            return self.host.clone();
+        }
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "localhost".into())
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        if !(3..=60).contains(&self.lease_ttl_s) {
+            bail!(
+                "cluster.lease_ttl_s = {} is out of range: use 3 to 60 seconds",
+                self.lease_ttl_s
+            );
+        }
+        if !self.host.is_empty() {
+            datastore::check_name("cluster.host", &self.host)?;
+        }
+        for e in &self.etcd {
+            if !(e.starts_with("http://") || e.starts_with("https://")) {
+                bail!("cluster.etcd: endpoint {e:?} must be a URL such as http://127.0.0.1:2379");
+            }
+        }
+        if !self.prefix.starts_with('/') {
+            bail!(
+                "cluster.prefix = {:?} must start with / (e.g. \"/vesta\")",
+                self.prefix
+            );
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -110,6 +184,7 @@ impl Default for Config {
             api: ApiConfig::default(),
             stats: StatsConfig::default(),
             cache: CacheConfig::default(),
+            cluster: ClusterConfig::default(),
             datastores: vec![DatastoreConfig {
                 name: "default".into(),
                 kind: "dir".into(),
@@ -190,6 +265,7 @@ impl Config {
 
     fn validate(&self) -> anyhow::Result<()> {
         self.cache_device()?;
+        self.cluster.validate()?;
         if !(2.0..=10.0).contains(&self.stats.interval_s) {
             bail!(
                 "stats.interval_s = {} is out of range: use 2 to 10 seconds",
@@ -355,5 +431,28 @@ mod tests {
             .unwrap_err()
         );
         assert!(e.contains("twice"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("[cluster]\nlease_ttl_s = 1").unwrap_err()
+        );
+        assert!(e.contains("lease_ttl_s"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("[cluster]\netcd = [\"127.0.0.1:2379\"]").unwrap_err()
+        );
+        assert!(e.contains("http://"), "{e}");
+    }
+
+    #[test]
+    fn cluster_section_names_the_host() {
+        let c = Config::parse(
+            "[cluster]\netcd = [\"http://127.0.0.1:2379\"]\nhost = \"h1\"\nfault_domain = \"rack1\"",
+        )
+        .unwrap();
+        assert_eq!(c.cluster.host_name(), "h1");
+        assert_eq!(c.cluster.fault_domain, "rack1");
+        assert_eq!(c.cluster.lease_ttl_s, LEASE_TTL_DEFAULT_S);
+        assert!(Config::default().cluster.etcd.is_empty());
+        assert!(!Config::default().cluster.host_name().is_empty());
     }
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use cluster::{Coordinator, Policy, VolumeRecord};
+use cluster::{Coordinator, HostRecord, Policy, Vault, VolumeRecord};
 use datastore::{Datastore, DatastoreSpec, Kind, OpenMode};
 use engine::cache::{CacheHost, CacheReport};
 use engine::Volume;
@@ -64,6 +64,8 @@ impl From<cluster::Error> for OpError {
         match e {
             cluster::Error::Exists(m) => OpError::Conflict(m),
             cluster::Error::NotFound(m) => OpError::NotFound(m),
+            cluster::Error::Locked(m) | cluster::Error::NotHeld(m) => OpError::Conflict(m),
+            e @ cluster::Error::Unavailable(_) => OpError::Unavailable(e.to_string()),
             other => OpError::Internal(other.to_string()),
         }
     }
@@ -219,28 +221,24 @@ impl Daemon {
                     }
                 }
                 None => {
-                    if let Kind::Dir { path } = &spec.kind {
-                        std::fs::create_dir_all(path).map_err(|e| {
-                            anyhow::anyhow!("create datastore directory {}: {e}", path.display())
-                        })?;
+                    // Hosts of a cluster sharing one config start together: the first adds
+                    // (and formats) the datastore, the others find it added.
+                    let lock = d.coord.lock_datastore(&spec.name).await?;
+                    let added = d.add_configured(&spec, dc.force).await;
+                    if let Err(e) = d.coord.unlock_datastore(lock).await {
+                        warn!("datastore {:?}: release metadata lock: {e}", spec.name);
                     }
-                    let store = datastore::open(&spec, OpenMode::Add { force: dc.force })
-                        .await
-                        .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
-                    d.coord.add_datastore(store.spec().clone()).await?;
-                    info!(
-                        "added configured datastore {:?} ({} {})",
-                        spec.name,
-                        spec.kind_name(),
-                        spec.location()
-                    );
+                    added?;
                 }
             }
         }
         let state = d.coord.state().await?;
         for spec in state.datastores {
             let store = match datastore::open(&spec, OpenMode::Reopen).await {
-                Ok(s) => Ok(s),
+                Ok(s) => {
+                    s.gate().set_fence(d.coord.fence());
+                    Ok(s)
+                }
                 Err(e) => {
                     warn!("datastore {:?} is unavailable: {e}", spec.name);
                     Err(e.to_string())
@@ -251,7 +249,12 @@ impl Daemon {
                 .expect("lock")
                 .insert(spec.name.clone(), DsEntry { spec, store });
         }
+        let me = d.coord.host().to_owned();
         for rec in state.volumes {
+            // Another host's volumes are its to serve; `vesta volume list` still shows them.
+            if !rec.owned_by(&me) {
+                continue;
+            }
             let volume = d.open_volume(&rec).await;
             if let Err(e) = &volume {
                 warn!("volume {:?} cannot serve IO: {e}", rec.name);
@@ -262,6 +265,41 @@ impl Daemon {
                 .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
         }
         Ok(d)
+    }
+
+    /// Adds a datastore from the config unless another host added it meanwhile (then its
+    /// location must match).
+    async fn add_configured(&self, spec: &DatastoreSpec, force: bool) -> anyhow::Result<()> {
+        let state = self.coord.state().await?;
+        if let Some(rec) = state.datastores.iter().find(|s| s.name == spec.name) {
+            if !same_location(rec, spec) {
+                anyhow::bail!(
+                    "datastore {:?}: the config says {} {} but another host added it as {} {}",
+                    spec.name,
+                    spec.kind_name(),
+                    spec.location(),
+                    rec.kind_name(),
+                    rec.location()
+                );
+            }
+            return Ok(());
+        }
+        if let Kind::Dir { path } = &spec.kind {
+            std::fs::create_dir_all(path).map_err(|e| {
+                anyhow::anyhow!("create datastore directory {}: {e}", path.display())
+            })?;
+        }
+        let store = datastore::open(spec, OpenMode::Add { force })
+            .await
+            .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
+        self.coord.add_datastore(store.spec().clone()).await?;
+        info!(
+            "added configured datastore {:?} ({} {})",
+            spec.name,
+            spec.kind_name(),
+            spec.location()
+        );
+        Ok(())
     }
 
     fn store(&self, name: &str) -> OpResult<Arc<dyn Datastore>> {
@@ -278,13 +316,19 @@ impl Daemon {
         }
     }
 
+    /// Opens a volume this host owns: takes its vault lock first (only the holder writes its
+    /// datastore), then records the vault.
     async fn open_volume(&self, rec: &VolumeRecord) -> Result<Arc<Volume>, String> {
+        self.coord
+            .lock_vault(rec.id)
+            .await
+            .map_err(|e| format!("not served by this host: {e}"))?;
         let store = self.store(&rec.datastore).map_err(|e| e.to_string())?;
         let extent = store
             .open_volume(&rec.spec())
             .await
             .map_err(|e| e.to_string())?;
-        Volume::open(
+        let v = Volume::open(
             rec.id,
             rec.name.clone(),
             rec.policy,
@@ -293,7 +337,194 @@ impl Daemon {
             self.cache.clone(),
         )
         .map(Arc::new)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        self.record_vault(rec, &v).await;
+        Ok(v)
+    }
+
+    /// Writes the volume's vault record as this host, its owner, sees it now. A failure is
+    /// logged: the record bounds a contender's replay, the cache log stays the truth.
+    async fn record_vault(&self, rec: &VolumeRecord, v: &Volume) {
+        let me = self.coord.host().to_owned();
+        let prev = match self.coord.vault(rec.id).await {
+            Ok(p) => p,
+            Err(e) => {
+                warn!("volume {:?}: read vault record: {e}", rec.name);
+                None
+            }
+        };
+        let report = v.cache_report();
+        let previous_owner = match &prev {
+            Some(p) if p.owner != me => Some(p.owner.clone()),
+            Some(p) => p.previous_owner.clone(),
+            None => None,
+        };
+        let vault = Vault {
+            volume: rec.id,
+            policy: v.policy(),
+            checkpoint: report.as_ref().map_or(0, |r| r.checkpoint),
+            gen: report.as_ref().map_or(0, |r| r.gen),
+            owner: me,
+            peers: Vec::new(),
+            previous_owner,
+        };
+        if prev.as_ref() != Some(&vault) {
+            if let Err(e) = self.coord.put_vault(&vault).await {
+                warn!("volume {:?}: write vault record: {e}", rec.name);
+            }
+        }
+    }
+
+    /// Runs `f` holding the cluster-wide lock on a datastore's metadata (a `lun`'s volume
+    /// table is shared by every host that uses it).
+    async fn ds_locked<T>(
+        &self,
+        ds: &str,
+        f: impl std::future::Future<Output = OpResult<T>>,
+    ) -> OpResult<T> {
+        let lock = self.coord.lock_datastore(ds).await?;
+        let r = f.await;
+        if let Err(e) = self.coord.unlock_datastore(lock).await {
+            warn!("datastore {ds:?}: release metadata lock: {e}");
+        }
+        r
+    }
+
+    /// The entry of a volume this host serves, or an error that says which host serves it.
+    pub async fn local_entry(&self, name: &str) -> OpResult<Arc<VolumeEntry>> {
+        match self.entry(name) {
+            Ok(e) => Ok(e),
+            Err(OpError::NotFound(m)) => match self.foreign(name).await {
+                Some(info) => Err(OpError::Conflict(format!(
+                    "volume {name:?} is served by host {}; run the command against that host{}",
+                    info.owner.as_deref().unwrap_or("?"),
+                    info.owner_api
+                        .as_deref()
+                        .map(|a| format!(" (VESTA_API={a})"))
+                        .unwrap_or_default()
+                ))),
+                None => Err(OpError::NotFound(m)),
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A volume recorded in the cluster that another host serves.
+    pub async fn foreign(&self, name: &str) -> Option<api::VolumeInfo> {
+        self.foreign_volumes()
+            .await
+            .into_iter()
+            .find(|v| v.name == name)
+    }
+
+    /// Volumes recorded in the cluster that this host does not serve, as far as it can tell
+    /// (empty with the `local` coordinator, or when the coordinator cannot be reached).
+    pub async fn foreign_volumes(&self) -> Vec<api::VolumeInfo> {
+        if self.coord.kind() == "local" {
+            return Vec::new();
+        }
+        let Ok(state) = self.coord.state().await else {
+            return Vec::new();
+        };
+        let hosts = self.coord.hosts().await.unwrap_or_default();
+        let mine = self.volumes.read().expect("lock").clone();
+        state
+            .volumes
+            .into_iter()
+            .filter(|r| mine.get(&r.name).is_none_or(|e| e.record.id != r.id))
+            .map(|r| {
+                let owner = r.owner.clone();
+                let host = hosts
+                    .iter()
+                    .find(|h| Some(&h.record.name) == owner.as_ref());
+                let status = match (&owner, host) {
+                    (Some(o), Some(h)) if h.alive => format!("served by host {o}"),
+                    (Some(o), _) => format!("host {o} is down"),
+                    (None, _) => "not served: no owner".into(),
+                };
+                api::VolumeInfo {
+                    name: r.name.clone(),
+                    id: r.id.to_string(),
+                    size: r.size,
+                    datastore: r.datastore.clone(),
+                    policy: r.policy.to_string(),
+                    status,
+                    connections: 0,
+                    created_unix: r.created_unix,
+                    urls: host
+                        .and_then(|h| h.record.nbd.clone())
+                        .map(|a| vec![format!("nbd://{a}/{}", r.name)])
+                        .unwrap_or_default(),
+                    tuning: api::TuningInfo {
+                        hold_s: r.tuning.hold_s,
+                        max_dirty_age_s: r.tuning.max_dirty_age_s,
+                        rpo_s: r.tuning.rpo_s,
+                    },
+                    cache: None,
+                    placement: None,
+                    owner,
+                    owner_api: host.and_then(|h| h.record.api.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// Every host of the cluster, with the number of volumes each owns.
+    pub async fn host_infos(&self) -> OpResult<Vec<api::HostInfo>> {
+        let hosts = self.coord.hosts().await?;
+        let state = self.coord.state().await?;
+        let me = self.coord.host().to_owned();
+        Ok(hosts
+            .into_iter()
+            .map(|h| {
+                let r = h.record;
+                let volumes = state
+                    .volumes
+                    .iter()
+                    .filter(|v| match &v.owner {
+                        Some(o) => *o == r.name,
+                        None => r.name == me,
+                    })
+                    .count();
+                api::HostInfo {
+                    name: r.name,
+                    fault_domain: r.fault_domain,
+                    alive: h.alive,
+                    api: r.api,
+                    nbd: r.nbd,
+                    cache_bytes: r.cache_bytes,
+                    cache_used_bytes: r.cache_used_bytes,
+                    started_unix: r.started_unix,
+                    volumes,
+                }
+            })
+            .collect())
+    }
+
+    /// Publishes this host's addresses and cache use to the coordinator.
+    pub async fn publish_host(&self) {
+        let st = self.status();
+        let (cache_bytes, cache_used_bytes) = match &self.cache {
+            Some(c) => {
+                let sb = c.log().superblock();
+                let used = sb.segment_count - c.log().free_segments() as u64;
+                (sb.segment_count * sb.segment_size, used * sb.segment_size)
+            }
+            None => (0, 0),
+        };
+        let h = HostRecord {
+            name: self.coord.host().to_owned(),
+            fault_domain: self.config.cluster.fault_domain.clone(),
+            api: (!st.api.is_empty()).then(|| format!("http://{}", st.api)),
+            nbd: st.nbd_tcp,
+            peer: None,
+            cache_bytes,
+            cache_used_bytes,
+            started_unix: 0,
+        };
+        if let Err(e) = self.coord.publish_host(h).await {
+            warn!("publish host record: {e}");
+        }
     }
 
     /// Ids of every volume the coordinator records (for the cache's start-up recovery).
@@ -397,6 +628,8 @@ impl Daemon {
             created_unix: e.record.created_unix,
             urls: self.urls(&e.record.name),
             placement: None,
+            owner: Some(self.coord.host().to_owned()),
+            owner_api: None,
         }
     }
 
@@ -486,6 +719,7 @@ impl Daemon {
         };
         // A LUN must not be added twice under two names.
         let store = datastore::open(&spec, OpenMode::Add { force: req.force }).await?;
+        store.gate().set_fence(self.coord.fence());
         let spec = store.spec().clone();
         if let Kind::Lun {
             lun_id: Some(id), ..
@@ -536,14 +770,15 @@ impl Daemon {
         let Ok(found) = store.recorded_volumes().await else {
             return;
         };
+        // Other hosts' volumes on a shared LUN are theirs, not lost ones to import.
+        let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
+            return;
+        };
         for v in found {
-            let (id_known, name_taken) = {
-                let m = self.volumes.read().expect("lock");
-                (
-                    m.values().any(|e| e.record.id == v.id),
-                    m.contains_key(&v.name),
-                )
-            };
+            let (id_known, name_taken) = (
+                recorded.iter().any(|r| r.id == v.id),
+                recorded.iter().any(|r| r.name == v.name),
+            );
             if id_known {
                 continue;
             }
@@ -565,6 +800,7 @@ impl Daemon {
                 policy: Policy::Uncached,
                 created_unix: now_unix(),
                 tuning: Default::default(),
+                owner: self.owner_for_new(),
             };
             if let Err(e) = self.coord.create_volume(rec.clone()).await {
                 warn!("could not import volume {:?}: {e}", v.name);
@@ -587,7 +823,9 @@ impl Daemon {
     pub async fn create_volume(&self, req: api::CreateVolume) -> OpResult<api::VolumeInfo> {
         let _admin = self.admin.lock().await;
         datastore::check_name("volume", &req.name)?;
-        if self.volumes.read().expect("lock").contains_key(&req.name) {
+        if self.volumes.read().expect("lock").contains_key(&req.name)
+            || self.foreign(&req.name).await.is_some()
+        {
             return Err(OpError::Conflict(format!(
                 "a volume named {:?} already exists; choose another name or delete it first",
                 req.name
@@ -642,13 +880,29 @@ impl Daemon {
             policy,
             created_unix: now_unix(),
             tuning,
+            owner: self.owner_for_new(),
         };
-        let extent = store.create_volume(&rec.spec()).await?;
+        let extent = self
+            .ds_locked(&ds_name, async {
+                Ok(store.create_volume(&rec.spec()).await?)
+            })
+            .await?;
         if let Err(e) = self.coord.create_volume(rec.clone()).await {
             // Roll back so the datastore holds nothing the coordinator does not know.
-            if let Err(e2) = store.delete_volume(&rec.spec()).await {
+            let undo = self.ds_locked(&ds_name, async {
+                Ok(store.delete_volume(&rec.spec()).await?)
+            });
+            if let Err(e2) = undo.await {
                 warn!("rollback of volume {:?} failed: {e2}", rec.name);
             }
+            return Err(e.into());
+        }
+        if let Err(e) = self.coord.lock_vault(rec.id).await {
+            let _ = self.coord.delete_volume(&rec.name).await;
+            let undo = self.ds_locked(&ds_name, async {
+                Ok(store.delete_volume(&rec.spec()).await?)
+            });
+            let _ = undo.await;
             return Err(e.into());
         }
         let volume = match Volume::open(
@@ -663,12 +917,16 @@ impl Daemon {
             Err(e) => {
                 // Nothing may stay behind: neither the record nor the storage.
                 let _ = self.coord.delete_volume(&rec.name).await;
-                let _ = store.delete_volume(&rec.spec()).await;
+                let undo = self.ds_locked(&ds_name, async {
+                    Ok(store.delete_volume(&rec.spec()).await?)
+                });
+                let _ = undo.await;
                 return Err(OpError::Unavailable(format!(
                     "cannot open the new volume: {e}"
                 )));
             }
         };
+        self.record_vault(&rec, &volume).await;
         let entry = Arc::new(VolumeEntry::new(rec.clone(), Ok(volume)));
         self.volumes
             .write()
@@ -684,6 +942,12 @@ impl Daemon {
         let mut info = self.volume_info(&entry);
         info.placement = placement;
         Ok(info)
+    }
+
+    /// The owner recorded for a volume created here: this host in a cluster, nobody (= the
+    /// one host) with the `local` coordinator, whose state file stays as it was.
+    fn owner_for_new(&self) -> Option<String> {
+        (self.coord.kind() != "local").then(|| self.coord.host().to_owned())
     }
 
     /// Claims `name` for a long operation (`what`: `relocation` or `policy change`), or says
@@ -727,7 +991,7 @@ impl Daemon {
         // the switch; not during the copy, which may take hours. The claim keeps other
         // operations on this volume out meanwhile (a delete is refused).
         let admin = self.admin.lock().await;
-        let entry = self.entry(name)?;
+        let entry = self.local_entry(name).await?;
         let from = entry.record.datastore.clone();
         let to = req.datastore.clone();
         if from == to {
@@ -808,18 +1072,24 @@ impl Daemon {
                     "volume {name:?}: datastore {to:?} holds a stale copy from an interrupted \
                      relocation; removing it"
                 );
-                if let Err(e) = dst_store.delete_volume(&rec.spec()).await {
+                let stale = self.ds_locked(&to, async {
+                    Ok(dst_store.delete_volume(&rec.spec()).await?)
+                });
+                if let Err(e) = stale.await {
                     return Err(OpError::Unavailable(restore(format!(
                         "cannot remove the stale copy of {name:?} on {to:?}: {e}"
                     ))));
                 }
             }
         }
-        let dst = match dst_store.create_volume(&rec.spec()).await {
+        let created = self.ds_locked(&to, async {
+            Ok(dst_store.create_volume(&rec.spec()).await?)
+        });
+        let dst = match created.await {
             Ok(x) => x,
             Err(e) => {
                 let why = restore(format!("cannot create the copy on {to:?}: {e}"));
-                return Err(match OpError::from(e) {
+                return Err(match e {
                     OpError::Conflict(_) => OpError::Conflict(why),
                     OpError::BadRequest(_) => OpError::BadRequest(why),
                     _ => OpError::Unavailable(why),
@@ -834,8 +1104,13 @@ impl Daemon {
         drop(admin);
         let copied = copy_extent(&src, &dst).await;
         let _admin = self.admin.lock().await;
+        let drop_copy = || {
+            self.ds_locked(&to, async {
+                Ok(dst_store.delete_volume(&rec.spec()).await?)
+            })
+        };
         if let Err(e) = copied {
-            if let Err(e2) = dst_store.delete_volume(&rec.spec()).await {
+            if let Err(e2) = drop_copy().await {
                 warn!("volume {name:?}: the partial copy on {to:?} could not be removed: {e2}");
             }
             return Err(OpError::Unavailable(restore(format!(
@@ -843,7 +1118,7 @@ impl Daemon {
             ))));
         }
         if let Err(e) = self.coord.update_volume(rec.clone()).await {
-            if let Err(e2) = dst_store.delete_volume(&rec.spec()).await {
+            if let Err(e2) = drop_copy().await {
                 warn!("volume {name:?}: the copy on {to:?} could not be removed: {e2}");
             }
             return Err(OpError::Internal(restore(format!(
@@ -871,7 +1146,10 @@ impl Daemon {
             .write()
             .expect("lock")
             .insert(rec.name.clone(), new_entry.clone());
-        if let Err(e) = src_store.delete_volume(&entry.record.spec()).await {
+        let freed = self.ds_locked(&from, async {
+            Ok(src_store.delete_volume(&entry.record.spec()).await?)
+        });
+        if let Err(e) = freed.await {
             warn!(
                 "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not be freed: {e}"
             );
@@ -897,7 +1175,7 @@ impl Daemon {
     /// storage is freed, so no late write can land in a volume created there afterwards.
     pub async fn delete_volume(&self, name: &str, force: bool) -> OpResult<api::VolumeInfo> {
         let _admin = self.admin.lock().await;
-        let entry = self.entry(name)?;
+        let entry = self.local_entry(name).await?;
         if self.busy.lock().expect("lock").get(name) == Some(&"relocation") {
             return Err(OpError::Conflict(format!(
                 "volume {name:?} is being relocated; delete it once the relocation completes"
@@ -954,13 +1232,16 @@ impl Daemon {
         // gone (reported, and deletable), never storage nobody knows about.
         match &store {
             Some(store) => {
-                if let Err(e) = store.delete_volume(&entry.record.spec()).await {
+                let gone = self.ds_locked(ds, async {
+                    Ok(store.delete_volume(&entry.record.spec()).await?)
+                });
+                if let Err(e) = gone.await {
                     // Nothing was deleted: serve the same volume again (its cache included).
                     if let Ok(v) = &entry.volume {
                         v.unrevoke();
                     }
                     self.reinstate(&entry, entry.volume.clone());
-                    return Err(e.into());
+                    return Err(e);
                 }
             }
             None => warn!(
@@ -992,7 +1273,7 @@ impl Daemon {
     /// can take as long as the datastore needs to take it; IO goes on meanwhile.
     pub async fn set_policy(&self, name: &str, req: api::SetPolicy) -> OpResult<api::VolumeInfo> {
         let _busy = self.claim(name, "policy change")?;
-        let entry = self.entry(name)?;
+        let entry = self.local_entry(name).await?;
         let volume = entry
             .volume
             .as_ref()
@@ -1012,7 +1293,8 @@ impl Daemon {
         let mut rec = entry.record.clone();
         rec.policy = policy;
         rec.tuning = tuning;
-        self.coord.update_volume(rec).await?;
+        self.coord.update_volume(rec.clone()).await?;
+        self.record_vault(&rec, &volume).await;
         Ok(self.volume_info(&entry))
     }
 
@@ -1029,7 +1311,7 @@ impl Daemon {
     /// that failed to open had no connections (they cannot be attached), so their entries are
     /// simply replaced.
     pub async fn retry_unavailable(&self) {
-        let down: Vec<DatastoreSpec> = self
+        let mut down: Vec<DatastoreSpec> = self
             .datastores
             .read()
             .expect("lock")
@@ -1037,11 +1319,24 @@ impl Daemon {
             .filter(|e| e.store.is_err())
             .map(|e| e.spec.clone())
             .collect();
+        // Datastores another host of the cluster added since.
+        if self.coord.kind() != "local" {
+            if let Ok(state) = self.coord.state().await {
+                let known = self.datastore_names();
+                down.extend(
+                    state
+                        .datastores
+                        .into_iter()
+                        .filter(|s| !known.contains(&s.name)),
+                );
+            }
+        }
         for spec in down {
             let Ok(store) = datastore::open(&spec, OpenMode::Reopen).await else {
                 continue;
             };
-            info!("datastore {:?} is available again", spec.name);
+            store.gate().set_fence(self.coord.fence());
+            info!("datastore {:?} is available", spec.name);
             self.datastores.write().expect("lock").insert(
                 spec.name.clone(),
                 DsEntry {
@@ -1094,6 +1389,8 @@ impl Daemon {
             version: env!("CARGO_PKG_VERSION").into(),
             data_dir: self.config.data_dir.display().to_string(),
             coordinator: self.coord.kind().into(),
+            host: self.coord.host().into(),
+            fault_domain: self.config.cluster.fault_domain.clone(),
             nbd_unix: nbd.unix.map(|p| p.display().to_string()),
             nbd_tcp: nbd.tcp.map(|a| a.to_string()),
             api: self

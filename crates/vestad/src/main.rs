@@ -33,7 +33,9 @@ use tokio::net::TcpListener;
 use tracing::{error, info, warn};
 
 use cachelog::{Faulty, FileCache};
+use cluster::etcd::{EtcdConfig, EtcdCoordinator};
 use cluster::local::LocalCoordinator;
+use cluster::{Coordinator, HostRecord};
 use engine::cache::CacheHost;
 use nbd::server::{self as nbd_server, ConnTracker};
 use nbd::StopHandle;
@@ -161,13 +163,42 @@ fn write_ready(dir: &Path, d: &Daemon) -> anyhow::Result<()> {
 /// How often datastores that are down are tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(3);
 
+/// How often this host's record (cache use) is published: every fourth retry round.
+const PUBLISH_EVERY_ROUNDS: u32 = 4;
+
 async fn retry_unavailable(d: Arc<Daemon>, mut stop: nbd::Stop) {
+    let mut round = 0u32;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(RETRY_EVERY) => d.retry_unavailable().await,
             _ = stop.wait() => return,
         }
+        round += 1;
+        if round.is_multiple_of(PUBLISH_EVERY_ROUNDS) {
+            d.publish_host().await;
+        }
     }
+}
+
+/// The `local` coordinator, or the `etcd` one when `[cluster] etcd` names endpoints.
+async fn open_coordinator(config: &Config) -> anyhow::Result<Arc<dyn Coordinator>> {
+    let c = &config.cluster;
+    let host = HostRecord {
+        name: c.host_name(),
+        fault_domain: c.fault_domain.clone(),
+        ..HostRecord::default()
+    };
+    if c.etcd.is_empty() {
+        return Ok(Arc::new(LocalCoordinator::open_as(&config.data_dir, host)?));
+    }
+    let coord = EtcdCoordinator::connect(EtcdConfig {
+        endpoints: c.etcd.clone(),
+        prefix: c.prefix.clone(),
+        host,
+        lease_ttl: Duration::from_secs(c.lease_ttl_s),
+    })
+    .await?;
+    Ok(Arc::new(coord))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -195,7 +226,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let _lock = lock_data_dir(&data_dir)?;
     let _ = std::fs::remove_file(data_dir.join(READY_FILE));
 
-    let coord = Arc::new(LocalCoordinator::open(&data_dir)?);
+    let coord = open_coordinator(&config).await?;
     // The cache log is scanned before any volume opens: volumes with dirty data replay it.
     let cache = match config.cache_device()? {
         Some((path, size, segment)) => {
@@ -271,10 +302,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     // Handlers go in before the ready file: a SIGTERM sent as soon as it appears must drain.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    daemon.publish_host().await;
     write_ready(&data_dir, &daemon)?;
     let st = daemon.status();
     info!(
-        "vestad ready: data {}, API http://{}, NBD {}{}, {} volume(s) on {} datastore(s)",
+        "vestad ready: host {:?} ({} coordinator), data {}, API http://{}, NBD {}{}, {} \
+         volume(s) on {} datastore(s)",
+        st.host,
+        st.coordinator,
         data_dir.display(),
         st.api,
         st.nbd_unix.as_deref().unwrap_or("-"),
@@ -303,6 +338,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(data_dir.join(READY_FILE));
+    daemon.coord.shutdown().await;
     info!("vestad stopped cleanly");
     Ok(())
 }

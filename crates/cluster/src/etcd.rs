@@ -1,0 +1,736 @@
+//! The `etcd` coordinator: several hosts sharing one etcd cluster (v3 API).
+//!
+//! Keys, under a prefix (`/vesta` by default; one prefix per pod):
+//!
+//! | key | value | lease |
+//! |---|---|---|
+//! | `{p}/datastores/{name}` | `DatastoreSpec` (JSON) | none |
+//! | `{p}/volumes/{name}` | `VolumeRecord` (JSON) | none |
+//! | `{p}/members/{host}` | `HostRecord`: every host that ever registered | none |
+//! | `{p}/hosts/{host}` | `HostRecord`: present while the host is alive | the host's |
+//! | `{p}/vault-locks/{volume id}` | the holder's host name | the holder's |
+//! | `{p}/vaults/{volume id}` | `Vault` (JSON) | none |
+//! | `{p}/ds-locks/{datastore}` | etcd's lock service, for metadata changes | the locker's |
+//!
+//! **One lease per host** (DESIGN §11): the host key and every vault lock the host holds are
+//! bound to it, so renewals grow with hosts, not volumes, and a dead host's locks all go free
+//! together when its lease expires.
+//!
+//! **Self-fencing.** Each renewal is timed from when it was sent; after a successful one, the
+//! host's [`Fence`] allows datastore writes until `sent + ttl / 2`. The lease cannot expire
+//! before `sent + ttl`, so a host that stops hearing from etcd stops writing datastores at
+//! least `ttl / 2` before any contender could take one of its locks. That half is the budget
+//! for a write issued just before the deadline to reach the datastore.
+//!
+//! **A lost lease** (etcd said the lease is gone, e.g. after a long partition): the fence
+//! closes, the host registers again with a new lease and re-takes its vault locks. If another
+//! host took one meanwhile, this host's view of that volume is stale: the fence stays closed
+//! (no datastore writes from this host at all) and the log says to restart vestad, which
+//! then serves only what it can lock. Refusing all writes is blunt, and it is never wrong.
+//!
+//! **Restart of the same host.** A lock whose value is this host's name but whose lease is
+//! not this incarnation's belongs to an earlier incarnation of this host. Registration
+//! succeeded, so no other live process holds the name (the host key shares that earlier
+//! lease): the earlier one is dead, and its locks are adopted.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LockOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse,
+};
+use tracing::{error, info, warn};
+use uuid::Uuid;
+
+use datastore::fence::Fence;
+use datastore::DatastoreSpec;
+
+use crate::record::{HostRecord, HostStatus, State, Vault, VolumeRecord};
+use crate::{Coordinator, DatastoreLock, Error, Result};
+
+/// How to reach etcd and who this host is.
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    pub endpoints: Vec<String>,
+    /// Key prefix, e.g. `/vesta`.
+    pub prefix: String,
+    pub host: HostRecord,
+    /// The host lease's time to live. etcd refuses less than about 3 s (its minimum TTL).
+    pub lease_ttl: Duration,
+}
+
+/// How long a datastore metadata lock is waited for before the operation fails.
+const DATASTORE_LOCK_WAIT: Duration = Duration::from_secs(30);
+/// Any one etcd request; a lock wait is made of several.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub struct EtcdCoordinator {
+    client: Client,
+    prefix: String,
+    name: String,
+    endpoints: String,
+    ttl: Duration,
+    session: Arc<Session>,
+}
+
+/// What the renewal task and the coordinator share.
+struct Session {
+    lease: AtomicI64,
+    host: Mutex<HostRecord>,
+    /// Volumes whose vault lock this host holds.
+    held: Mutex<BTreeSet<Uuid>>,
+    fence: Arc<Fence>,
+    /// Set by [`Coordinator::shutdown`]: the renewal task stops.
+    stopping: AtomicBool,
+}
+
+impl EtcdCoordinator {
+    /// Connects, registers this host with a new lease and starts renewing it. If the host
+    /// name is still registered by an earlier incarnation (killed, its lease not yet
+    /// expired), waits up to one lease TTL for that registration to lapse.
+    pub async fn connect(cfg: EtcdConfig) -> Result<EtcdCoordinator> {
+        let endpoints = cfg.endpoints.join(",");
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(3))
+            .with_timeout(REQUEST_TIMEOUT);
+        let client = Client::connect(&cfg.endpoints, Some(opts))
+            .await
+            .map_err(|e| {
+                Error::Unavailable(format!(
+                    "cannot reach etcd at {endpoints}: {e}; start etcd or fix [cluster] etcd in \
+                     the config"
+                ))
+            })?;
+        let c = EtcdCoordinator {
+            client,
+            prefix: cfg.prefix.trim_end_matches('/').to_string(),
+            name: cfg.host.name.clone(),
+            endpoints,
+            ttl: cfg.lease_ttl,
+            session: Arc::new(Session {
+                lease: AtomicI64::new(0),
+                host: Mutex::new(cfg.host),
+                held: Mutex::new(BTreeSet::new()),
+                fence: Arc::new(Fence::closed()),
+                stopping: AtomicBool::new(false),
+            }),
+        };
+        let give_up = Instant::now() + c.ttl + Duration::from_secs(1);
+        let mut said = false;
+        loop {
+            match c.register().await {
+                Ok(()) => break,
+                Err(Error::Locked(_)) if Instant::now() < give_up => {
+                    if !said {
+                        info!(
+                            "host name {:?} is still registered (an earlier run that did not \
+                             stop cleanly?); waiting up to {:?} for that registration to lapse",
+                            c.name, c.ttl
+                        );
+                        said = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        info!(
+            "registered host {:?} with etcd at {} (lease ttl {:?})",
+            c.name, c.endpoints, c.ttl
+        );
+        tokio::spawn(renew(
+            c.client.clone(),
+            Arc::downgrade(&c.session),
+            c.prefix.clone(),
+            c.ttl,
+        ));
+        Ok(c)
+    }
+
+    fn key(&self, kind: &str, name: &str) -> String {
+        format!("{}/{kind}/{name}", self.prefix)
+    }
+
+    fn unavailable(&self, e: etcd_client::Error) -> Error {
+        Error::Unavailable(format!("etcd at {}: {e}", self.endpoints))
+    }
+
+    fn lease(&self) -> i64 {
+        self.session.lease.load(Ordering::Acquire)
+    }
+
+    /// Grants a lease, creates the host key under it and opens the fence.
+    async fn register(&self) -> Result<()> {
+        register(&self.client, &self.session, &self.prefix, self.ttl)
+            .await
+            .map_err(|e| match e {
+                Reg::Etcd(e) => self.unavailable(e),
+                Reg::Taken(msg) => Error::Locked(msg),
+            })
+    }
+
+    /// Stops renewing and removes the host key, so `vesta host list` shows the host as down
+    /// at once. Vault locks are left to expire with the lease (or to be adopted by the next
+    /// incarnation of this host): a volume may still hold dirty data in this host's cache,
+    /// and no other host may write its datastore before that data is replayed.
+    async fn leave(&self) {
+        self.session.stopping.store(true, Ordering::Release);
+        let key = self.key("hosts", &self.name);
+        let mut kv = self.client.kv_client();
+        if let Err(e) = kv.delete(key, None).await {
+            warn!("deregister host {:?}: {e}", self.name);
+        }
+    }
+
+    async fn get_json<T: serde::de::DeserializeOwned>(&self, key: String) -> Result<Option<T>> {
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(key.clone(), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        match r.kvs().first() {
+            None => Ok(None),
+            Some(x) => serde_json::from_slice(x.value())
+                .map(Some)
+                .map_err(|e| corrupt(&key, e)),
+        }
+    }
+}
+
+fn corrupt(key: &str, e: serde_json::Error) -> Error {
+    Error::Corrupt {
+        path: format!("etcd key {key}"),
+        msg: e.to_string(),
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("records serialize")
+}
+
+enum Reg {
+    Etcd(etcd_client::Error),
+    Taken(String),
+}
+
+impl From<etcd_client::Error> for Reg {
+    fn from(e: etcd_client::Error) -> Reg {
+        Reg::Etcd(e)
+    }
+}
+
+async fn register(
+    client: &Client,
+    s: &Session,
+    prefix: &str,
+    ttl: Duration,
+) -> std::result::Result<(), Reg> {
+    let mut lease = client.lease_client();
+    let sent = Instant::now();
+    let granted = lease.grant(ttl.as_secs() as i64, None).await?;
+    let id = granted.id();
+    let host = {
+        let mut h = s.host.lock().expect("lock");
+        h.started_unix = crate::now_unix();
+        h.clone()
+    };
+    let key = format!("{prefix}/hosts/{}", host.name);
+    let member = format!("{prefix}/members/{}", host.name);
+    let txn = Txn::new()
+        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+        .and_then([
+            TxnOp::put(
+                key.clone(),
+                json(&host),
+                Some(PutOptions::new().with_lease(id)),
+            ),
+            TxnOp::put(member, json(&host), None),
+        ])
+        .or_else([TxnOp::get(key, None)]);
+    let mut kv = client.kv_client();
+    let r = kv.txn(txn).await?;
+    if !r.succeeded() {
+        let _ = lease.revoke(id).await;
+        let other = first_get(&r.op_responses())
+            .and_then(|kv| serde_json::from_slice::<HostRecord>(kv.value()).ok());
+        let api = other
+            .and_then(|o| o.api)
+            .unwrap_or_else(|| "unknown".into());
+        return Err(Reg::Taken(format!(
+            "host name {:?} is registered by another running vestad (admin API {api}); give \
+             this one another [cluster] host name, or stop the other",
+            host.name
+        )));
+    }
+    s.lease.store(id, Ordering::Release);
+    s.fence.extend_to(sent + ttl / 2);
+    Ok(())
+}
+
+fn first_get(rs: &[TxnOpResponse]) -> Option<etcd_client::KeyValue> {
+    rs.iter().find_map(|r| match r {
+        TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+        _ => None,
+    })
+}
+
+/// Takes (or adopts from an earlier incarnation of this host) one vault lock.
+async fn take_lock(
+    client: &Client,
+    prefix: &str,
+    name: &str,
+    lease: i64,
+    volume: Uuid,
+) -> std::result::Result<(), Reg> {
+    let key = format!("{prefix}/vault-locks/{volume}");
+    let mut kv = client.kv_client();
+    loop {
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                name,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let r = kv.txn(txn).await?;
+        if r.succeeded() {
+            return Ok(());
+        }
+        let Some(cur) = first_get(&r.op_responses()) else {
+            continue; // released between the compare and the get: try again
+        };
+        let holder = String::from_utf8_lossy(cur.value()).into_owned();
+        if holder != name {
+            return Err(Reg::Taken(format!(
+                "volume {volume}'s vault lock is held by host {holder:?}"
+            )));
+        }
+        if cur.lease() == lease {
+            return Ok(());
+        }
+        // An earlier incarnation of this host: adopt, unless it changed meanwhile.
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                cur.mod_revision(),
+            )])
+            .and_then([TxnOp::put(
+                key.clone(),
+                name,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        if kv.txn(txn).await?.succeeded() {
+            return Ok(());
+        }
+    }
+}
+
+/// Renews the lease until the coordinator is dropped or shut down; see the module docs.
+async fn renew(client: Client, session: std::sync::Weak<Session>, prefix: String, ttl: Duration) {
+    // Several renewals per half-TTL: one lost answer does not close the fence.
+    let every = ttl / 6;
+    let mut lease_client = client.lease_client();
+    'stream: loop {
+        let Some(s) = session.upgrade() else { return };
+        if s.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        let id = s.lease.load(Ordering::Acquire);
+        let (mut keeper, mut stream) = match lease_client.keep_alive(id).await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!("etcd lease renewal: {e}");
+                drop(s);
+                tokio::time::sleep(every).await;
+                continue;
+            }
+        };
+        drop(s);
+        loop {
+            tokio::time::sleep(every).await;
+            let Some(s) = session.upgrade() else { return };
+            if s.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let sent = Instant::now();
+            if let Err(e) = keeper.keep_alive().await {
+                warn!("etcd lease renewal: {e}");
+                continue 'stream;
+            }
+            match tokio::time::timeout(every, stream.message()).await {
+                Ok(Ok(Some(r))) if r.ttl() > 0 => s.fence.extend_to(sent + ttl / 2),
+                Ok(Ok(Some(_))) => {
+                    s.fence.close();
+                    error!(
+                        "etcd lease of host {:?} expired: datastore writes stop until it \
+                         registers again",
+                        s.host.lock().expect("lock").name
+                    );
+                    reregister(&client, &s, &prefix, ttl).await;
+                    continue 'stream;
+                }
+                Ok(Ok(None)) | Ok(Err(_)) => continue 'stream,
+                Err(_) => {} // no answer in time: the next renewal may get one
+            }
+        }
+    }
+}
+
+/// After a lost lease: registers again and re-takes every vault lock this host held. The fence
+/// opens only if all of them came back.
+async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
+    loop {
+        if s.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        match register(client, s, prefix, ttl).await {
+            Ok(()) => break,
+            Err(Reg::Etcd(e)) => warn!("etcd: register again: {e}"),
+            Err(Reg::Taken(m)) => warn!("etcd: register again: {m}"),
+        }
+        s.fence.close();
+        tokio::time::sleep(ttl / 6).await;
+    }
+    // `register` opened the fence; close it again until the locks are back.
+    s.fence.close();
+    let name = s.host.lock().expect("lock").name.clone();
+    let lease = s.lease.load(Ordering::Acquire);
+    let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
+    let mut lost = Vec::new();
+    for v in held {
+        match take_lock(client, prefix, &name, lease, v).await {
+            Ok(()) => {}
+            Err(Reg::Taken(m)) => {
+                error!("{m}");
+                lost.push(v);
+            }
+            Err(Reg::Etcd(e)) => {
+                error!("re-take vault lock of {v}: {e}");
+                lost.push(v);
+            }
+        }
+    }
+    if lost.is_empty() {
+        s.fence.extend_to(Instant::now() + ttl / 2);
+        info!("host {name:?} registered again; datastore writes resume");
+    } else {
+        error!(
+            "host {name:?} lost the vault locks of {} volume(s) while its lease was gone; \
+             datastore writes stay stopped on this host: restart vestad",
+            lost.len()
+        );
+    }
+}
+
+#[async_trait]
+impl Coordinator for EtcdCoordinator {
+    fn kind(&self) -> &'static str {
+        "etcd"
+    }
+
+    async fn state(&self) -> Result<State> {
+        let ds = self.key("datastores", "");
+        let vs = self.key("volumes", "");
+        let txn = Txn::new().and_then([
+            TxnOp::get(ds.clone(), Some(GetOptions::new().with_prefix())),
+            TxnOp::get(vs.clone(), Some(GetOptions::new().with_prefix())),
+        ]);
+        let mut kv = self.client.kv_client();
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        let mut state = State::default();
+        let rs = r.op_responses();
+        for (i, resp) in rs.iter().enumerate() {
+            let TxnOpResponse::Get(g) = resp else {
+                continue;
+            };
+            for x in g.kvs() {
+                let key = String::from_utf8_lossy(x.key()).into_owned();
+                if i == 0 {
+                    state
+                        .datastores
+                        .push(serde_json::from_slice(x.value()).map_err(|e| corrupt(&key, e))?);
+                } else {
+                    state
+                        .volumes
+                        .push(serde_json::from_slice(x.value()).map_err(|e| corrupt(&key, e))?);
+                }
+            }
+        }
+        Ok(state)
+    }
+
+    async fn add_datastore(&self, d: DatastoreSpec) -> Result<()> {
+        let key = self.key("datastores", &d.name);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, json(&d), None)]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::Exists(format!(
+                "a datastore named {:?} already exists",
+                d.name
+            )))
+        }
+    }
+
+    async fn update_datastore(&self, d: DatastoreSpec) -> Result<()> {
+        let key = self.key("datastores", &d.name);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Greater, 0)])
+            .and_then([TxnOp::put(key, json(&d), None)]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::NotFound(format!("no datastore named {:?}", d.name)))
+        }
+    }
+
+    async fn create_volume(&self, v: VolumeRecord) -> Result<()> {
+        let key = self.key("volumes", &v.name);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, json(&v), None)]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::Exists(format!(
+                "a volume named {:?} already exists",
+                v.name
+            )))
+        }
+    }
+
+    async fn update_volume(&self, v: VolumeRecord) -> Result<()> {
+        let key = self.key("volumes", &v.name);
+        // Same name *and* same id: a volume deleted and re-created by another host under the
+        // same name is a different volume.
+        let cur: Option<VolumeRecord> = self.get_json(key.clone()).await?;
+        let Some(cur) = cur.filter(|c| c.id == v.id) else {
+            return Err(Error::NotFound(format!(
+                "no volume {:?} ({})",
+                v.name, v.id
+            )));
+        };
+        let txn = Txn::new()
+            .when([Compare::value(key.clone(), CompareOp::Equal, json(&cur))])
+            .and_then([TxnOp::put(key, json(&v), None)]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::Unavailable(format!(
+                "volume {:?} was changed by another host at the same time; try again",
+                v.name
+            )))
+        }
+    }
+
+    async fn delete_volume(&self, name: &str) -> Result<()> {
+        let key = self.key("volumes", name);
+        let cur: Option<VolumeRecord> = self.get_json(key.clone()).await?;
+        let Some(cur) = cur else {
+            return Err(Error::NotFound(format!("no volume named {name:?}")));
+        };
+        let id = cur.id.to_string();
+        let txn = Txn::new()
+            .when([Compare::value(key.clone(), CompareOp::Equal, json(&cur))])
+            .and_then([
+                TxnOp::delete(key, None),
+                TxnOp::delete(self.key("vaults", &id), None),
+                TxnOp::delete(self.key("vault-locks", &id), None),
+            ]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            self.session.held.lock().expect("lock").remove(&cur.id);
+            Ok(())
+        } else {
+            Err(Error::Unavailable(format!(
+                "volume {name:?} was changed by another host at the same time; try again"
+            )))
+        }
+    }
+
+    fn host(&self) -> &str {
+        &self.name
+    }
+
+    async fn publish_host(&self, mut h: HostRecord) -> Result<()> {
+        h.name = self.name.clone();
+        h.started_unix = self.session.host.lock().expect("lock").started_unix;
+        *self.session.host.lock().expect("lock") = h.clone();
+        let txn = Txn::new().and_then([
+            TxnOp::put(
+                self.key("hosts", &self.name),
+                json(&h),
+                Some(PutOptions::new().with_lease(self.lease())),
+            ),
+            TxnOp::put(self.key("members", &self.name), json(&h), None),
+        ]);
+        let mut kv = self.client.kv_client();
+        kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        Ok(())
+    }
+
+    async fn hosts(&self) -> Result<Vec<HostStatus>> {
+        let txn = Txn::new().and_then([
+            TxnOp::get(
+                self.key("members", ""),
+                Some(GetOptions::new().with_prefix()),
+            ),
+            TxnOp::get(self.key("hosts", ""), Some(GetOptions::new().with_prefix())),
+        ]);
+        let mut kv = self.client.kv_client();
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        let rs = r.op_responses();
+        let mut hosts: BTreeMap<String, HostStatus> = BTreeMap::new();
+        for (i, resp) in rs.iter().enumerate() {
+            let TxnOpResponse::Get(g) = resp else {
+                continue;
+            };
+            for x in g.kvs() {
+                let key = String::from_utf8_lossy(x.key()).into_owned();
+                let record: HostRecord =
+                    serde_json::from_slice(x.value()).map_err(|e| corrupt(&key, e))?;
+                // The live key, read second, carries the newest record.
+                hosts.insert(
+                    record.name.clone(),
+                    HostStatus {
+                        record,
+                        alive: i == 1,
+                    },
+                );
+            }
+        }
+        Ok(hosts.into_values().collect())
+    }
+
+    fn fence(&self) -> Arc<Fence> {
+        self.session.fence.clone()
+    }
+
+    async fn lock_vault(&self, volume: Uuid) -> Result<()> {
+        take_lock(&self.client, &self.prefix, &self.name, self.lease(), volume)
+            .await
+            .map_err(|e| match e {
+                Reg::Etcd(e) => self.unavailable(e),
+                Reg::Taken(m) => Error::Locked(m),
+            })?;
+        self.session.held.lock().expect("lock").insert(volume);
+        Ok(())
+    }
+
+    async fn unlock_vault(&self, volume: Uuid) -> Result<()> {
+        let key = self.key("vault-locks", &volume.to_string());
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease())])
+            .and_then([TxnOp::delete(key, None)]);
+        let mut kv = self.client.kv_client();
+        kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        self.session.held.lock().expect("lock").remove(&volume);
+        Ok(())
+    }
+
+    async fn vault(&self, volume: Uuid) -> Result<Option<Vault>> {
+        self.get_json(self.key("vaults", &volume.to_string())).await
+    }
+
+    async fn put_vault(&self, v: &Vault) -> Result<()> {
+        let id = v.volume.to_string();
+        let lock = self.key("vault-locks", &id);
+        // The fence: the write lands only while the lock is bound to this incarnation's lease.
+        let txn = Txn::new()
+            .when([Compare::lease(lock, CompareOp::Equal, self.lease())])
+            .and_then([TxnOp::put(self.key("vaults", &id), json(v), None)]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::NotHeld(format!(
+                "host {:?} does not hold the vault lock of volume {}",
+                self.name, v.volume
+            )))
+        }
+    }
+
+    async fn lock_datastore(&self, name: &str) -> Result<DatastoreLock> {
+        let mut locks = self.client.lock_client();
+        let key = self.key("ds-locks", name);
+        let give_up = Instant::now() + DATASTORE_LOCK_WAIT;
+        loop {
+            let opts = LockOptions::new().with_lease(self.lease());
+            match locks.lock(key.clone(), Some(opts)).await {
+                Ok(r) => {
+                    return Ok(DatastoreLock {
+                        name: name.into(),
+                        key: r.key().to_vec(),
+                    })
+                }
+                // Each attempt ends at the request timeout; etcd drops an abandoned waiter.
+                Err(etcd_client::Error::GRpcStatus(st))
+                    if st.code() == tonic::Code::DeadlineExceeded && Instant::now() < give_up => {}
+                Err(etcd_client::Error::GRpcStatus(st))
+                    if st.code() == tonic::Code::DeadlineExceeded =>
+                {
+                    return Err(Error::Locked(format!(
+                        "datastore {name:?}'s metadata is locked by another host for more \
+                         than {DATASTORE_LOCK_WAIT:?}; try again"
+                    )))
+                }
+                Err(e) => return Err(self.unavailable(e)),
+            }
+        }
+    }
+
+    async fn unlock_datastore(&self, lock: DatastoreLock) -> Result<()> {
+        let mut locks = self.client.lock_client();
+        locks
+            .unlock(lock.key)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(())
+    }
+
+    async fn shutdown(&self) {
+        self.leave().await
+    }
+}

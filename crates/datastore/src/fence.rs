@@ -1,0 +1,112 @@
+//! Self-fencing (DESIGN §4): a host that cannot renew its lease stops writing datastores
+//! before the lease can expire, so no contender that acquires a volume's vault lock after the
+//! expiry ever races a late write from this host.
+//!
+//! A [`Fence`] holds a deadline. The coordinator moves it forward after every successful lease
+//! renewal, to a point safely before the lease could expire (measured from when the renewal was
+//! *sent*, so a slow answer never stretches it). Every mutating IO checks it at the [`crate::Gate`]
+//! before it is issued; past the deadline it fails with [`FENCED`] and issues nothing. Reads pass:
+//! reading a datastore never harms a contender.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The error text of an IO refused by a closed fence; the destager treats it like any
+/// datastore write error (retry with backoff, reported as stalled).
+pub const FENCED: &str = "datastore writes are fenced: this host's cluster lease is not renewed";
+
+/// Deadline for datastore writes. Starts open without limit (a single host with no lease);
+/// a coordinator with leases closes it and then keeps extending it.
+pub struct Fence {
+    /// Nanoseconds after [`epoch`] until which writes may be issued; `u64::MAX` = no limit.
+    until_ns: AtomicU64,
+}
+
+fn epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn nanos(at: Instant) -> u64 {
+    at.saturating_duration_since(epoch()).as_nanos() as u64
+}
+
+impl Default for Fence {
+    fn default() -> Fence {
+        Fence::open()
+    }
+}
+
+impl Fence {
+    /// A fence that never closes.
+    pub fn open() -> Fence {
+        Fence {
+            until_ns: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// A fence closed until the first [`Fence::extend_to`].
+    pub fn closed() -> Fence {
+        Fence {
+            until_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Allows writes until `at`. Never moves the deadline backwards: renewals answered out of
+    /// order cannot shorten it, and only [`Fence::close`] revokes it.
+    pub fn extend_to(&self, at: Instant) {
+        self.until_ns.fetch_max(nanos(at), Ordering::AcqRel);
+    }
+
+    /// Stops writes now (the lease is known to be lost).
+    pub fn close(&self) {
+        self.until_ns.store(0, Ordering::Release);
+    }
+
+    /// Whether a write may be issued now.
+    pub fn allows_writes(&self) -> bool {
+        let until = self.until_ns.load(Ordering::Acquire);
+        until == u64::MAX || nanos(Instant::now()) < until
+    }
+
+    /// How long writes stay allowed from now; `None` for an open fence.
+    pub fn remaining(&self) -> Option<Duration> {
+        match self.until_ns.load(Ordering::Acquire) {
+            u64::MAX => None,
+            until => Some(Duration::from_nanos(
+                until.saturating_sub(nanos(Instant::now())),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_fence_always_allows() {
+        let f = Fence::open();
+        assert!(f.allows_writes());
+        assert_eq!(f.remaining(), None);
+    }
+
+    #[test]
+    fn closed_fence_opens_only_until_its_deadline() {
+        let f = Fence::closed();
+        assert!(!f.allows_writes());
+        f.extend_to(Instant::now() + Duration::from_millis(50));
+        assert!(f.allows_writes());
+        // An older renewal answered late does not shorten the deadline.
+        f.extend_to(Instant::now());
+        assert!(f.allows_writes());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(!f.allows_writes());
+        f.extend_to(Instant::now() + Duration::from_secs(10));
+        assert!(f.allows_writes());
+        f.close();
+        assert!(!f.allows_writes());
+        assert_eq!(f.remaining(), Some(Duration::ZERO));
+    }
+}

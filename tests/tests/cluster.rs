@@ -1,0 +1,324 @@
+//! Several hosts sharing one etcd (DESIGN §4, §10): registration with a lease and a fault
+//! domain, volumes owned by one host and visible from all, a LUN's volume table shared safely,
+//! self-fencing when the lease cannot be renewed, and a killed host taking its volumes back.
+//!
+//! Every host is a real `vestad` on its own loopback address (127.0.0.2, 127.0.0.3, …); the
+//! etcd is a real one-member cluster; the shared datastore is an nbdkit LUN.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vesta_tests::{
+    pattern, qemu_io, read_file, run, run_ok, wait_for, Etcd, Nbdkit, Scratch, Vestad, VestadOpts,
+};
+
+/// Short leases keep the tests quick; 3 s is etcd's minimum.
+const TTL_S: u64 = 3;
+
+fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
+    Vestad::start_with(VestadOpts {
+        config: Some(format!(
+            "{}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
+             target = \"{}\"\nqueue_depth = 8\n",
+            etcd.cluster_config(name, fault_domain, TTL_S),
+            lun.uri()
+        )),
+        ip: Some(ip.into()),
+    })
+}
+
+fn hosts(v: &Vestad) -> Vec<Value> {
+    v.vesta_json(&["host", "list"])
+        .as_array()
+        .expect("host list is an array")
+        .clone()
+}
+
+fn host_named<'a>(list: &'a [Value], name: &str) -> &'a Value {
+    list.iter()
+        .find(|h| h["name"] == name)
+        .unwrap_or_else(|| panic!("host {name} not in {list:?}"))
+}
+
+fn volumes(v: &Vestad) -> Vec<Value> {
+    v.vesta_json(&["volume", "list"])
+        .as_array()
+        .expect("volume list is an array")
+        .clone()
+}
+
+/// Writes 4 KiB at `offset` through qemu-io; returns whether it succeeded.
+fn try_write(url: &str, byte: u8, offset: u64) -> bool {
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        &format!("write -P {byte} {offset} 4k"),
+        url,
+    ]));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    out.status.success() && !text.contains("failed")
+}
+
+#[test]
+fn hosts_register_and_each_volume_is_served_by_its_owner() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(256 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+
+    let list = hosts(&b);
+    assert_eq!(list.len(), 2, "{list:?}");
+    for (name, fd, ip) in [("a", "rack1", "127.0.0.2"), ("b", "rack2", "127.0.0.3")] {
+        let h = host_named(&list, name);
+        assert_eq!(h["fault_domain"], fd);
+        assert_eq!(h["alive"], true);
+        assert!(h["api"].as_str().unwrap().contains(ip), "{h}");
+        assert!(h["cache_bytes"].as_u64().unwrap() > 0, "{h}");
+    }
+    let st = a.vesta_json(&["status"]);
+    assert_eq!(st["coordinator"], "etcd");
+    assert_eq!(st["host"], "a");
+
+    a.vesta_ok(&["volume", "create", "x", "--size", "8M", "--policy", "wb"]);
+    qemu_io(&a.url("x"), &["write -P 7 0 1M"]);
+    // b sees the volume, served by a, and refuses to act on it, naming a.
+    let x = volumes(&b)
+        .into_iter()
+        .find(|v| v["name"] == "x")
+        .expect("x listed on b");
+    assert_eq!(x["owner"], "a");
+    assert!(
+        x["status"].as_str().unwrap().contains("served by host a"),
+        "{x}"
+    );
+    assert!(
+        x["urls"][0].as_str().unwrap().contains(&a.nbd_tcp),
+        "{x} should point at a's NBD address {}",
+        a.nbd_tcp
+    );
+    let e = b.vesta_err(&["volume", "policy", "x", "wt"]);
+    assert!(e.contains("served by host a") && e.contains(&a.api), "{e}");
+    let e = b.vesta_err(&["volume", "delete", "x"]);
+    assert!(e.contains("served by host a"), "{e}");
+    let e = b.vesta_err(&["volume", "create", "x", "--size", "8M"]);
+    assert!(e.contains("already exists"), "{e}");
+    // b cannot attach it either: it does not serve it.
+    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "read 0 4k", &b.url("x")]));
+    assert!(!out.status.success(), "b must not serve a's volume");
+    assert_eq!(
+        host_named(&hosts(&b), "a")["volumes"],
+        1,
+        "a owns one volume"
+    );
+    // The vault record names the owner; its lock is held.
+    let keys = etcd.keys("/vesta/");
+    let id = x["id"].as_str().unwrap();
+    assert!(
+        keys.contains(&format!("/vesta/vault-locks/{id}")),
+        "{keys:?}"
+    );
+    let vault = run_ok(
+        Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &etcd.endpoint, "get", "--print-value-only"])
+            .arg(format!("/vesta/vaults/{id}")),
+    );
+    let vault: Value = serde_json::from_str(vault.trim()).expect("vault is JSON");
+    assert_eq!(vault["owner"], "a");
+    assert_eq!(vault["policy"], "wb");
+    qemu_io(&a.url("x"), &["read -P 7 0 1M"]);
+}
+
+#[test]
+fn volumes_created_at_once_on_two_hosts_never_share_lun_space() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(512 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack1", "127.0.0.3", &lun);
+    const EACH: usize = 5;
+    // Both hosts allocate from one LUN table at the same time.
+    std::thread::scope(|s| {
+        for (v, tag) in [(&a, "a"), (&b, "b")] {
+            s.spawn(move || {
+                for i in 0..EACH {
+                    v.vesta_ok(&["volume", "create", &format!("{tag}{i}"), "--size", "16M"]);
+                }
+            });
+        }
+    });
+    // Each volume gets its own pattern through its owner; then every pattern must be intact.
+    let dir = Scratch::new("cluster-lun");
+    let all: Vec<(&Vestad, String, u64)> = (0..EACH)
+        .flat_map(|i| {
+            [
+                (&a, format!("a{i}"), i as u64),
+                (&b, format!("b{i}"), 100 + i as u64),
+            ]
+        })
+        .collect();
+    for (v, name, seed) in &all {
+        let f = dir.join(name);
+        std::fs::write(&f, pattern(*seed, 16 << 20)).unwrap();
+        run_ok(
+            Command::new("qemu-img")
+                .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+                .arg(&f)
+                .arg(v.url(name)),
+        );
+    }
+    for (v, name, seed) in &all {
+        let out = dir.join(&format!("{name}.back"));
+        run_ok(
+            Command::new("qemu-img")
+                .args(["convert", "-f", "raw", "-O", "raw"])
+                .arg(v.url(name))
+                .arg(&out),
+        );
+        assert!(
+            read_file(&out) == pattern(*seed, 16 << 20),
+            "volume {name} was overwritten by another volume's data"
+        );
+    }
+    // Both hosts list all ten, and each serves its own five.
+    for v in [&a, &b] {
+        let list = volumes(v);
+        assert_eq!(list.len(), 2 * EACH, "{list:?}");
+        let own = list.iter().filter(|x| x["status"] == "ok").count();
+        assert_eq!(own, EACH, "{list:?}");
+    }
+}
+
+#[test]
+fn a_host_that_cannot_renew_its_lease_stops_datastore_writes_in_time() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    a.vesta_ok(&["volume", "create", "u", "--size", "8M"]);
+    a.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
+    assert!(try_write(&a.tcp_url("u"), 1, 0));
+
+    // Cut the host off from etcd. The lease can expire TTL after the last renewal etcd
+    // received, which was at most one renewal interval (TTL/6) before the cut.
+    etcd.pause();
+    let cut = Instant::now();
+    let earliest_expiry = Duration::from_secs(TTL_S) - Duration::from_secs(TTL_S) / 6;
+    let mut first_refused = None;
+    let mut i = 0u64;
+    while cut.elapsed() < Duration::from_secs(TTL_S + 2) {
+        i += 1;
+        if !try_write(&a.tcp_url("u"), 2, (i % 64) * 4096) {
+            first_refused.get_or_insert(cut.elapsed());
+        } else {
+            assert!(
+                first_refused.is_none(),
+                "a write reached the datastore after the fence closed"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let refused = first_refused.expect("datastore writes never stopped without a lease");
+    assert!(
+        refused < earliest_expiry,
+        "writes stopped {refused:?} after the cut; the lease may expire after {earliest_expiry:?}"
+    );
+    // A write-back volume keeps taking writes into the cache; its destager, fenced, waits.
+    qemu_io(&a.url("w"), &["write -P 9 0 1M"]);
+    std::thread::sleep(Duration::from_secs(1));
+    let w = a.vesta_json(&["volume", "show", "w"]);
+    assert_eq!(
+        w["cache"]["dirty_bytes"],
+        1 << 20,
+        "the destager must not write the datastore while fenced: {w}"
+    );
+
+    etcd.resume();
+    wait_for(
+        Duration::from_secs(20),
+        "the host to register again",
+        || a.log().contains("registered again").then_some(()),
+    );
+    wait_for(Duration::from_secs(20), "writes to resume", || {
+        try_write(&a.tcp_url("u"), 3, 0).then_some(())
+    });
+    wait_for(Duration::from_secs(30), "dirty data to destage", || {
+        let j = a.vesta_json(&["volume", "show", "w"]);
+        (j["cache"]["dirty_bytes"] == 0).then_some(())
+    });
+    qemu_io(&a.url("w"), &["read -P 9 0 1M"]);
+    qemu_io(&a.url("u"), &["read -P 3 0 4k"]);
+    assert!(
+        a.log().contains("fenced"),
+        "the refused writes are logged as fenced"
+    );
+}
+
+#[test]
+fn a_killed_host_comes_back_to_its_volumes_and_a_duplicate_name_is_refused() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
+    // Hold destaging back so dirty data is in a's cache when it dies.
+    a.vesta_ok(&[
+        "volume",
+        "policy",
+        "w",
+        "wb",
+        "--hold",
+        "60",
+        "--max-dirty-age",
+        "120",
+    ]);
+    qemu_io(&a.url("w"), &["write -P 5 0 2M", "flush"]);
+
+    // A second daemon calling itself "a" while a lives is refused, naming the conflict.
+    twin_is_refused(&etcd);
+
+    a.kill9();
+    wait_for(Duration::from_secs(TTL_S + 5), "b to see a as down", || {
+        (host_named(&hosts(&b), "a")["alive"] == false).then_some(())
+    });
+    let w = volumes(&b)
+        .into_iter()
+        .find(|v| v["name"] == "w")
+        .expect("w listed on b");
+    assert!(w["status"].as_str().unwrap().contains("down"), "{w}");
+
+    a.launch();
+    // Offline replay brought the dirty data back; the volume serves it.
+    qemu_io(&a.url("w"), &["read -P 5 0 2M"]);
+    assert_eq!(host_named(&hosts(&b), "a")["alive"], true);
+    assert_eq!(a.vesta_json(&["volume", "show", "w"])["status"], "ok");
+}
+
+/// Starting a second "a" must fail while the first lives: run directly, since the rig's
+/// start waits for readiness.
+fn twin_is_refused(etcd: &Etcd) {
+    let scratch = Scratch::new("twin");
+    let cfg = scratch.join("twin.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = \"{}\"\n[api]\nlisten = \"127.0.0.4:0\"\n[nbd]\ntcp = \"\"\nunix = \"\"\n\
+             [cache]\npath = \"\"\n{}",
+            scratch.join("data").display(),
+            etcd.cluster_config("a", "rack1", TTL_S)
+        ),
+    )
+    .unwrap();
+    let started = Instant::now();
+    let out = run(Command::new(vesta_tests::bin("vestad"))
+        .arg("--config")
+        .arg(&cfg));
+    assert!(!out.status.success(), "a second vestad named \"a\" started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("host name \"a\" is registered by another running vestad"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(TTL_S + 10));
+}
