@@ -165,12 +165,14 @@ impl EtcdCoordinator {
 
     /// Grants a lease, creates the host key under it and opens the fence.
     async fn register(&self) -> Result<()> {
-        register(&self.client, &self.session, &self.prefix, self.ttl)
+        let sent = register(&self.client, &self.session, &self.prefix, self.ttl)
             .await
             .map_err(|e| match e {
                 Reg::Etcd(e) => self.unavailable(e),
                 Reg::Taken(msg) => Error::Locked(msg),
-            })
+            })?;
+        self.session.fence.extend_to(sent + self.ttl / 2);
+        Ok(())
     }
 
     /// Stops renewing and removes the host key, so `vesta host list` shows the host as down
@@ -223,12 +225,14 @@ impl From<etcd_client::Error> for Reg {
     }
 }
 
+/// Grants a lease and creates the host key under it. Returns when the grant was sent: the
+/// caller opens the fence from there, once it knows it may write (after its locks are back).
 async fn register(
     client: &Client,
     s: &Session,
     prefix: &str,
     ttl: Duration,
-) -> std::result::Result<(), Reg> {
+) -> std::result::Result<Instant, Reg> {
     let mut lease = client.lease_client();
     let sent = Instant::now();
     let granted = lease.grant(ttl.as_secs() as i64, None).await?;
@@ -267,8 +271,7 @@ async fn register(
         )));
     }
     s.lease.store(id, Ordering::Release);
-    s.fence.extend_to(sent + ttl / 2);
-    Ok(())
+    Ok(sent)
 }
 
 fn first_get(rs: &[TxnOpResponse]) -> Option<etcd_client::KeyValue> {
@@ -385,20 +388,17 @@ async fn renew(client: Client, session: std::sync::Weak<Session>, prefix: String
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
 /// opens only if all of them came back.
 async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
-    loop {
+    let sent = loop {
         if s.stopping.load(Ordering::Acquire) {
             return;
         }
         match register(client, s, prefix, ttl).await {
-            Ok(()) => break,
+            Ok(sent) => break sent,
             Err(Reg::Etcd(e)) => warn!("etcd: register again: {e}"),
             Err(Reg::Taken(m)) => warn!("etcd: register again: {m}"),
         }
-        s.fence.close();
         tokio::time::sleep(ttl / 6).await;
-    }
-    // `register` opened the fence; close it again until the locks are back.
-    s.fence.close();
+    };
     let name = s.host.lock().expect("lock").name.clone();
     let lease = s.lease.load(Ordering::Acquire);
     let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
@@ -417,7 +417,8 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
         }
     }
     if lost.is_empty() {
-        s.fence.extend_to(Instant::now() + ttl / 2);
+        // From the grant, not from now: the new lease's clock started then.
+        s.fence.extend_to(sent + ttl / 2);
         info!("host {name:?} registered again; datastore writes resume");
     } else {
         error!(
