@@ -12,6 +12,7 @@
 //! directory of the profile the tests are built with. `cargo test -p vesta-tests` alone does
 //! not rebuild them: use `make test`, or `cargo test --workspace`.
 
+pub mod checker;
 pub mod raw;
 
 use std::fs;

@@ -11,99 +11,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use nbd::client::Client;
 use nbd::uri::NbdUri;
+use vesta_tests::checker::{version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS};
 use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
-
-const BLOCK: u64 = 4096;
-const BLOCKS: u64 = 1024;
-/// Writers; each owns the blocks ≡ its index mod WRITERS, so a block has at most one write in
-/// flight and its versions are strictly ordered.
-const WRITERS: u64 = 16;
-
-/// What a block holds: its number and version, repeated.
-fn content(block: u64, version: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(BLOCK as usize);
-    while v.len() < BLOCK as usize {
-        v.extend_from_slice(&block.to_le_bytes());
-        v.extend_from_slice(&version.to_le_bytes());
-    }
-    v
-}
-
-fn version_of(block: u64, data: &[u8]) -> u64 {
-    if data.iter().all(|b| *b == 0) {
-        return 0;
-    }
-    let b = u64::from_le_bytes(data[0..8].try_into().unwrap());
-    let v = u64::from_le_bytes(data[8..16].try_into().unwrap());
-    assert_eq!(b, block, "block {block} holds another block's data");
-    assert!(data == content(b, v), "block {block} is torn or corrupt");
-    v
-}
-
-/// Per block: the last version known completed, and the one in flight (if any).
-#[derive(Clone, Copy, Default, Debug)]
-struct Known {
-    completed: u64,
-    in_flight: Option<u64>,
-}
-
-struct Xorshift(u64);
-
-impl Xorshift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-/// Runs writers until the connection dies; returns nothing, the shared table says what happened.
-async fn write_until_killed(
-    uri: String,
-    known: Arc<Mutex<Vec<Known>>>,
-    seed: u64,
-    stop: Arc<AtomicBool>,
-) {
-    let Ok(client) = Client::connect(&NbdUri::parse(&uri).unwrap(), 2).await else {
-        return;
-    };
-    let client = Arc::new(client);
-    let mut tasks = Vec::new();
-    for w in 0..WRITERS {
-        let (client, known, stop) = (client.clone(), known.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut rng = Xorshift(seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-            while !stop.load(Ordering::SeqCst) {
-                let block = (rng.next() % (BLOCKS / WRITERS)) * WRITERS + w;
-                let version = {
-                    let mut k = known.lock().unwrap();
-                    let v = k[block as usize].completed + 1;
-                    k[block as usize].in_flight = Some(v);
-                    v
-                };
-                let fua = rng.next().is_multiple_of(16);
-                let r = client
-                    .write(block * BLOCK, Bytes::from(content(block, version)), fua)
-                    .await;
-                let mut k = known.lock().unwrap();
-                if r.is_err() {
-                    return; // the daemon is gone; the write may or may not have landed
-                }
-                k[block as usize] = Known {
-                    completed: version,
-                    in_flight: None,
-                };
-            }
-        }));
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
-}
 
 #[test]
 fn completed_writes_survive_kill_9_of_vestad() {
@@ -143,7 +54,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
     let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
     let mut rng = Xorshift(seed0 | 1);
     for round in 0..rounds {
-        let seed = rng.next();
+        let seed = rng.next_u64();
         let stop = Arc::new(AtomicBool::new(false));
         let writer = rt.spawn(write_until_killed(
             v.url("c"),

@@ -173,7 +173,10 @@ fn policy_changes_under_io_lose_nothing() {
     v.launch();
     assert_eq!(show(&v, "p")["policy"], "wb");
     let e = v.vesta_err(&["volume", "policy", "p", "wbp:2"]);
-    assert!(e.contains("not available"), "{e}");
+    assert!(
+        e.contains("needs peer hosts") && e.contains("[cluster] etcd"),
+        "{e}"
+    );
 }
 
 #[test]

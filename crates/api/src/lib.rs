@@ -156,6 +156,21 @@ pub struct CacheInfo {
     pub replaying: bool,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,
+    /// The volume's peers in `wbp`, with how far each lags the owner.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerInfo>,
+}
+
+/// One `wbp` peer of a volume.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    pub host: String,
+    /// The highest write sequence number the peer has acknowledged.
+    pub acked_ser: u64,
+    /// Writes issued to the volume that the peer has not acknowledged yet.
+    pub lag_writes: u64,
+    /// Why the link to the peer failed, if it did.
+    pub error: Option<String>,
 }
 
 /// Change a volume's policy and/or write-back tuning.

@@ -191,6 +191,8 @@ pub enum Kind {
     Policy,
     /// A peer's copy of another host's write (`wbp`); like `Data`, for the volume's owner.
     Replica,
+    /// A peer's copy of another host's WRITE_ZEROES or TRIM (`wbp`); like `Zero`.
+    ReplicaZero,
     /// `len` bytes at `offset` read as zeroes (WRITE_ZEROES, TRIM); no payload.
     Zero,
     /// Clean data read from the datastore into the cache (a read miss). Never replayed.
@@ -206,6 +208,7 @@ impl Kind {
             Kind::Replica => 4,
             Kind::Zero => 5,
             Kind::Fill => 6,
+            Kind::ReplicaZero => 7,
         }
     }
 
@@ -217,6 +220,7 @@ impl Kind {
             4 => Kind::Replica,
             5 => Kind::Zero,
             6 => Kind::Fill,
+            7 => Kind::ReplicaZero,
             _ => return None,
         })
     }
@@ -228,7 +232,15 @@ impl Kind {
 
     /// Whether the record is a write of the volume, numbered by `ser` in its sequence.
     pub fn is_write(self) -> bool {
-        matches!(self, Kind::Data | Kind::Replica | Kind::Zero)
+        matches!(
+            self,
+            Kind::Data | Kind::Replica | Kind::Zero | Kind::ReplicaZero
+        )
+    }
+
+    /// Whether the record is a peer's copy of another host's write.
+    pub fn is_replica(self) -> bool {
+        matches!(self, Kind::Replica | Kind::ReplicaZero)
     }
 }
 

@@ -19,17 +19,78 @@ pub enum Policy {
     /// Write-back: writes complete when the local cache device has them; the destager sends
     /// them to the datastore later.
     Wb,
+    /// Write-back with peers: writes complete when the local cache device and `peers` peer
+    /// hosts chosen by `rule` have them (`wbp:P` or `wbp:P:rule`).
+    Wbp { peers: u8, rule: PeerRule },
+}
+
+/// Which hosts may be a `wbp` volume's peers, by fault domain (DESIGN §3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PeerRule {
+    /// Hosts in the owner's fault domain.
+    Local,
+    /// Hosts in other fault domains.
+    Remote,
+    /// Any other host.
+    #[default]
+    Any,
+}
+
+impl PeerRule {
+    /// Whether a host in `domain` may be a peer of an owner in `owner_domain`.
+    pub fn allows(self, owner_domain: &str, domain: &str) -> bool {
+        match self {
+            PeerRule::Local => owner_domain == domain,
+            PeerRule::Remote => owner_domain != domain,
+            PeerRule::Any => true,
+        }
+    }
+
+    fn code(self) -> u64 {
+        match self {
+            PeerRule::Local => 0,
+            PeerRule::Remote => 1,
+            PeerRule::Any => 2,
+        }
+    }
+
+    fn from_code(c: u64) -> Option<PeerRule> {
+        Some(match c {
+            0 => PeerRule::Local,
+            1 => PeerRule::Remote,
+            2 => PeerRule::Any,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for PeerRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PeerRule::Local => "local",
+            PeerRule::Remote => "remote",
+            PeerRule::Any => "any",
+        })
+    }
 }
 
 impl Policy {
-    /// Every policy name, for error messages.
-    pub const ALL: &'static [&'static str] = &["uncached", "wt", "wb"];
-    /// Policies the design names that this build does not serve yet.
-    const LATER: &'static [&'static str] = &["wbp"];
+    /// Every policy form, for error messages.
+    pub const ALL: &'static [&'static str] = &["uncached", "wt", "wb", "wbp:P[:local|remote|any]"];
+    /// Most peers a `wbp` volume may have.
+    pub const PEERS_MAX: u8 = 4;
 
     /// Whether the volume uses the host's cache device.
     pub fn cached(self) -> bool {
         !matches!(self, Policy::Uncached)
+    }
+
+    /// How many peers the policy asks for (0 unless `wbp`).
+    pub fn peers(self) -> usize {
+        match self {
+            Policy::Wbp { peers, .. } => peers as usize,
+            _ => 0,
+        }
     }
 
     /// The code stored in a cache log policy record.
@@ -38,14 +99,19 @@ impl Policy {
             Policy::Uncached => 0,
             Policy::Wt => 1,
             Policy::Wb => 2,
+            Policy::Wbp { peers, rule } => 3 | (u64::from(peers) << 8) | (rule.code() << 16),
         }
     }
 
     pub fn from_code(c: u64) -> Option<Policy> {
-        Some(match c {
+        Some(match c & 0xff {
             0 => Policy::Uncached,
             1 => Policy::Wt,
             2 => Policy::Wb,
+            3 => Policy::Wbp {
+                peers: ((c >> 8) & 0xff) as u8,
+                rule: PeerRule::from_code((c >> 16) & 0xff)?,
+            },
             _ => return None,
         })
     }
@@ -53,11 +119,15 @@ impl Policy {
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Policy::Uncached => "uncached",
-            Policy::Wt => "wt",
-            Policy::Wb => "wb",
-        })
+        match self {
+            Policy::Uncached => f.write_str("uncached"),
+            Policy::Wt => f.write_str("wt"),
+            Policy::Wb => f.write_str("wb"),
+            Policy::Wbp { peers, rule } if *rule == PeerRule::default() => {
+                write!(f, "wbp:{peers}")
+            }
+            Policy::Wbp { peers, rule } => write!(f, "wbp:{peers}:{rule}"),
+        }
     }
 }
 
@@ -65,20 +135,43 @@ impl FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Policy, String> {
         match s {
-            "uncached" => Ok(Policy::Uncached),
-            "wt" => Ok(Policy::Wt),
-            "wb" => Ok(Policy::Wb),
-            other if Policy::LATER.contains(&other.split(':').next().unwrap_or(other)) => {
-                Err(format!(
-                    "policy {other:?} is not available in this build yet; available: {}",
-                    Policy::ALL.join(", ")
+            "uncached" => return Ok(Policy::Uncached),
+            "wt" => return Ok(Policy::Wt),
+            "wb" => return Ok(Policy::Wb),
+            _ => {}
+        }
+        let mut parts = s.split(':');
+        if parts.next() != Some("wbp") {
+            return Err(format!(
+                "unknown policy {s:?}; available: {}",
+                Policy::ALL.join(", ")
+            ));
+        }
+        let peers = parts
+            .next()
+            .and_then(|p| p.parse::<u8>().ok())
+            .filter(|p| (1..=Policy::PEERS_MAX).contains(p))
+            .ok_or_else(|| {
+                format!(
+                    "policy {s:?}: wbp needs a peer count from 1 to {}, e.g. wbp:1 or wbp:2:remote",
+                    Policy::PEERS_MAX
+                )
+            })?;
+        let rule = match parts.next() {
+            None | Some("any") => PeerRule::Any,
+            Some("local") => PeerRule::Local,
+            Some("remote") => PeerRule::Remote,
+            Some(other) => {
+                return Err(format!(
+                    "policy {s:?}: unknown peer rule {other:?}; use local (same fault domain), \
+                     remote (other fault domains) or any"
                 ))
             }
-            other => Err(format!(
-                "unknown policy {other:?}; available: {}",
-                Policy::ALL.join(", ")
-            )),
+        };
+        if parts.next().is_some() {
+            return Err(format!("policy {s:?}: expected wbp:P or wbp:P:rule"));
         }
+        Ok(Policy::Wbp { peers, rule })
     }
 }
 
@@ -220,8 +313,32 @@ mod tests {
             assert_eq!(Policy::from_code(p.code()), Some(p));
             assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
         }
-        let e = "wbp:2".parse::<Policy>().unwrap_err();
-        assert!(e.contains("not available"), "{e}");
+        for (text, peers, rule) in [
+            ("wbp:1", 1, PeerRule::Any),
+            ("wbp:2:remote", 2, PeerRule::Remote),
+            ("wbp:4:local", 4, PeerRule::Local),
+        ] {
+            let p: Policy = text.parse().unwrap();
+            assert_eq!(p, Policy::Wbp { peers, rule });
+            assert_eq!(Policy::from_code(p.code()), Some(p));
+            assert_eq!(p.to_string().parse::<Policy>(), Ok(p));
+            assert_eq!(p.peers(), peers as usize);
+        }
+        assert_eq!("wbp:2:any".parse::<Policy>().unwrap().to_string(), "wbp:2");
+        for bad in [
+            "wbp",
+            "wbp:0",
+            "wbp:5",
+            "wbp:x",
+            "wbp:1:rack",
+            "wbp:1:any:x",
+        ] {
+            let e = bad.parse::<Policy>().unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+        assert!(PeerRule::Local.allows("r1", "r1") && !PeerRule::Local.allows("r1", "r2"));
+        assert!(PeerRule::Remote.allows("r1", "r2") && !PeerRule::Remote.allows("r1", "r1"));
+        assert!(PeerRule::Any.allows("r1", "r1") && PeerRule::Any.allows("r1", "r2"));
         let e = "fast".parse::<Policy>().unwrap_err();
         assert!(
             e.contains("unknown policy") && e.contains("uncached"),

@@ -54,8 +54,12 @@ use datastore::device::blocking;
 use datastore::Extent;
 
 use crate::flow::{self, Ewma, Signals, Triggers};
+use crate::replica::{PeerReport, ReplicaWrite, Replicator};
 use crate::window::{self, Closing, Source, Staged};
 use crate::Error;
+
+mod replicas;
+pub use replicas::{ReplicaInfo, ReplicaRefusal};
 
 /// Largest payload of one log record; larger writes are split into parts sharing one `ser`.
 /// Small segments lower it further ([`Shared::record_max`]).
@@ -203,6 +207,8 @@ struct VolState {
     destage: DestageState,
     /// A policy change is draining dirty data.
     draining: bool,
+    /// The volume's peers while it is in `wbp`.
+    replicator: Option<Arc<dyn Replicator>>,
 }
 
 /// Log bytes of one staged record (`cachelog::format::log_bytes`).
@@ -287,6 +293,8 @@ pub struct CacheReport {
     pub replaying: bool,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,
+    /// The volume's peers in `wbp`.
+    pub peers: Vec<PeerReport>,
 }
 
 /// Dirty data recovered for one volume at start-up.
@@ -307,6 +315,10 @@ struct Recovered {
     /// record with a new write of the same `ser`.
     void_upto: u64,
     degraded: Option<String>,
+    /// The writes are replicas: this host was the volume's peer, not its owner.
+    replica: bool,
+    /// Without replay, the volume starts at least this generation ([`CacheHost::raise_gen`]).
+    min_gen: u64,
 }
 
 impl Recovered {
@@ -321,6 +333,8 @@ impl Recovered {
             pinned_by_host: self.pinned_by_host,
             void_upto: self.void_upto,
             degraded: self.degraded.clone(),
+            replica: self.replica,
+            min_gen: self.min_gen,
         }
     }
 }
@@ -377,6 +391,10 @@ pub struct CacheHost {
     shared: Arc<Shared>,
     vols: Mutex<Vec<Arc<VolCache>>>,
     recovered: Mutex<HashMap<Uuid, Recovered>>,
+    /// Other hosts' volumes this host is a peer of ([`replicas`]).
+    replicas: Mutex<HashMap<Uuid, replicas::ReplicaSet>>,
+    /// The lowest generation the next attach of a volume may start ([`CacheHost::raise_gen`]).
+    gen_floor: Mutex<HashMap<Uuid, u64>>,
 }
 
 impl CacheHost {
@@ -421,7 +439,27 @@ impl CacheHost {
             r.pinned_by_host = true;
         }
         log.finish_recovery().map_err(log_err)?;
+        let mut sets = HashMap::new();
+        for id in recovered
+            .iter()
+            .filter(|(_, r)| r.replica)
+            .map(|(id, _)| *id)
+            .collect::<Vec<_>>()
+        {
+            let r = recovered.remove(&id).expect("present");
+            if !r.writes.is_empty() {
+                info!(
+                    "cache log holds {} replicated write(s) of volume {id} (generation {}) \
+                     as a peer",
+                    r.writes.len(),
+                    r.gen
+                );
+                sets.insert(id, replicas::from_recovered(r));
+            }
+        }
         Ok(Arc::new(CacheHost {
+            replicas: Mutex::new(sets),
+            gen_floor: Mutex::new(HashMap::new()),
             shared: Arc::new(Shared {
                 log,
                 vols: Mutex::new(Vec::new()),
@@ -455,7 +493,13 @@ impl CacheHost {
         mode: Mode,
         opts: VolOpts,
     ) -> Result<Arc<VolCache>, Error> {
-        let rec = lock(&self.recovered).remove(&id).unwrap_or_default();
+        if lock(&self.replicas).contains_key(&id) {
+            return Err(Error::Cache(format!(
+                "this host holds replicas of volume {id} as a peer; replay or drop them first"
+            )));
+        }
+        let mut rec = lock(&self.recovered).remove(&id).unwrap_or_default();
+        rec.min_gen = lock(&self.gen_floor).get(&id).copied().unwrap_or(0);
         let held: Vec<Loc> = if rec.pinned_by_host {
             rec.writes.iter().flatten().map(|s| s.loc).collect()
         } else {
@@ -576,7 +620,7 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
         // this cache, fully destaged or deliberately dropped, whose records may linger in
         // freed segments.
         let newest = log.meta(s.header.volume).max_gen;
-        if matches!(s.header.kind, Kind::Data | Kind::Zero) && s.header.gen == newest {
+        if s.header.kind.is_write() && s.header.gen == newest {
             by_vol
                 .entry(s.header.volume)
                 .or_default()
@@ -599,6 +643,10 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
             ..Recovered::default()
         };
         let groups = by_vol.remove(&id).unwrap_or_default();
+        r.replica = groups
+            .values()
+            .next()
+            .is_some_and(|p| p[0].header.kind.is_replica());
         r.void_upto = groups
             .keys()
             .next_back()
@@ -702,7 +750,7 @@ impl VolCache {
         let gen = if replaying {
             rec.gen.max(1)
         } else {
-            shared.log.meta(id).max_gen + 1
+            (shared.log.meta(id).max_gen + 1).max(rec.min_gen)
         };
         // Without replay the void range is checkpointed at once; with replay, when it ends.
         let checkpoint = if replaying {
@@ -733,6 +781,7 @@ impl VolCache {
                 degraded: rec.degraded,
                 destage: DestageState::default(),
                 draining: false,
+                replicator: None,
             }),
             changed: Notify::new(),
             ds_latency: Mutex::new(Ewma::new(0.1)),
@@ -811,6 +860,23 @@ impl VolCache {
 
     pub fn mode(&self) -> Mode {
         lock(&self.st).mode
+    }
+
+    pub fn gen(&self) -> u64 {
+        lock(&self.st).gen
+    }
+
+    /// Whether the volume is in `wbp` with every peer taking writes.
+    pub fn replicating(&self) -> bool {
+        lock(&self.st)
+            .replicator
+            .as_ref()
+            .is_some_and(|p| p.healthy())
+    }
+
+    /// Whether the volume is in `wbp` (healthy or not).
+    pub fn has_peers(&self) -> bool {
+        lock(&self.st).replicator.is_some()
     }
 
     /// Indexes and stages one dirty record (caller holds the state lock).
@@ -1139,23 +1205,52 @@ impl VolCache {
         self.admit(len).await?;
         let (ser, gen) = self.gatekeep(offset, len).await;
         let done = Completion { v: self, ser };
-        let mode = lock(&self.st).mode;
+        let (mode, peers) = {
+            let st = lock(&self.st);
+            (st.mode, st.replicator.clone())
+        };
+        // In wbp, a write whose peers did not all take it completes only once it is on the
+        // datastore, as in wt (DESIGN §4, network failure).
+        let mut through = false;
         match mode {
             Mode::Wb => {
-                let recs = self
-                    .append_write(kind, ser, gen, offset, len, data.as_ref())
-                    .await?;
-                let mut st = lock(&self.st);
-                for p in &recs {
-                    let src = if kind == Kind::Zero {
-                        IxSrc::Zero
-                    } else {
-                        IxSrc::Rec(p.loc)
-                    };
-                    self.stage(&mut st, ser, p.offset, p.len, src, p.loc, p.ticket);
+                let local = self.append_write(kind, ser, gen, offset, len, data.as_ref());
+                let remote = async {
+                    match &peers {
+                        Some(p) => {
+                            p.write(ReplicaWrite {
+                                gen,
+                                ser,
+                                offset,
+                                len,
+                                data: data.clone(),
+                            })
+                            .await
+                        }
+                        None => Ok(()),
+                    }
+                };
+                let (recs, remote) = tokio::join!(local, remote);
+                let recs = recs?;
+                {
+                    let mut st = lock(&self.st);
+                    for p in &recs {
+                        let src = if kind == Kind::Zero {
+                            IxSrc::Zero
+                        } else {
+                            IxSrc::Rec(p.loc)
+                        };
+                        self.stage(&mut st, ser, p.offset, p.len, src, p.loc, p.ticket);
+                    }
                 }
-                drop(st);
                 self.unpin_all(&recs);
+                if let (Err(e), Some(p)) = (remote, &peers) {
+                    // The write is staged, but it must not complete (nor let a later write
+                    // complete, nor be destaged) while a peer that lacks it could still
+                    // replay the volume.
+                    self.peer_failed(p, &e).await;
+                    through = true;
+                }
             }
             Mode::Wt => {
                 self.write_through(kind, ser, gen, offset, len, data, fua)
@@ -1165,6 +1260,9 @@ impl VolCache {
         drop(done);
         // Complete in ser order: see the module doc.
         self.wait_until(|st| st.done_ser >= ser).await;
+        if through {
+            self.wait_destaged(ser).await?;
+        }
         if mode == Mode::Wb {
             // Wake the destager only for a window it would take: a held volume's writes would
             // otherwise wake it once each for nothing (it looks again every DESTAGER_IDLE).
@@ -1172,7 +1270,12 @@ impl VolCache {
                 self.shared.wake.notify_one();
             }
             if fua {
-                self.sync().await?;
+                // Durable on stable media: the cache device's, and in wbp every peer's.
+                if peers.is_some() {
+                    self.flush().await?;
+                } else {
+                    self.sync().await?;
+                }
             }
             self.throttle(started).await;
         }
@@ -1294,12 +1397,78 @@ impl VolCache {
         .map_err(|e| Error::Cache(e.to_string()))
     }
 
-    /// FLUSH: in `wb`, completed writes are on the cache device once it is synced; in `wt`
-    /// they are on the datastore, which is flushed.
+    /// FLUSH: in `wb`, completed writes are on the cache device once it is synced; in
+    /// `wbp`, on every peer's as well (the flush is forwarded); in `wt` they are on the
+    /// datastore, which is flushed.
     pub async fn flush(&self) -> Result<(), Error> {
-        match self.mode() {
-            Mode::Wb => self.sync().await,
-            Mode::Wt => self.store.flush().await.map_err(Error::Datastore),
+        let (mode, peers, done) = {
+            let st = lock(&self.st);
+            (st.mode, st.replicator.clone(), st.done_ser)
+        };
+        match (mode, peers) {
+            (Mode::Wb, None) => self.sync().await,
+            (Mode::Wb, Some(p)) => {
+                let (local, remote) = tokio::join!(self.sync(), p.flush());
+                local?;
+                if let Err(e) = remote {
+                    // Durable only locally: the writes this flush covers count once they
+                    // are on the datastore (a checkpoint follows a datastore flush).
+                    self.peer_failed(&p, &e).await;
+                    self.wait_destaged(done).await?;
+                }
+                Ok(())
+            }
+            (Mode::Wt, _) => self.store.flush().await.map_err(Error::Datastore),
+        }
+    }
+
+    /// A peer failed a write or flush: waits until the failed peers are out of the vault
+    /// (retrying; meanwhile nothing more of the volume completes). See [`Replicator`].
+    async fn peer_failed(&self, p: &Arc<dyn Replicator>, e: &str) {
+        let mut warned = false;
+        loop {
+            match p.exclude_failed().await {
+                Ok(()) => return,
+                Err(why) => {
+                    if !warned {
+                        warn!(
+                            "volume {:?}: a peer failed ({e}) and it cannot be excluded yet \
+                             ({why}); writes wait",
+                            self.name
+                        );
+                        warned = true;
+                    }
+                    lock(&self.st).degraded.get_or_insert(format!(
+                        "a peer failed ({e}); waiting to exclude it: {why}"
+                    ));
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+    }
+
+    /// Waits until the datastore holds every write up to `ser` (a checkpoint at or above it).
+    async fn wait_destaged(&self, ser: u64) -> Result<(), Error> {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            {
+                let st = lock(&self.st);
+                if st.checkpoint >= ser {
+                    return Ok(());
+                }
+                if self.shared.log.is_failed() {
+                    return Err(Error::Cache(
+                        "the cache device failed before the write reached the datastore".into(),
+                    ));
+                }
+            }
+            self.shared.wake.notify_one();
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
         }
     }
 
@@ -1609,6 +1778,9 @@ impl VolCache {
             self.shared.log.unpin(&w.rec);
         }
         st.checkpoint = recorded;
+        if let Some(p) = &st.replicator {
+            p.checkpoint(gen, recorded);
+        }
         if st.destage.error.is_some() {
             info!("volume {:?}: destaging recovered", self.name);
         }
@@ -1761,18 +1933,25 @@ impl VolCache {
         (st.recovered_upto, st.void_upto)
     }
 
-    /// Switches between `wt` and `wb` on a volume with no IO in flight (the caller paused
-    /// it). Going to `wt` requires the volume drained; it bumps `gen`. The sequence so far is
-    /// checkpointed so recovery never looks below it.
-    pub fn switch_mode(&self, mode: Mode) -> Result<(), Error> {
+    /// The generation and checkpoint a switch ([`VolCache::switch_mode`]) would start: what
+    /// the caller records in the vault before it switches.
+    pub fn switch_marks(&self) -> (u64, u64) {
+        let st = lock(&self.st);
+        (st.gen + 1, st.next_ser - 1)
+    }
+
+    /// Switches between `wt`, `wb` and `wbp` (`wb` with `peers`) on a drained volume with no
+    /// IO in flight (the caller paused it). Every switch starts a new generation, so that
+    /// copies of the old one (a dropped peer's, an earlier life's) are never mistaken for the
+    /// new; the sequence so far is checkpointed so recovery never looks below it.
+    pub fn switch_mode(&self, mode: Mode, peers: Option<Arc<dyn Replicator>>) -> Result<(), Error> {
         let (gen, next) = {
             let mut st = lock(&self.st);
             assert!(st.in_flight.is_empty(), "mode switch with writes in flight");
             assert!(st.staged.is_empty(), "mode switch before draining");
-            if mode == Mode::Wt && st.mode == Mode::Wb {
-                st.gen += 1;
-            }
+            st.gen += 1;
             st.mode = mode;
+            st.replicator = if mode == Mode::Wb { peers } else { None };
             st.checkpoint = st.next_ser - 1;
             (st.gen, st.next_ser)
         };
@@ -1801,10 +1980,16 @@ impl VolCache {
         let hits = self.counters.read_hit_bytes.load(Ordering::Relaxed);
         let misses = self.counters.read_miss_bytes.load(Ordering::Relaxed);
         CacheReport {
-            mode: match st.mode {
-                Mode::Wt => "wt".into(),
-                Mode::Wb => "wb".into(),
+            mode: match (st.mode, &st.replicator) {
+                (Mode::Wt, _) => "wt".into(),
+                (Mode::Wb, None) => "wb".into(),
+                (Mode::Wb, Some(p)) => format!("wbp:{}", p.report().len()),
             },
+            peers: st
+                .replicator
+                .as_ref()
+                .map(|p| p.report())
+                .unwrap_or_default(),
             gen: st.gen,
             dirty_bytes: st.dirty_bytes,
             dirty_writes: writes_among(st.staged.iter().map(|w| w.w.ser)),

@@ -10,10 +10,13 @@
 //! then pause new IO for the brief moment it takes to destage the last writes and switch.
 //!
 //! - [`window`] and [`flow`]: the destager's window selection and flow-control math (pure).
-//! - [`cache`]: the cache host, the destager, and the `wt`/`wb` paths.
+//! - [`cache`]: the cache host, the destager, the `wt`/`wb`/`wbp` paths, and the copies a
+//!   host keeps of other hosts' writes as their peer.
+//! - [`replica`]: what the `wbp` path needs from peers (implemented by the daemon).
 
 pub mod cache;
 pub mod flow;
+pub mod replica;
 pub mod window;
 
 use std::io;
@@ -99,9 +102,14 @@ fn mode_of(p: Policy) -> Option<Mode> {
     match p {
         Policy::Uncached => None,
         Policy::Wt => Some(Mode::Wt),
-        Policy::Wb => Some(Mode::Wb),
+        Policy::Wb | Policy::Wbp { .. } => Some(Mode::Wb),
     }
 }
+
+/// Runs inside a policy change, after the volume is drained and paused and before it
+/// switches: given the generation and checkpoint the switch starts, it records them (the
+/// daemon writes the vault and opens the new peers). If it fails, nothing changes.
+pub type SwitchHook = Box<dyn FnOnce(u64, u64) -> replica::BoxFuture<Result<(), String>> + Send>;
 
 impl Volume {
     /// Opens a volume with `policy`. A cached policy needs the host's cache; so does a volume
@@ -120,7 +128,12 @@ impl Volume {
                 .any(|(v, _, n)| *v == id && *n > 0)
         });
         let mut effective = policy;
-        if dirty_in_log && policy != Policy::Wb {
+        if let Policy::Wbp { .. } = policy {
+            // Peers come later (the daemon picks them and calls set_policy_with); until then
+            // writes go through to the datastore (DESIGN §4: a restarted owner finds wt).
+            effective = Policy::Wt;
+        }
+        if dirty_in_log && effective != Policy::Wb {
             // Only wb replays: the policy recorded may lag a change that was interrupted.
             info!(
                 "volume {name:?}: the cache log holds dirty data for it; replaying it in wb \
@@ -305,10 +318,31 @@ impl Volume {
     /// Changes the policy at run time (DESIGN §3, Transitions). Leaving `wb` drains dirty data
     /// under flow control while IO goes on, then pauses IO only to destage the last writes.
     pub async fn set_policy(&self, new: Policy) -> Result<()> {
+        if let Policy::Wbp { .. } = new {
+            return Err(Error::Cache(format!(
+                "policy {new} needs peers: the daemon sets it with set_policy_with"
+            )));
+        }
+        self.set_policy_with(new, None, None).await
+    }
+
+    /// Changes the policy, entering `wbp` with `peers` (required for `wbp`, ignored
+    /// otherwise), with `hook` run between drain and switch ([`SwitchHook`]). Entering
+    /// `wbp` again with new peers (after a peer failed) is a change too.
+    pub async fn set_policy_with(
+        &self,
+        new: Policy,
+        peers: Option<Arc<dyn replica::Replicator>>,
+        hook: Option<SwitchHook>,
+    ) -> Result<()> {
         let _one = self.transition.lock().await;
         let old = self.policy();
-        if old == new {
+        let renew = matches!(new, Policy::Wbp { .. });
+        if old == new && !renew {
             return Ok(());
+        }
+        if renew && peers.is_none() {
+            return Err(Error::Cache(format!("policy {new} needs peers")));
         }
         let host = self
             .host
@@ -335,23 +369,41 @@ impl Volume {
             if new == Policy::Wb {
                 self.store.flush().await.map_err(Error::Datastore)?;
             }
-            match (&route, mode_of(new)) {
-                (Route::Uncached, Some(mode)) => {
+            let route = match (&route, mode_of(new)) {
+                (Route::Uncached, Some(_)) => {
+                    // Attached in wt first; the switch below starts the generation the hook
+                    // records.
                     let c = host.attach(
                         self.id,
                         &self.name,
                         self.store.clone(),
-                        mode,
+                        Mode::Wt,
                         VolOpts::from_tuning(&self.tuning()),
                     )?;
-                    *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Cached(c);
+                    *self.route.write().unwrap_or_else(|e| e.into_inner()) =
+                        Route::Cached(c.clone());
+                    *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
+                    Route::Cached(c)
                 }
-                (Route::Cached(c), Some(mode)) => c.switch_mode(mode)?,
+                _ => route.clone(),
+            };
+            match (&route, mode_of(new)) {
+                (Route::Cached(c), Some(mode)) => {
+                    if let Some(h) = hook {
+                        let (gen, checkpoint) = c.switch_marks();
+                        h(gen, checkpoint).await.map_err(Error::Cache)?;
+                    }
+                    c.switch_mode(mode, peers)?
+                }
                 (Route::Cached(c), None) => {
+                    if let Some(h) = hook {
+                        let (gen, checkpoint) = c.switch_marks();
+                        h(gen, checkpoint).await.map_err(Error::Cache)?;
+                    }
                     host.detach(c);
                     *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
                 }
-                (Route::Uncached, None) => {}
+                (Route::Uncached, _) => {}
             }
             Ok(())
         }

@@ -132,7 +132,8 @@ enum VolumeCmd {
         /// balancing models place it on, with the reason printed).
         #[arg(long)]
         datastore: Option<String>,
-        /// Cache policy: uncached, wt (write-through) or wb (write-back).
+        /// Cache policy: uncached, wt (write-through), wb (write-back), or wbp:P[:rule]
+        /// (write-back with P peer hosts; rule local, remote or any fault domain).
         #[arg(long)]
         policy: Option<String>,
         #[command(flatten)]
@@ -142,7 +143,7 @@ enum VolumeCmd {
     /// first destages all dirty data.
     Policy {
         name: String,
-        /// uncached, wt or wb.
+        /// uncached, wt, wb, or wbp:P[:local|remote|any].
         policy: String,
         #[command(flatten)]
         tuning: TuningArgs,
@@ -598,6 +599,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     lat(Some(c.throttle_delay_us_total)),
                     c.stalls
                 );
+                for p in &c.peers {
+                    println!(
+                        "  peer       {}: acknowledged write {}, {} behind{}",
+                        p.host,
+                        p.acked_ser,
+                        p.lag_writes,
+                        p.error
+                            .as_ref()
+                            .map(|e| format!("; FAILED: {e}"))
+                            .unwrap_or_default()
+                    );
+                }
                 if c.replaying {
                     println!("  replaying  dirty data from before a crash; writes wait");
                 }

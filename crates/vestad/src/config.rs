@@ -55,6 +55,11 @@ pub struct ClusterConfig {
     /// Seconds the host's lease lives without renewal (3–60). Datastore writes stop after
     /// half of it without a renewal.
     pub lease_ttl_s: u64,
+    /// Where other hosts send this host their writes when it is a `wbp` peer (`ip:port`;
+    /// port 0 picks a free one, published through the coordinator). Empty: with `etcd`, the
+    /// admin API's address with a free port; without, no peer listener (one host has no
+    /// peers).
+    pub peer_listen: String,
 }
 
 impl Default for ClusterConfig {
@@ -65,6 +70,7 @@ impl Default for ClusterConfig {
             fault_domain: "default".into(),
             prefix: "/vesta".into(),
             lease_ttl_s: LEASE_TTL_DEFAULT_S,
+            peer_listen: String::new(),
         }
     }
 }
@@ -87,7 +93,30 @@ impl ClusterConfig {
             .unwrap_or_else(|| "localhost".into())
     }
 
+    /// The peer listener's address, if this host takes peers' writes; `api_listen` is the
+    /// admin API's address, whose IP the default shares.
+    pub fn peer_addr(&self, api_listen: &str) -> Option<String> {
+        if !self.peer_listen.is_empty() {
+            return Some(self.peer_listen.clone());
+        }
+        if self.etcd.is_empty() {
+            return None;
+        }
+        let ip = api_listen
+            .parse::<std::net::SocketAddr>()
+            .map(|a| a.ip().to_string())
+            .unwrap_or_else(|_| "127.0.0.1".into());
+        Some(format!("{ip}:0"))
+    }
+
     fn validate(&self) -> anyhow::Result<()> {
+        if !self.peer_listen.is_empty() && self.peer_listen.parse::<std::net::SocketAddr>().is_err()
+        {
+            bail!(
+                "cluster.peer_listen = {:?} is not an ip:port address (e.g. \"10.0.0.5:7100\")",
+                self.peer_listen
+            );
+        }
         if !(3..=60).contains(&self.lease_ttl_s) {
             bail!(
                 "cluster.lease_ttl_s = {} is out of range: use 3 to 60 seconds",

@@ -90,16 +90,24 @@ pub struct VolumeEntry {
     attached: AtomicU32,
     /// Fired when the volume is deleted with force: its connections end.
     pub stop: StopHandle,
+    /// The policy asked for; the volume's own is the one in effect (a `wbp` volume runs in
+    /// `wt` while it has no peers).
+    wanted: Mutex<Policy>,
 }
 
 impl VolumeEntry {
     fn new(record: VolumeRecord, volume: Result<Arc<Volume>, String>) -> VolumeEntry {
         VolumeEntry {
+            wanted: Mutex::new(record.policy),
             record,
             volume,
             attached: AtomicU32::new(0),
             stop: StopHandle::new(),
         }
+    }
+
+    pub fn wanted(&self) -> Policy {
+        *self.wanted.lock().expect("lock")
     }
 
     pub fn connections(&self) -> u32 {
@@ -144,10 +152,12 @@ pub struct Daemon {
     /// neither acts on a volume object or record the other has replaced.
     /// (It maps the volume to the operation, `relocation` or `policy change`.)
     busy: Mutex<HashMap<String, &'static str>>,
+    /// `wbp`: this host's peer listener, failed peers, replays under way.
+    pub peers: crate::peers::PeerState,
 }
 
 /// A claim on a volume for one long operation; released when dropped.
-struct Busy<'a> {
+pub(crate) struct Busy<'a> {
     set: &'a Mutex<HashMap<String, &'static str>>,
     name: String,
 }
@@ -197,6 +207,7 @@ impl Daemon {
             admin: tokio::sync::Mutex::new(()),
             nbd: OnceLock::new(),
             api_addr: OnceLock::new(),
+            peers: Default::default(),
         };
         let state = d.coord.state().await?;
         for dc in &d.config.datastores {
@@ -302,6 +313,10 @@ impl Daemon {
         Ok(())
     }
 
+    pub(crate) fn store_pub(&self, name: &str) -> OpResult<Arc<dyn Datastore>> {
+        self.store(name)
+    }
+
     fn store(&self, name: &str) -> OpResult<Arc<dyn Datastore>> {
         let ds = self.datastores.read().expect("lock");
         match ds.get(name) {
@@ -328,6 +343,22 @@ impl Daemon {
             .open_volume(&rec.spec())
             .await
             .map_err(|e| e.to_string())?;
+        if let (Some(cache), Ok(Some(vault))) = (&self.cache, self.coord.vault(rec.id).await) {
+            // Another host replayed the volume since this host's log was written (online
+            // replay by a peer): its own dirty data is older than the datastore now, and
+            // replaying it would put old data over new.
+            if let Some(g) = cache.recovered_gen(rec.id) {
+                if vault.gen > g && vault.owner != self.coord.host() {
+                    let n = cache.discard_recovered(rec.id);
+                    warn!(
+                        "volume {:?}: host {:?} replayed it (vault generation {} > {g} here); \
+                         dropping the {n} write(s) this host's cache log still held for it",
+                        rec.name, vault.owner, vault.gen
+                    );
+                }
+            }
+            cache.raise_gen(rec.id, vault.gen);
+        }
         let v = Volume::open(
             rec.id,
             rec.name.clone(),
@@ -345,6 +376,9 @@ impl Daemon {
     /// Writes the volume's vault record as this host, its owner, sees it now. A failure is
     /// logged: the record bounds a contender's replay, the cache log stays the truth.
     async fn record_vault(&self, rec: &VolumeRecord, v: &Volume) {
+        if v.cache().is_some_and(|c| c.has_peers()) {
+            return; // in wbp its peer set keeps the vault (crate::peers)
+        }
         let me = self.coord.host().to_owned();
         let prev = match self.coord.vault(rec.id).await {
             Ok(p) => p,
@@ -517,7 +551,7 @@ impl Daemon {
             fault_domain: self.config.cluster.fault_domain.clone(),
             api: (!st.api.is_empty()).then(|| format!("http://{}", st.api)),
             nbd: st.nbd_tcp,
-            peer: None,
+            peer: self.peers.addr.get().cloned(),
             cache_bytes,
             cache_used_bytes,
             started_unix: 0,
@@ -848,6 +882,12 @@ impl Daemon {
             req.rpo_s,
         )?;
         self.check_cache_for(policy)?;
+        if matches!(policy, Policy::Wbp { .. }) && self.coord.kind() == "local" {
+            return Err(OpError::BadRequest(format!(
+                "policy {policy} needs peer hosts: configure a cluster ([cluster] etcd) with \
+                 enough other hosts"
+            )));
+        }
         let mut placement = None;
         let ds_name = match req.datastore {
             Some(d) => d,
@@ -927,11 +967,17 @@ impl Daemon {
             }
         };
         self.record_vault(&rec, &volume).await;
-        let entry = Arc::new(VolumeEntry::new(rec.clone(), Ok(volume)));
+        let entry = Arc::new(VolumeEntry::new(rec.clone(), Ok(volume.clone())));
         self.volumes
             .write()
             .expect("lock")
             .insert(rec.name.clone(), entry.clone());
+        if let Policy::Wbp { .. } = policy {
+            // Until it has peers it runs in wt; the peer round keeps trying.
+            if let Err(e) = crate::peers::establish(self, &rec.name, &volume, policy).await {
+                warn!("volume {:?}: in wt for now: {e}", rec.name);
+            }
+        }
         info!(
             "created volume {:?} ({}) on datastore {:?}, policy {}",
             rec.name,
@@ -952,6 +998,11 @@ impl Daemon {
 
     /// Claims `name` for a long operation (`what`: `relocation` or `policy change`), or says
     /// which one is already under way.
+    /// A claim on a volume if nothing else holds one.
+    pub(crate) fn try_claim(&self, name: &str, what: &'static str) -> Option<Busy<'_>> {
+        self.claim(name, what).ok()
+    }
+
     fn claim(&self, name: &str, what: &'static str) -> OpResult<Busy<'_>> {
         let mut set = self.busy.lock().expect("lock");
         if let Some(other) = set.get(name) {
@@ -1283,10 +1334,23 @@ impl Daemon {
         self.check_cache_for(policy)?;
         let tuning = tuning_from(volume.tuning(), req.hold_s, req.max_dirty_age_s, req.rpo_s)?;
         volume.set_tuning(tuning);
-        volume
-            .set_policy(policy)
-            .await
-            .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+        if let Policy::Wbp { .. } = policy {
+            if self.coord.kind() == "local" {
+                return Err(OpError::BadRequest(format!(
+                    "policy {policy} needs peer hosts: configure a cluster ([cluster] etcd) \
+                     with enough other hosts"
+                )));
+            }
+            crate::peers::establish(self, name, &volume, policy)
+                .await
+                .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+        } else {
+            volume
+                .set_policy(policy)
+                .await
+                .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+        }
+        *entry.wanted.lock().expect("lock") = policy;
         // The record follows the volume only once the change is complete: a crash before that
         // leaves the old policy recorded, and the cache log's own policy record decides.
         let _admin = self.admin.lock().await;
@@ -1452,6 +1516,16 @@ fn cache_info(r: CacheReport) -> api::CacheInfo {
         replaying: r.replaying,
         degraded: r.degraded,
         destage_error: r.destage_error,
+        peers: r
+            .peers
+            .into_iter()
+            .map(|p| api::PeerInfo {
+                lag_writes: r.last_ser.saturating_sub(p.acked_ser),
+                host: p.host,
+                acked_ser: p.acked_ser,
+                error: p.error,
+            })
+            .collect(),
     }
 }
 

@@ -8,6 +8,7 @@ mod balancing;
 mod config;
 mod daemon;
 mod exports;
+mod peers;
 mod stats;
 
 /// Test-only fault injection (`--test-faults`).
@@ -259,6 +260,23 @@ async fn run(args: Args) -> anyhow::Result<()> {
         tokio::spawn(host.clone().run_destager(move || stopped.is_stopped()));
     }
 
+    // This host as other hosts' wbp peer.
+    if let (Some(addr), Some(host)) = (config.cluster.peer_addr(&config.api.listen), &cache) {
+        let l = std::net::TcpListener::bind(&addr).map_err(|e| {
+            anyhow!("cannot listen for peers on {addr}: {e}; choose another [cluster] peer_listen")
+        })?;
+        let bound = l.local_addr()?.to_string();
+        peer::serve(
+            l,
+            Arc::new(peers::PeerService {
+                host: daemon.coord.host().to_owned(),
+                cache: host.clone(),
+            }),
+        )?;
+        info!("taking peers' writes on {bound}");
+        let _ = daemon.peers.addr.set(bound);
+    }
+
     let stop = StopHandle::new();
     let (tracker, waiter) = ConnTracker::new();
     let exports = Arc::new(Exports(daemon.clone()));
@@ -298,6 +316,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     tokio::spawn(stats::run(daemon.clone(), stop.subscribe()));
     tokio::spawn(retry_unavailable(daemon.clone(), stop.subscribe()));
+    tokio::spawn(peers::run(daemon.clone(), stop.subscribe()));
 
     // Handlers go in before the ready file: a SIGTERM sent as soon as it appears must drain.
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

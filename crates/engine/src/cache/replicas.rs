@@ -1,0 +1,435 @@
+//! The copies this host keeps of other hosts' writes as their `wbp` peer (DESIGN §4).
+//!
+//! A peer appends each write it receives to its own cache log as a replica record, under the
+//! volume's UUID and the owner's `gen` and `ser`, and keeps it (pinned) until the owner's
+//! forwarded checkpoint covers it. A checkpoint is appended to the log before the records it
+//! covers are released, and a released segment is reused only after a later sync, so after a
+//! crash the scan finds every replica above the newest checkpoint it can find: a contiguous
+//! run of the owner's sequence, never a gap under data it still holds.
+//!
+//! When the owner dies, the daemon promotes a volume's replicas ([`CacheHost::promote_replicas`]):
+//! they become recovered dirty data, the volume attaches, and the ordinary replay destages
+//! them in `ser` order (online replay).
+
+use super::*;
+
+/// Longest a replica append waits for log space (the owner's checkpoints free it) before the
+/// write is refused and the owner drops this peer.
+const SPACE_WAIT: Duration = Duration::from_secs(5);
+
+/// Why a replica request was not taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplicaRefusal {
+    Failed(String),
+    /// The request is for an older generation than this host holds: its sender is stale.
+    Stale(String),
+}
+
+/// One volume's replicas on this host.
+#[derive(Debug, Default)]
+pub(super) struct ReplicaSet {
+    /// The owner that sent them ("" if they were found by the recovery scan).
+    from: String,
+    gen: u64,
+    checkpoint: u64,
+    /// Writes above the checkpoint by `ser`, each with its records (parts), all pinned.
+    writes: BTreeMap<u64, Vec<Scanned>>,
+    bytes: u64,
+}
+
+/// What `vesta host` and the daemon's replay watcher see of one volume's replicas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaInfo {
+    pub volume: Uuid,
+    pub from: String,
+    pub gen: u64,
+    pub checkpoint: u64,
+    /// The highest `ser` held (0 if none).
+    pub last_ser: u64,
+    pub writes: u64,
+    pub bytes: u64,
+}
+
+/// A replica record as the owner's own would read: what replay stages.
+fn as_owned(mut s: Scanned) -> Scanned {
+    s.header.kind = match s.header.kind {
+        Kind::Replica => Kind::Data,
+        Kind::ReplicaZero => Kind::Zero,
+        k => k,
+    };
+    s
+}
+
+impl ReplicaSet {
+    fn release(&mut self, log: &Log, upto: u64) {
+        let keep = self.writes.split_off(&(upto + 1));
+        for s in std::mem::replace(&mut self.writes, keep)
+            .into_values()
+            .flatten()
+        {
+            if s.header.kind == Kind::Replica {
+                self.bytes -= s.header.len;
+            }
+            log.unpin(&s.loc);
+        }
+    }
+
+    fn info(&self, volume: Uuid) -> ReplicaInfo {
+        ReplicaInfo {
+            volume,
+            from: self.from.clone(),
+            gen: self.gen,
+            checkpoint: self.checkpoint,
+            last_ser: self.writes.keys().next_back().copied().unwrap_or(0),
+            writes: self.writes.len() as u64,
+            bytes: self.bytes,
+        }
+    }
+}
+
+/// Turns what the recovery scan found for a volume this host was a peer of back into a set.
+pub(super) fn from_recovered(r: Recovered) -> ReplicaSet {
+    let mut set = ReplicaSet {
+        gen: r.gen,
+        checkpoint: r.checkpoint,
+        ..ReplicaSet::default()
+    };
+    for parts in r.writes {
+        let ser = parts[0].header.ser;
+        set.bytes += parts
+            .iter()
+            .filter(|p| p.header.kind == Kind::Replica)
+            .map(|p| p.header.len)
+            .sum::<u64>();
+        set.writes.insert(ser, parts);
+    }
+    set
+}
+
+impl CacheHost {
+    fn refuse_if_own(&self, volume: Uuid) -> Result<(), ReplicaRefusal> {
+        if lock(&self.vols).iter().any(|v| v.id == volume) {
+            return Err(ReplicaRefusal::Failed(format!(
+                "volume {volume} is served by this host; it cannot be its own peer"
+            )));
+        }
+        Ok(())
+    }
+
+    fn append_meta_for(&self, volume: Uuid, ser: u64, gen: u64) -> Result<(), ReplicaRefusal> {
+        let e = Entry {
+            kind: Kind::Checkpoint,
+            volume,
+            ser,
+            gen,
+            offset: 0,
+            len: 0,
+            arg: 0,
+        };
+        let (loc, _) = self
+            .shared
+            .log
+            .append(&e, &[])
+            .map_err(|e| ReplicaRefusal::Failed(format!("cache log: {e}")))?;
+        self.shared.log.unpin(&loc);
+        Ok(())
+    }
+
+    /// The owner `from` starts replicating generation `gen` of `volume`, whose writes up to
+    /// `checkpoint` are on the datastore. Copies of older generations are dropped; a request
+    /// for an older generation than this host holds is refused as stale.
+    pub fn replica_open(
+        &self,
+        from: &str,
+        volume: Uuid,
+        gen: u64,
+        checkpoint: u64,
+    ) -> Result<(), ReplicaRefusal> {
+        self.refuse_if_own(volume)?;
+        let log = &self.shared.log;
+        let mut sets = lock(&self.replicas);
+        let set = sets.entry(volume).or_default();
+        if set.gen > gen {
+            return Err(ReplicaRefusal::Stale(format!(
+                "this host holds generation {} of volume {volume}, newer than {gen}",
+                set.gen
+            )));
+        }
+        if set.gen < gen {
+            set.release(log, u64::MAX);
+            set.gen = gen;
+            set.checkpoint = 0;
+        }
+        set.from = from.to_owned();
+        set.release(log, checkpoint);
+        set.checkpoint = set.checkpoint.max(checkpoint);
+        // Recorded so a scan knows the generation and where its replicas start.
+        let ckpt = set.checkpoint;
+        drop(sets);
+        self.append_meta_for(volume, ckpt, gen)
+    }
+
+    /// Appends one replicated write. Blocks while the log is full, up to [`SPACE_WAIT`].
+    pub fn replica_write(
+        &self,
+        volume: Uuid,
+        gen: u64,
+        ser: u64,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+    ) -> Result<(), ReplicaRefusal> {
+        {
+            let sets = lock(&self.replicas);
+            match sets.get(&volume) {
+                None => {
+                    return Err(ReplicaRefusal::Failed(format!(
+                        "volume {volume} was not opened for replication here"
+                    )))
+                }
+                Some(s) if s.gen > gen => {
+                    return Err(ReplicaRefusal::Stale(format!(
+                        "this host holds generation {} of volume {volume}, newer than {gen}",
+                        s.gen
+                    )))
+                }
+                Some(s) if s.gen < gen || ser <= s.checkpoint => {
+                    return Err(ReplicaRefusal::Failed(format!(
+                        "write {ser} of generation {gen} does not follow generation {} \
+                         checkpoint {} (open first)",
+                        s.gen, s.checkpoint
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+        let kind = if data.is_some() {
+            Kind::Replica
+        } else {
+            Kind::ReplicaZero
+        };
+        let record_max = self.shared.record_max();
+        let parts = if data.is_some() {
+            len.div_ceil(record_max).max(1)
+        } else {
+            1
+        };
+        let mut out: Vec<Scanned> = Vec::with_capacity(parts as usize);
+        let log = &self.shared.log;
+        let fail = |out: &[Scanned], why: String| {
+            for s in out {
+                log.unpin(&s.loc);
+            }
+            ReplicaRefusal::Failed(why)
+        };
+        for i in 0..parts {
+            let (poff, plen) = if data.is_some() {
+                (i * record_max, (len - i * record_max).min(record_max))
+            } else {
+                (0, len)
+            };
+            let e = Entry {
+                kind,
+                volume,
+                ser,
+                gen,
+                offset: offset + poff,
+                len: plen,
+                arg: (parts << 32) | i,
+            };
+            let payload = data.map_or(&[][..], |d| &d[poff as usize..(poff + plen) as usize]);
+            let started = Instant::now();
+            let loc = loop {
+                match log.append(&e, payload) {
+                    Ok((loc, _)) => break loc,
+                    Err(LogError::NoSpace) if started.elapsed() < SPACE_WAIT => {
+                        // Freed segments become reusable after a sync.
+                        let _ = log.sync();
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    Err(err) => return Err(fail(&out, format!("cache log: {err}"))),
+                }
+            };
+            out.push(Scanned {
+                header: cachelog::format::Header {
+                    kind,
+                    seg_seq: 0,
+                    volume,
+                    ser,
+                    gen,
+                    offset: e.offset,
+                    len: plen,
+                    arg: e.arg,
+                    payload_crc: 0,
+                    data_at: 0,
+                },
+                loc,
+                intact: true,
+            });
+        }
+        let mut sets = lock(&self.replicas);
+        match sets.get_mut(&volume) {
+            // The set moved on meanwhile (a newer open or a drop): these are not wanted.
+            Some(s) if s.gen == gen && ser > s.checkpoint => {
+                s.bytes += len * u64::from(data.is_some());
+                if let Some(old) = s.writes.insert(ser, out) {
+                    for r in old {
+                        s.bytes -= r.header.len * u64::from(r.header.kind == Kind::Replica);
+                        log.unpin(&r.loc);
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(fail(
+                &out,
+                "replication of the volume ended meanwhile".into(),
+            )),
+        }
+    }
+
+    /// The owner's checkpoint: copies up to `ser` are no longer needed.
+    pub fn replica_checkpoint(
+        &self,
+        volume: Uuid,
+        gen: u64,
+        ser: u64,
+    ) -> Result<(), ReplicaRefusal> {
+        let mut sets = lock(&self.replicas);
+        let Some(set) = sets.get_mut(&volume) else {
+            return Ok(());
+        };
+        if set.gen != gen || ser <= set.checkpoint {
+            return Ok(());
+        }
+        drop(sets);
+        // The checkpoint goes into the log before the records it covers are released.
+        self.append_meta_for(volume, ser, gen)?;
+        let mut sets = lock(&self.replicas);
+        if let Some(set) = sets.get_mut(&volume).filter(|s| s.gen == gen) {
+            set.release(&self.shared.log, ser);
+            set.checkpoint = set.checkpoint.max(ser);
+        }
+        Ok(())
+    }
+
+    /// Drops every copy of `volume` of a generation up to `gen`: they are stale (the owner
+    /// moved on, or another host replayed them).
+    pub fn replica_drop(&self, volume: Uuid, gen: u64) -> Result<(), ReplicaRefusal> {
+        let mut sets = lock(&self.replicas);
+        let Some(set) = sets.get(&volume) else {
+            return Ok(());
+        };
+        if set.gen > gen {
+            return Ok(());
+        }
+        let mut set = sets.remove(&volume).expect("present");
+        drop(sets);
+        let last = set.writes.keys().next_back().copied().unwrap_or(0);
+        // A checkpoint above them all, so a scan does not bring them back.
+        let recorded = self.append_meta_for(volume, last.max(set.checkpoint), set.gen);
+        set.release(&self.shared.log, u64::MAX);
+        if !lock(&self.vols).iter().any(|v| v.id == volume) {
+            self.shared.log.forget(volume);
+        }
+        info!(
+            "dropped the replicas of volume {volume} (generation {}, up to write {last})",
+            set.gen
+        );
+        recorded
+    }
+
+    /// Makes every replica taken so far durable (a forwarded FLUSH).
+    pub fn replica_sync(&self) -> Result<(), ReplicaRefusal> {
+        self.shared
+            .log
+            .sync()
+            .map_err(|e| ReplicaRefusal::Failed(format!("cache log: {e}")))
+    }
+
+    /// Every volume this host holds replicas of.
+    pub fn replica_sets(&self) -> Vec<ReplicaInfo> {
+        lock(&self.replicas)
+            .iter()
+            .map(|(id, s)| s.info(*id))
+            .collect()
+    }
+
+    /// Online replay, first step: the volume's replicas above `checkpoint` (the vault's, if
+    /// it is ahead of this host's) become recovered dirty data, which the volume replays when
+    /// it attaches here. Only the contiguous run above the checkpoint counts. Returns how
+    /// many writes will be replayed.
+    pub fn promote_replicas(&self, volume: Uuid, checkpoint: u64) -> Result<usize, Error> {
+        let Some(mut set) = lock(&self.replicas).remove(&volume) else {
+            return Err(Error::Cache(format!(
+                "this host holds no replicas of volume {volume}"
+            )));
+        };
+        let log = &self.shared.log;
+        let from = set.checkpoint.max(checkpoint);
+        set.release(log, from);
+        let mut r = Recovered {
+            checkpoint: from,
+            gen: set.gen,
+            pinned_by_host: true,
+            void_upto: set
+                .writes
+                .keys()
+                .next_back()
+                .copied()
+                .unwrap_or(from)
+                .max(from),
+            ..Recovered::default()
+        };
+        let mut expect = from + 1;
+        let mut rest = std::mem::take(&mut set.writes);
+        while let Some(parts) = rest.remove(&expect) {
+            r.writes.push(parts.into_iter().map(as_owned).collect());
+            expect += 1;
+        }
+        if !rest.is_empty() {
+            r.degraded = Some(format!(
+                "replica of write {expect} is missing; {} later replica(s) were discarded to \
+                 keep the volume a prefix",
+                rest.len()
+            ));
+            warn!("volume {volume}: {}", r.degraded.as_deref().unwrap_or(""));
+            for s in rest.into_values().flatten() {
+                log.unpin(&s.loc);
+            }
+        }
+        let n = r.writes.len();
+        lock(&self.recovered).insert(volume, r);
+        Ok(n)
+    }
+
+    /// Gives up the dirty data recovered for `volume` from this host's own log, because
+    /// another host replayed the volume since (its vault generation is newer): replaying it
+    /// would put old data over new. Returns how many writes were dropped.
+    pub fn discard_recovered(&self, volume: Uuid) -> usize {
+        let Some(r) = lock(&self.recovered).remove(&volume) else {
+            return 0;
+        };
+        if r.pinned_by_host {
+            for s in r.writes.iter().flatten() {
+                self.shared.log.unpin(&s.loc);
+            }
+        }
+        r.writes.len()
+    }
+
+    /// The generation the log's own dirty data of `volume` is in, if it holds any.
+    pub fn recovered_gen(&self, volume: Uuid) -> Option<u64> {
+        lock(&self.recovered)
+            .get(&volume)
+            .filter(|r| !r.writes.is_empty())
+            .map(|r| r.gen)
+    }
+
+    /// The next attach of `volume` starts a generation above `gen` (the vault's), whatever
+    /// this host's log remembers.
+    pub fn raise_gen(&self, volume: Uuid, gen: u64) {
+        let mut f = lock(&self.gen_floor);
+        let e = f.entry(volume).or_default();
+        *e = (*e).max(gen + 1);
+    }
+}

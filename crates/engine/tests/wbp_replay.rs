@@ -1,0 +1,204 @@
+//! `wbp` against the death of the owner, as a property (DESIGN §2, §4): an owner replicates
+//! random overlapping writes, zeroes, FUA writes and FLUSHes to a peer (in process: the
+//! peer's replica store is called directly, which is what the daemon's peer service does),
+//! destages some of them, and dies. Sometimes the peer loses power too (its unsynced cache
+//! writes are kept, torn or dropped). The peer then replays online from a checkpoint no newer
+//! than the owner's, onto the same datastore.
+//!
+//! Afterwards the datastore must equal the volume as of a prefix of the writes in issue order,
+//! and that prefix must hold every completed write (every durable one if the peer lost power).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use uuid::Uuid;
+
+use cachelog::device::{Fate, SimDevice};
+use cluster::{PeerRule, Policy, Tuning};
+use datastore::device::MemDevice;
+use datastore::{Extent, Gate};
+use engine::cache::CacheHost;
+use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
+use engine::Volume;
+
+const SECTORS: u64 = 64;
+const VOL: u64 = SECTORS * 512;
+const SEG: u64 = 64 << 10;
+
+/// The peer, called in process.
+struct Direct {
+    peer: Arc<CacheHost>,
+    volume: Uuid,
+}
+
+impl Replicator for Direct {
+    fn write(&self, w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
+        let r = self
+            .peer
+            .replica_write(
+                self.volume,
+                w.gen,
+                w.ser,
+                w.offset,
+                w.len,
+                w.data.as_deref(),
+            )
+            .map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    }
+    fn flush(&self) -> BoxFuture<Result<(), String>> {
+        let r = self.peer.replica_sync().map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    }
+    fn checkpoint(&self, gen: u64, ser: u64) {
+        self.peer
+            .replica_checkpoint(self.volume, gen, ser)
+            .expect("checkpoint");
+    }
+    fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn healthy(&self) -> bool {
+        true
+    }
+    fn report(&self) -> Vec<PeerReport> {
+        Vec::new()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write {
+        sector: u64,
+        sectors: u64,
+        fua: bool,
+    },
+    Zero {
+        sector: u64,
+        sectors: u64,
+    },
+    Flush,
+    Destage,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..SECTORS, 1..9u64, prop::bool::weighted(0.2)).prop_map(|(s, n, fua)| Op::Write {
+            sector: s,
+            sectors: n.min(SECTORS - s),
+            fua
+        }),
+        1 => (0..SECTORS, 1..9u64).prop_map(|(s, n)| Op::Zero { sector: s, sectors: n.min(SECTORS - s) }),
+        1 => Just(Op::Flush),
+        2 => Just(Op::Destage),
+    ]
+}
+
+type W = (u64, Vec<u8>);
+
+fn image(writes: &[W], k: usize) -> Vec<u8> {
+    let mut img = vec![0u8; VOL as usize];
+    for (off, d) in &writes[..k] {
+        img[*off as usize..*off as usize + d.len()].copy_from_slice(d);
+    }
+    img
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_peer_replays_every_completed_write_in_order(
+        ops in proptest::collection::vec(op(), 1..50),
+        peer_power_loss in prop::option::weighted(0.4, proptest::collection::vec(0u8..3, 1..8)),
+        vault_lags in any::<bool>(),
+        depth in prop::sample::select(vec![1u32, 8]),
+    ) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            let id = Uuid::new_v4();
+            let store = Arc::new(MemDevice::new(VOL));
+            let extent = || Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(depth)));
+            let owner_host = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+            let peer_dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+            let peer = CacheHost::open(peer_dev.clone(), SEG).unwrap();
+            let vol = Volume::open(id, "v".into(), Policy::Wt, Tuning::default(), extent(), Some(owner_host.clone())).unwrap();
+            let p2 = peer.clone();
+            let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
+                let r = p2.replica_open("owner", id, gen, ckpt).map_err(|e| format!("{e:?}"));
+                Box::pin(async move { r })
+            });
+            vol.set_policy_with(
+                Policy::Wbp { peers: 1, rule: PeerRule::Any },
+                Some(Arc::new(Direct { peer: peer.clone(), volume: id })),
+                Some(hook),
+            ).await.unwrap();
+            let mut writes: Vec<W> = Vec::new();
+            let mut durable = 0usize;
+            for (i, op) in ops.iter().enumerate() {
+                match op {
+                    Op::Write { sector, sectors, fua } => {
+                        let data = vec![(i % 250) as u8 + 1; (*sectors * 512) as usize];
+                        vol.write(sector * 512, Bytes::from(data.clone()), *fua).await.unwrap();
+                        writes.push((sector * 512, data));
+                        if *fua {
+                            durable = writes.len();
+                        }
+                    }
+                    Op::Zero { sector, sectors } => {
+                        vol.write_zeroes(sector * 512, sectors * 512, true, false).await.unwrap();
+                        writes.push((sector * 512, vec![0u8; (*sectors * 512) as usize]));
+                    }
+                    Op::Flush => {
+                        vol.flush().await.unwrap();
+                        durable = writes.len();
+                    }
+                    Op::Destage => {
+                        owner_host.destage_turn(0).await;
+                    }
+                }
+            }
+            // The vault's checkpoint is a recent one, maybe behind the owner's.
+            let owner_ckpt = vol.cache().unwrap().checkpoint();
+            let vault_ckpt = if vault_lags { owner_ckpt / 2 } else { owner_ckpt };
+            // The owner dies: nothing of it is used again.
+            drop(vol);
+            drop(owner_host);
+            let (peer, must_have) = match &peer_power_loss {
+                None => (peer, writes.len()),
+                Some(fates) => {
+                    drop(peer);
+                    peer_dev.power_loss(|j, n| match fates[j % fates.len()] {
+                        0 => Fate::Lost,
+                        1 => Fate::Kept,
+                        _ => Fate::Torn(n / 2),
+                    });
+                    (CacheHost::open(peer_dev.clone(), SEG).unwrap(), durable)
+                }
+            };
+            // Online replay on the peer.
+            let held = peer.replica_sets().into_iter().any(|s| s.volume == id);
+            if held {
+                peer.promote_replicas(id, vault_ckpt).unwrap();
+            }
+            let v2 = Volume::open(id, "v".into(), Policy::Wb, Tuning::default(), extent(), Some(peer.clone())).unwrap();
+            let c = v2.cache().unwrap();
+            for turn in 0..10_000 {
+                if c.clean() {
+                    break;
+                }
+                peer.destage_turn(turn).await;
+            }
+            prop_assert!(c.clean(), "the replay made no progress");
+            let img = store.image();
+            let k = (0..=writes.len()).rev().find(|k| image(&writes, *k) == img);
+            prop_assert!(k.is_some(), "the datastore is not the volume as of any prefix of the writes");
+            let k = k.unwrap();
+            // Another prefix may read the same (later writes rewrote the same bytes); the
+            // longest one is what counts.
+            prop_assert!(k >= must_have, "only {} of {} writes are on the datastore; {} had to be", k, writes.len(), must_have);
+            Ok(())
+        })?;
+    }
+}

@@ -1,0 +1,322 @@
+//! The sending side: one pipelined connection from an owner to one peer.
+//!
+//! Requests go out in the order they are made, any number at once within a byte budget
+//! ([`IN_FLIGHT_BYTES`]: a slow peer holds its owner's writes back instead of falling
+//! unboundedly behind), and each completes when the peer's reply arrives. A connection that
+//! fails, or a peer that does not answer within [`REQUEST_TIMEOUT`], breaks the link: every
+//! request in flight and after fails, and the owner replaces the link ([`Link::connect`]
+//! again, or other peers). Nothing is retried on a broken link, because the peer may or may
+//! not have taken what was in flight.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::wire::{self, Msg, Status, HEADER_LEN};
+
+/// Longest a request may wait for its reply before the link is declared broken.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bytes of requests one link keeps in flight at most.
+pub const IN_FLIGHT_BYTES: usize = 64 << 20;
+const BUDGET_UNIT: usize = 4096;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    #[error("peer {peer} ({addr}) unreachable: {msg}")]
+    Unreachable {
+        peer: String,
+        addr: String,
+        msg: String,
+    },
+    #[error("link to peer {peer} broken: {msg}")]
+    Broken { peer: String, msg: String },
+    #[error("peer {peer} refused: {msg}")]
+    Refused { peer: String, msg: String },
+    #[error("peer {peer} knows a newer generation: {msg}")]
+    Stale { peer: String, msg: String },
+}
+
+/// A request's reply channel, and whether a refusal of it breaks the link: a peer that did
+/// not take a write (or a flush) lacks something the writes after it would depend on.
+type Waiter = (oneshot::Sender<Result<String, PeerError>>, bool);
+
+struct Inner {
+    peer: String,
+    pending: Mutex<HashMap<u64, Waiter>>,
+    broken: Mutex<Option<String>>,
+    next: AtomicU64,
+    tx: mpsc::UnboundedSender<Bytes>,
+    budget: Semaphore,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Inner {
+    /// Breaks the link: fails every waiting request and stops the connection's tasks.
+    fn fail(&self, why: String) {
+        let mut b = self.broken.lock().expect("lock");
+        if b.is_none() {
+            tracing::warn!("link to peer {} broken: {why}", self.peer);
+            *b = Some(why.clone());
+        }
+        drop(b);
+        let waiting: Vec<Waiter> = self
+            .pending
+            .lock()
+            .expect("lock")
+            .drain()
+            .map(|(_, w)| w)
+            .collect();
+        for (w, _) in waiting {
+            let _ = w.send(Err(PeerError::Broken {
+                peer: self.peer.clone(),
+                msg: why.clone(),
+            }));
+        }
+        for t in self.tasks.lock().expect("lock").iter() {
+            t.abort();
+        }
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.broken.lock().expect("lock").clone()
+    }
+}
+
+/// A connection to one peer. Cheap to clone; all clones share the connection.
+#[derive(Clone)]
+pub struct Link {
+    inner: Arc<Inner>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for t in self.tasks.lock().expect("lock").iter() {
+            t.abort();
+        }
+    }
+}
+
+impl Link {
+    /// Connects to the peer `peer` at `addr` and introduces this host (`me`). Fails if the peer
+    /// cannot be reached, does not answer, or speaks another protocol version.
+    pub async fn connect(peer: &str, addr: &str, me: &str) -> Result<Link, PeerError> {
+        let unreachable = |msg: String| PeerError::Unreachable {
+            peer: peer.to_owned(),
+            addr: addr.to_owned(),
+            msg,
+        };
+        let s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        s.set_nodelay(true)
+            .map_err(|e| unreachable(e.to_string()))?;
+        let (rd, wr) = s.into_split();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            peer: peer.to_owned(),
+            pending: Mutex::new(HashMap::new()),
+            broken: Mutex::new(None),
+            next: AtomicU64::new(1),
+            tx,
+            budget: Semaphore::new(IN_FLIGHT_BYTES / BUDGET_UNIT),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let weak = Arc::downgrade(&inner);
+        let writer = tokio::spawn(write_loop(wr, rx, weak.clone()));
+        let reader = tokio::spawn(read_loop(rd, weak));
+        inner.tasks.lock().expect("lock").extend([writer, reader]);
+        let link = Link { inner };
+        let name = link
+            .request(
+                Msg::Hello {
+                    host: me.to_owned(),
+                },
+                0,
+            )
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        if name != peer {
+            link.inner.fail("wrong host".into());
+            return Err(unreachable(format!(
+                "the host at {addr} is {name:?}, not {peer:?}"
+            )));
+        }
+        Ok(link)
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+
+    /// Why the link is broken, if it is.
+    pub fn broken(&self) -> Option<String> {
+        self.inner.broken()
+    }
+
+    /// Breaks the link on purpose (the owner gave the peer up).
+    pub fn close(&self, why: &str) {
+        self.inner.fail(why.to_owned());
+    }
+
+    /// Sends `msg` and waits for its reply. `bytes` is what it carries (for the budget).
+    async fn request(&self, msg: Msg, bytes: usize) -> Result<String, PeerError> {
+        let inner = &self.inner;
+        let broken = |msg: String| PeerError::Broken {
+            peer: inner.peer.clone(),
+            msg,
+        };
+        let units = (bytes / BUDGET_UNIT).clamp(1, IN_FLIGHT_BYTES / BUDGET_UNIT) as u32;
+        let _budget = inner
+            .budget
+            .acquire_many(units)
+            .await
+            .map_err(|_| broken("closed".into()))?;
+        let (tx, rx) = oneshot::channel();
+        {
+            // Numbered and queued under one lock, so frames leave in the order requests
+            // were made.
+            let mut pending = inner.pending.lock().expect("lock");
+            if let Some(why) = inner.broken() {
+                return Err(broken(why));
+            }
+            let seq = inner.next.fetch_add(1, Ordering::SeqCst);
+            let fatal = matches!(msg, Msg::Write(_) | Msg::Flush);
+            pending.insert(seq, (tx, fatal));
+            if inner.tx.send(wire::encode(seq, &msg)).is_err() {
+                pending.remove(&seq);
+                drop(pending);
+                return Err(broken("connection closed".into()));
+            }
+        }
+        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(broken(inner.broken().unwrap_or_else(|| "closed".into()))),
+            Err(_) => {
+                let why = format!("no reply within {REQUEST_TIMEOUT:?}");
+                inner.fail(why.clone());
+                Err(broken(why))
+            }
+        }
+    }
+
+    pub async fn open(
+        &self,
+        volume: uuid::Uuid,
+        gen: u64,
+        checkpoint: u64,
+    ) -> Result<(), PeerError> {
+        self.request(
+            Msg::Open {
+                volume,
+                gen,
+                checkpoint,
+            },
+            0,
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn write(&self, w: wire::WriteMsg) -> Result<(), PeerError> {
+        let bytes = w.data.as_ref().map_or(0, |d| d.len());
+        self.request(Msg::Write(w), bytes).await.map(drop)
+    }
+
+    pub async fn flush(&self) -> Result<(), PeerError> {
+        self.request(Msg::Flush, 0).await.map(drop)
+    }
+
+    pub async fn checkpoint(
+        &self,
+        volume: uuid::Uuid,
+        gen: u64,
+        ser: u64,
+    ) -> Result<(), PeerError> {
+        self.request(Msg::Checkpoint { volume, gen, ser }, 0)
+            .await
+            .map(drop)
+    }
+
+    pub async fn drop_replicas(&self, volume: uuid::Uuid, gen: u64) -> Result<(), PeerError> {
+        self.request(Msg::Drop { volume, gen }, 0).await.map(drop)
+    }
+}
+
+async fn write_loop(
+    wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    link: std::sync::Weak<Inner>,
+) {
+    let mut w = BufWriter::with_capacity(256 << 10, wr);
+    while let Some(frame) = rx.recv().await {
+        let mut r = w.write_all(&frame).await;
+        // Everything already queued goes out in the same flush.
+        while r.is_ok() {
+            match rx.try_recv() {
+                Ok(f) => r = w.write_all(&f).await,
+                Err(_) => break,
+            }
+        }
+        if r.is_ok() {
+            r = w.flush().await;
+        }
+        if let Err(e) = r {
+            if let Some(l) = link.upgrade() {
+                l.fail(format!("send: {e}"));
+            }
+            return;
+        }
+    }
+}
+
+async fn read_loop(mut rd: tokio::net::tcp::OwnedReadHalf, link: std::sync::Weak<Inner>) {
+    let err = loop {
+        let mut head = [0u8; HEADER_LEN];
+        if let Err(e) = rd.read_exact(&mut head).await {
+            break format!("receive: {e}");
+        }
+        let h = match wire::decode_head(&head) {
+            Ok(h) => h,
+            Err(e) => break e.to_string(),
+        };
+        let mut body = vec![0u8; h.body_len as usize];
+        if let Err(e) = rd.read_exact(&mut body).await {
+            break format!("receive: {e}");
+        }
+        let (status, msg) = match wire::decode_body(&h, Bytes::from(body)) {
+            Ok(Msg::Reply { status, msg }) => (status, msg),
+            Ok(other) => break format!("unexpected frame from peer: {other:?}"),
+            Err(e) => break e.to_string(),
+        };
+        let Some(l) = link.upgrade() else { return };
+        let waiter = l.pending.lock().expect("lock").remove(&h.seq);
+        let Some((waiter, fatal)) = waiter else {
+            break format!("reply to unknown request {}", h.seq);
+        };
+        let peer = l.peer.clone();
+        let refused = (status != Status::Ok).then(|| msg.clone());
+        let _ = waiter.send(match status {
+            Status::Ok => Ok(msg),
+            Status::Failed => Err(PeerError::Refused { peer, msg }),
+            Status::Stale => Err(PeerError::Stale { peer, msg }),
+        });
+        if let (Some(why), true) = (refused, fatal) {
+            // Before the next reply is even read: nothing after a refused write may count.
+            l.fail(format!("peer refused a write: {why}"));
+            return;
+        }
+    };
+    if let Some(l) = link.upgrade() {
+        l.fail(err);
+    }
+}

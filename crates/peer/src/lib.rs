@@ -1,0 +1,244 @@
+//! Peer replication between hosts (DESIGN §4, FVP §3 `wbp`).
+//!
+//! In `wbp:P` a volume's owner sends every write to P peers, which append it to their own
+//! cache log and acknowledge; FLUSH is forwarded and completes when every peer has synced;
+//! checkpoints are forwarded so peers drop what the datastore already holds.
+//!
+//! - [`wire`]: the frames (pure): a checksummed header with the protocol version, a
+//!   checksummed body. Any damage closes the connection.
+//! - [`client`]: the owner's side, a pipelined [`Link`] per peer with a byte budget.
+//! - [`server`]: the peer's side, one thread per connection applying requests in order to a
+//!   [`Sink`] (the daemon's cache log).
+
+pub mod client;
+pub mod server;
+pub mod wire;
+
+pub use client::{Link, PeerError};
+pub use server::{serve, Refusal, Sink};
+pub use wire::WriteMsg;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::sync::{Arc, Mutex};
+    use uuid::Uuid;
+
+    /// A sink that records what it was given, and refuses stale generations like a real peer.
+    #[derive(Default)]
+    struct Memory {
+        log: Mutex<Vec<String>>,
+        gen: Mutex<u64>,
+    }
+
+    impl Sink for Memory {
+        fn host(&self) -> String {
+            "p1".into()
+        }
+        fn open(&self, from: &str, _v: Uuid, gen: u64, ckpt: u64) -> Result<(), Refusal> {
+            let mut g = self.gen.lock().unwrap();
+            if gen < *g {
+                return Err(Refusal::Stale(format!("gen {gen} < {}", *g)));
+            }
+            *g = gen;
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("open {from} {gen} {ckpt}"));
+            Ok(())
+        }
+        fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
+            if w.offset == u64::MAX {
+                return Err(Refusal::Failed("no space".into()));
+            }
+            self.log.lock().unwrap().push(format!(
+                "write {} {} {}",
+                w.ser,
+                w.offset,
+                w.data.map_or(0, |d| d[0])
+            ));
+            Ok(())
+        }
+        fn flush(&self) -> Result<(), Refusal> {
+            self.log.lock().unwrap().push("flush".into());
+            Ok(())
+        }
+        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64) -> Result<(), Refusal> {
+            self.log.lock().unwrap().push(format!("ckpt {ser}"));
+            Ok(())
+        }
+        fn drop_replicas(&self, _v: Uuid, gen: u64) -> Result<(), Refusal> {
+            self.log.lock().unwrap().push(format!("drop {gen}"));
+            Ok(())
+        }
+    }
+
+    fn start(sink: Arc<Memory>) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        serve(l, sink).unwrap();
+        addr
+    }
+
+    fn w(ser: u64, byte: u8) -> WriteMsg {
+        WriteMsg {
+            volume: Uuid::nil(),
+            gen: 3,
+            ser,
+            offset: ser * 4096,
+            len: 4096,
+            data: Some(Bytes::from(vec![byte; 4096])),
+        }
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_are_applied_and_answered_in_order() {
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        link.open(Uuid::nil(), 3, 0).await.unwrap();
+        // Many writes in flight at once, made in ser order.
+        let futs: Vec<_> = (1..=200u64).map(|s| link.write(w(s, s as u8))).collect();
+        let flush = link.flush();
+        let mut all = Vec::new();
+        for f in futs {
+            all.push(f);
+        }
+        for (i, f) in all.into_iter().enumerate() {
+            f.await.unwrap_or_else(|e| panic!("write {}: {e}", i + 1));
+        }
+        flush.await.unwrap();
+        link.checkpoint(Uuid::nil(), 3, 150).await.unwrap();
+        let log = sink.log.lock().unwrap().clone();
+        assert_eq!(log[0], "open owner 3 0");
+        for s in 1..=200u64 {
+            assert_eq!(
+                log[s as usize],
+                format!("write {s} {} {}", s * 4096, s as u8)
+            );
+        }
+        assert_eq!(log[201], "flush");
+        assert_eq!(log[202], "ckpt 150");
+    }
+
+    #[tokio::test]
+    async fn refusals_come_back_as_errors_naming_the_peer() {
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        link.open(Uuid::nil(), 5, 0).await.unwrap();
+        let e = link.open(Uuid::nil(), 4, 0).await.unwrap_err();
+        assert!(
+            matches!(&e, PeerError::Stale { peer, .. } if peer == "p1"),
+            "{e}"
+        );
+        let mut bad = w(1, 1);
+        bad.offset = u64::MAX;
+        // A refused open is an answer, not a broken connection.
+        assert!(link.broken().is_none());
+        // Pipelined behind a write the peer refuses, a write it takes still fails: the peer
+        // lacks the one before it.
+        let (a, b) = tokio::join!(link.write(bad), link.write(w(2, 2)));
+        let e = a.unwrap_err();
+        assert!(
+            matches!(&e, PeerError::Refused { msg, .. } if msg == "no space"),
+            "{e}"
+        );
+        assert!(matches!(b, Err(PeerError::Broken { .. })), "{b:?}");
+        assert!(link.broken().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_wrong_host_or_a_dead_address_is_refused_at_connect() {
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink);
+        let e = Link::connect("p2", &addr, "owner").await.err().unwrap();
+        assert!(e.to_string().contains("\"p1\", not \"p2\""), "{e}");
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead_addr = dead.local_addr().unwrap().to_string();
+        drop(dead);
+        let e = Link::connect("p1", &dead_addr, "owner")
+            .await
+            .err()
+            .unwrap();
+        assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_goes_away_breaks_the_link_and_fails_waiting_requests() {
+        // A "peer" that answers Hello, then reads requests without answering, then closes.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut head = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+            let h = wire::decode_head(&head).unwrap();
+            let mut body = vec![0u8; h.body_len as usize];
+            s.read_exact(&mut body).await.unwrap();
+            let reply = wire::Msg::Reply {
+                status: wire::Status::Ok,
+                msg: "p1".into(),
+            };
+            s.write_all(&wire::encode(h.seq, &reply)).await.unwrap();
+            s.read_exact(&mut head).await.unwrap();
+            // Close with the write unanswered.
+        });
+        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        let e = link.write(w(1, 1)).await.unwrap_err();
+        assert!(matches!(e, PeerError::Broken { .. }), "{e}");
+        assert!(link.broken().is_some());
+        // Everything after fails at once: the peer may lack what was in flight.
+        let e = link.flush().await.unwrap_err();
+        assert!(matches!(e, PeerError::Broken { .. }), "{e}");
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_damaged_frame_closes_the_connection() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(&wire::encode(1, &wire::Msg::Hello { host: "x".into() }))
+            .await
+            .unwrap();
+        let mut f = wire::encode(2, &wire::Msg::Write(w(1, 7))).to_vec();
+        let last = f.len() - 1;
+        f[last] ^= 0x40; // payload bit flip
+        s.write_all(&f).await.unwrap();
+        async fn reply(s: &mut tokio::net::TcpStream) -> wire::Msg {
+            let mut head = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+            let h = wire::decode_head(&head).unwrap();
+            let mut body = vec![0u8; h.body_len as usize];
+            s.read_exact(&mut body).await.unwrap();
+            wire::decode_body(&h, Bytes::from(body)).unwrap()
+        }
+        assert!(matches!(
+            reply(&mut s).await,
+            wire::Msg::Reply {
+                status: wire::Status::Ok,
+                ..
+            }
+        ));
+        match reply(&mut s).await {
+            wire::Msg::Reply { status, msg } => {
+                assert_eq!(status, wire::Status::Failed);
+                assert!(msg.contains("checksum"), "{msg}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Then the connection ends (EOF, or a reset).
+        let mut rest = [0u8; 1];
+        assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
+        assert!(!sink
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with("write")));
+    }
+}

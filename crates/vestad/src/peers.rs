@@ -1,0 +1,693 @@
+//! `wbp` in the daemon (DESIGN §4, FVP §7): this host as a peer of others (the [`PeerService`]
+//! behind the peer listener), as the owner of `wbp` volumes (a [`PeerSet`] per volume, and
+//! [`establish`] to pick peers and enter `wbp`), and the once-a-second round ([`run`]) that
+//! keeps `wbp` volumes replicated and replays the volumes of owners that died.
+//!
+//! Who may replay what is decided by the vault record alone: a peer replays a volume only
+//! while holding its vault lock, only if the vault lists it as a peer of the generation its
+//! replicas are of, and only after the vault's holder is gone. An owner that loses a peer
+//! takes it out of the vault before anything the peer lacks can complete or reach the
+//! datastore ([`engine::replica::Replicator`]); every switch of the volume starts a new
+//! generation and writes it to the vault first. So a peer never replays an old prefix over
+//! newer data.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+use uuid::Uuid;
+
+use cluster::{Coordinator, Policy, Vault, VolumeRecord};
+use engine::cache::{CacheHost, ReplicaRefusal};
+use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
+use engine::Volume;
+use peer::{Link, PeerError, Refusal, WriteMsg};
+
+use crate::daemon::Daemon;
+
+/// How often `wbp` volumes are checked and replicas looked after.
+const ROUND: Duration = Duration::from_secs(1);
+/// A peer that failed is not chosen again for this long.
+const FAILED_PEER_REST: Duration = Duration::from_secs(30);
+/// The vault's checkpoint is rewritten at most this often per volume (DESIGN §11).
+const VAULT_CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// This host as a peer: what other hosts send goes into the cache log.
+pub struct PeerService {
+    pub host: String,
+    pub cache: Arc<CacheHost>,
+}
+
+fn refusal(r: ReplicaRefusal) -> Refusal {
+    match r {
+        ReplicaRefusal::Failed(m) => Refusal::Failed(m),
+        ReplicaRefusal::Stale(m) => Refusal::Stale(m),
+    }
+}
+
+impl peer::Sink for PeerService {
+    fn host(&self) -> String {
+        self.host.clone()
+    }
+    fn open(&self, from: &str, volume: Uuid, gen: u64, checkpoint: u64) -> Result<(), Refusal> {
+        info!("replicating volume {volume} for host {from} (generation {gen}, from write {checkpoint})");
+        self.cache
+            .replica_open(from, volume, gen, checkpoint)
+            .map_err(refusal)
+    }
+    fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
+        self.cache
+            .replica_write(w.volume, w.gen, w.ser, w.offset, w.len, w.data.as_deref())
+            .map_err(refusal)
+    }
+    fn flush(&self) -> Result<(), Refusal> {
+        self.cache.replica_sync().map_err(refusal)
+    }
+    fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64) -> Result<(), Refusal> {
+        self.cache
+            .replica_checkpoint(volume, gen, ser)
+            .map_err(refusal)
+    }
+    fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal> {
+        self.cache.replica_drop(volume, gen).map_err(refusal)
+    }
+}
+
+/// Polls every future to its end, concurrently (a volume has a handful of peers).
+async fn join_all<T>(mut futs: Vec<BoxFuture<T>>) -> Vec<T> {
+    let mut out: Vec<Option<T>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|o| o.expect("polled to the end"))
+        .collect()
+}
+
+/// The vault as the owner keeps it while in `wbp`; every write of it goes through one lock,
+/// so a checkpoint update can never put back a peer that was excluded.
+struct VaultWriter {
+    coord: Arc<dyn Coordinator>,
+    vault: tokio::sync::Mutex<(Vault, Instant)>,
+}
+
+impl VaultWriter {
+    async fn update(&self, f: impl FnOnce(&mut Vault)) -> Result<(), String> {
+        let mut g = self.vault.lock().await;
+        let mut v = g.0.clone();
+        f(&mut v);
+        if v == g.0 {
+            return Ok(());
+        }
+        self.coord.put_vault(&v).await.map_err(|e| e.to_string())?;
+        *g = (v, Instant::now());
+        Ok(())
+    }
+}
+
+/// A `wbp` volume's peers, from its owner's side. Cheap to clone.
+#[derive(Clone)]
+pub struct PeerSet(Arc<PeerSetInner>);
+
+struct PeerSetInner {
+    volume: Uuid,
+    links: Vec<Link>,
+    acked: Vec<AtomicU64>,
+    vault: Arc<VaultWriter>,
+    /// Peers that failed, remembered by the daemon so they are not picked again at once.
+    failed: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl PeerSetInner {
+    fn note_failures(&self) {
+        let mut f = self.failed.lock().expect("lock");
+        for l in &self.links {
+            if l.broken().is_some() {
+                f.insert(l.peer().to_owned(), Instant::now());
+            }
+        }
+    }
+}
+
+impl Replicator for PeerSet {
+    fn write(&self, w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
+        let set = self.0.clone();
+        let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
+            .links
+            .iter()
+            .map(|l| {
+                let l = l.clone();
+                let m = WriteMsg {
+                    volume: set.volume,
+                    gen: w.gen,
+                    ser: w.ser,
+                    offset: w.offset,
+                    len: w.len,
+                    data: w.data.clone(),
+                };
+                Box::pin(async move { l.write(m).await }) as BoxFuture<_>
+            })
+            .collect();
+        let ser = w.ser;
+        Box::pin(async move {
+            let mut err = None;
+            for (i, r) in join_all(futs).await.into_iter().enumerate() {
+                match r {
+                    Ok(()) => {
+                        set.acked[i].fetch_max(ser, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        err.get_or_insert(e.to_string());
+                    }
+                }
+            }
+            match err {
+                None => Ok(()),
+                Some(e) => {
+                    set.note_failures();
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<Result<(), String>> {
+        let set = self.0.clone();
+        let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
+            .links
+            .iter()
+            .map(|l| {
+                let l = l.clone();
+                Box::pin(async move { l.flush().await }) as BoxFuture<_>
+            })
+            .collect();
+        Box::pin(async move {
+            let r: Result<(), String> = join_all(futs)
+                .await
+                .into_iter()
+                .collect::<Result<(), PeerError>>()
+                .map_err(|e| e.to_string());
+            if r.is_err() {
+                set.note_failures();
+            }
+            r
+        })
+    }
+
+    fn checkpoint(&self, gen: u64, ser: u64) {
+        for l in &self.0.links {
+            if l.broken().is_none() {
+                let l = l.clone();
+                let volume = self.0.volume;
+                tokio::spawn(async move {
+                    let _ = l.checkpoint(volume, gen, ser).await;
+                });
+            }
+        }
+        let vault = self.0.vault.clone();
+        tokio::spawn(async move {
+            let due = vault.vault.lock().await.1.elapsed() >= VAULT_CHECKPOINT_EVERY;
+            if due {
+                let _ = vault
+                    .update(|v| {
+                        if v.gen == gen {
+                            v.checkpoint = v.checkpoint.max(ser);
+                        }
+                    })
+                    .await;
+            }
+        });
+    }
+
+    fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
+        let failed: Vec<String> = self
+            .0
+            .links
+            .iter()
+            .filter(|l| l.broken().is_some())
+            .map(|l| l.peer().to_owned())
+            .collect();
+        let vault = self.0.vault.clone();
+        let volume = self.0.volume;
+        Box::pin(async move {
+            vault
+                .update(|v| v.peers.retain(|p| !failed.contains(p)))
+                .await?;
+            warn!(
+                "volume {volume}: peer(s) {} failed and are out of its vault; writes complete \
+                 on the datastore until new peers are in place",
+                failed.join(", ")
+            );
+            Ok(())
+        })
+    }
+
+    fn healthy(&self) -> bool {
+        self.0.links.iter().all(|l| l.broken().is_none())
+    }
+
+    fn report(&self) -> Vec<PeerReport> {
+        self.0
+            .links
+            .iter()
+            .zip(&self.0.acked)
+            .map(|(l, a)| PeerReport {
+                host: l.peer().to_owned(),
+                acked_ser: a.load(Ordering::Relaxed),
+                error: l.broken(),
+            })
+            .collect()
+    }
+}
+
+/// What the daemon keeps for `wbp`.
+#[derive(Default)]
+pub struct PeerState {
+    /// This host's peer listener (`ip:port`), once bound.
+    pub addr: std::sync::OnceLock<String>,
+    /// Peers that failed recently, and when.
+    failed: Arc<Mutex<HashMap<String, Instant>>>,
+    /// The last problem reported per volume, so a round repeats no warning.
+    last_problem: Mutex<HashMap<String, String>>,
+    /// Volumes being replayed here for a dead owner.
+    replaying: Mutex<std::collections::HashSet<Uuid>>,
+}
+
+impl PeerState {
+    /// Logs `problem` for `volume` unless it was the last one logged; `None` clears it.
+    fn note(&self, volume: &str, problem: Option<String>) {
+        let mut m = self.last_problem.lock().expect("lock");
+        match problem {
+            Some(p) => {
+                if m.get(volume) != Some(&p) {
+                    warn!("volume {volume:?}: {p}");
+                    m.insert(volume.to_owned(), p);
+                }
+            }
+            None => {
+                m.remove(volume);
+            }
+        }
+    }
+}
+
+/// The vault the owner writes when it switches a volume: `previous_owner` carried over.
+async fn vault_for(
+    coord: &Arc<dyn Coordinator>,
+    volume: Uuid,
+    policy: Policy,
+    gen: u64,
+    checkpoint: u64,
+    peers: Vec<String>,
+) -> Vault {
+    let me = coord.host().to_owned();
+    let prev = coord.vault(volume).await.ok().flatten();
+    let previous_owner = match &prev {
+        Some(p) if p.owner != me => Some(p.owner.clone()),
+        Some(p) => p.previous_owner.clone(),
+        None => None,
+    };
+    Vault {
+        volume,
+        policy,
+        checkpoint,
+        gen,
+        owner: me,
+        peers,
+        previous_owner,
+    }
+}
+
+/// Picks peers for `volume` by its policy's rule and enters `wbp` with them: the volume
+/// drains, the new peers open the new generation, the vault names them, and writes go to
+/// them from then on. If the switch fails after the volume drained, it is left in `wt`.
+pub async fn establish(
+    d: &Daemon,
+    name: &str,
+    volume: &Arc<Volume>,
+    policy: Policy,
+) -> Result<(), String> {
+    let Policy::Wbp { peers: n, rule } = policy else {
+        return Err(format!("{policy} is not a wbp policy"));
+    };
+    if d.coord.kind() == "local" {
+        return Err(format!(
+            "policy {policy} needs peer hosts: configure a cluster ([cluster] etcd) with at \
+             least {n} other host(s)"
+        ));
+    }
+    let me = d.coord.host().to_owned();
+    let my_domain = d.config.cluster.fault_domain.clone();
+    let hosts = d.coord.hosts().await.map_err(|e| e.to_string())?;
+    let resting: Vec<String> = {
+        let mut f = d.peers.failed.lock().expect("lock");
+        f.retain(|_, t| t.elapsed() < FAILED_PEER_REST);
+        f.keys().cloned().collect()
+    };
+    let mut cands: Vec<_> = hosts
+        .into_iter()
+        .filter(|h| {
+            h.alive
+                && h.record.name != me
+                && h.record.peer.is_some()
+                && rule.allows(&my_domain, &h.record.fault_domain)
+                && !resting.contains(&h.record.name)
+        })
+        .collect();
+    // The least used caches first.
+    cands.sort_by(|a, b| {
+        let f = |h: &cluster::HostStatus| {
+            h.record.cache_used_bytes as f64 / h.record.cache_bytes.max(1) as f64
+        };
+        f(a).total_cmp(&f(b))
+            .then(a.record.name.cmp(&b.record.name))
+    });
+    let mut links = Vec::new();
+    for h in &cands {
+        if links.len() == n as usize {
+            break;
+        }
+        let addr = h.record.peer.clone().unwrap_or_default();
+        match Link::connect(&h.record.name, &addr, &me).await {
+            Ok(l) => links.push(l),
+            Err(e) => {
+                warn!(
+                    "volume {name:?}: cannot use {} as a peer: {e}",
+                    h.record.name
+                );
+                d.peers
+                    .failed
+                    .lock()
+                    .expect("lock")
+                    .insert(h.record.name.clone(), Instant::now());
+            }
+        }
+    }
+    if links.len() < n as usize {
+        return Err(format!(
+            "policy {policy} needs {n} peer host(s) ({rule} to fault domain {my_domain:?}) with \
+             a peer listener; {} live candidate(s) found, {} reachable",
+            cands.len(),
+            links.len()
+        ));
+    }
+    let id = volume.id();
+    let names: Vec<String> = links.iter().map(|l| l.peer().to_owned()).collect();
+    let placeholder = vault_for(&d.coord, id, policy, 0, 0, names.clone()).await;
+    let writer = Arc::new(VaultWriter {
+        coord: d.coord.clone(),
+        vault: tokio::sync::Mutex::new((placeholder, Instant::now())),
+    });
+    let set = PeerSet(Arc::new(PeerSetInner {
+        volume: id,
+        links: links.clone(),
+        acked: links.iter().map(|_| AtomicU64::new(0)).collect(),
+        vault: writer.clone(),
+        failed: d.peers.failed.clone(),
+    }));
+    let hook_writer = writer.clone();
+    let hook: engine::SwitchHook = Box::new(move |gen, checkpoint| {
+        Box::pin(async move {
+            // The peers first, then the vault: once the vault names them, they may replay.
+            for l in &links {
+                l.open(id, gen, checkpoint)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            hook_writer
+                .update(|v| {
+                    v.gen = gen;
+                    v.checkpoint = checkpoint;
+                })
+                .await
+        })
+    });
+    volume
+        .set_policy_with(policy, Some(Arc::new(set)), Some(hook))
+        .await
+        .map_err(|e| e.to_string())?;
+    info!(
+        "volume {name:?}: {policy} with peer(s) {} (generation {})",
+        names.join(", "),
+        volume.cache_report().map_or(0, |r| r.gen)
+    );
+    Ok(())
+}
+
+/// Takes a `wbp` volume whose peers failed (and cannot be replaced now) to `wt`, recording
+/// it in the vault; it goes back to `wbp` once peers are available ([`run`]).
+async fn fall_back_to_wt(d: &Daemon, volume: &Arc<Volume>) -> Result<(), String> {
+    let coord = d.coord.clone();
+    let id = volume.id();
+    let hook: engine::SwitchHook = Box::new(move |gen, checkpoint| {
+        Box::pin(async move {
+            let v = vault_for(&coord, id, Policy::Wt, gen, checkpoint, Vec::new()).await;
+            coord.put_vault(&v).await.map_err(|e| e.to_string())
+        })
+    });
+    volume
+        .set_policy_with(Policy::Wt, None, Some(hook))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Once a second: keeps this host's `wbp` volumes replicated, and looks after the replicas
+/// it holds for others (drops stale ones, replays those of dead owners).
+pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(ROUND) => {}
+            _ = stop.wait() => return,
+        }
+        keep_replicated(&d).await;
+        if d.cache.is_some() && d.coord.kind() != "local" {
+            look_after_replicas(&d).await;
+        }
+    }
+}
+
+async fn keep_replicated(d: &Arc<Daemon>) {
+    for e in d.entries() {
+        let Ok(v) = &e.volume else { continue };
+        let want = e.wanted();
+        if !matches!(want, Policy::Wbp { .. }) {
+            continue;
+        }
+        let Some(c) = v.cache() else { continue };
+        if c.replicating() && v.policy() == want {
+            d.peers.note(&e.record.name, None);
+            continue;
+        }
+        if c.report().replaying {
+            continue; // offline replay first
+        }
+        let Some(_busy) = d.try_claim(&e.record.name, "peer change") else {
+            continue;
+        };
+        match establish(d, &e.record.name, v, want).await {
+            Ok(()) => d.peers.note(&e.record.name, None),
+            Err(why) => {
+                if c.has_peers() {
+                    // Its peers failed and none can replace them: wt until some can.
+                    match fall_back_to_wt(d, v).await {
+                        Ok(()) => info!(
+                            "volume {:?}: lost its peers; in wt until new peers are available",
+                            e.record.name
+                        ),
+                        Err(e2) => warn!("volume {:?}: fall back to wt: {e2}", e.record.name),
+                    }
+                }
+                d.peers
+                    .note(&e.record.name, Some(format!("stays in wt for now: {why}")));
+            }
+        }
+    }
+}
+
+async fn look_after_replicas(d: &Arc<Daemon>) {
+    let Some(cache) = d.cache.clone() else { return };
+    let me = d.coord.host().to_owned();
+    let sets = cache.replica_sets();
+    if sets.is_empty() {
+        return;
+    }
+    let (Ok(hosts), Ok(state)) = (d.coord.hosts().await, d.coord.state().await) else {
+        return;
+    };
+    let alive = |h: &str| hosts.iter().any(|x| x.alive && x.record.name == h);
+    for set in sets {
+        if d.peers
+            .replaying
+            .lock()
+            .expect("lock")
+            .contains(&set.volume)
+        {
+            continue;
+        }
+        let Some(rec) = state.volumes.iter().find(|v| v.id == set.volume).cloned() else {
+            info!(
+                "volume {} no longer exists; dropping its replicas",
+                set.volume
+            );
+            let _ = cache.replica_drop(set.volume, set.gen);
+            continue;
+        };
+        let vault = match d.coord.vault(set.volume).await {
+            Ok(Some(v)) => v,
+            _ => continue,
+        };
+        let listed = vault.gen == set.gen && vault.peers.contains(&me);
+        if !listed {
+            // Another generation, or this host was taken out: these copies are stale
+            // unless the owner is still setting them up (a vault names peers after they
+            // open, so a newer set may wait for its vault while the owner lives).
+            if vault.gen > set.gen || !alive(&vault.owner) || vault.gen == set.gen {
+                info!(
+                    "volume {:?}: dropping stale replicas (generation {}, vault generation {}, \
+                     peers {:?})",
+                    rec.name, set.gen, vault.gen, vault.peers
+                );
+                let _ = cache.replica_drop(set.volume, set.gen);
+            }
+            continue;
+        }
+        if alive(&vault.owner) {
+            continue;
+        }
+        // The vault's holder is gone: replay, if this host gets the lock first.
+        d.peers.replaying.lock().expect("lock").insert(set.volume);
+        let d2 = d.clone();
+        tokio::spawn(async move {
+            if let Err(e) = replay_for_dead_owner(&d2, &rec).await {
+                warn!("volume {:?}: online replay: {e}", rec.name);
+            }
+            d2.peers.replaying.lock().expect("lock").remove(&rec.id);
+        });
+    }
+}
+
+/// Online replay (DESIGN §4): this host holds replicas of `rec`, whose vault holder died.
+/// With the vault lock, the replicas above the vault's checkpoint are destaged in `ser`
+/// order, the vault's checkpoint following as they go; at the end the vault says `wt` with
+/// a new generation (so every other copy is stale) and the lock is given back for the owner.
+async fn replay_for_dead_owner(d: &Arc<Daemon>, rec: &VolumeRecord) -> Result<(), String> {
+    let cache = d.cache.clone().ok_or("no cache device")?;
+    match d.coord.lock_vault(rec.id).await {
+        Ok(()) => {}
+        Err(cluster::Error::Locked(_)) => return Ok(()), // another host got there first
+        Err(e) => return Err(e.to_string()),
+    }
+    let result = replay_locked(d, &cache, rec).await;
+    if let Err(e) = d.coord.unlock_vault(rec.id).await {
+        warn!("volume {:?}: give the vault lock back: {e}", rec.name);
+    }
+    result
+}
+
+async fn replay_locked(
+    d: &Arc<Daemon>,
+    cache: &Arc<CacheHost>,
+    rec: &VolumeRecord,
+) -> Result<(), String> {
+    let me = d.coord.host().to_owned();
+    // Read again under the lock: the vault may have moved on meanwhile.
+    let vault = d
+        .coord
+        .vault(rec.id)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no vault record")?;
+    let Some(set) = cache
+        .replica_sets()
+        .into_iter()
+        .find(|s| s.volume == rec.id)
+    else {
+        return Ok(());
+    };
+    if vault.gen != set.gen || !vault.peers.contains(&me) {
+        let _ = cache.replica_drop(rec.id, set.gen);
+        return Ok(());
+    }
+    let dead = vault.owner.clone();
+    let started = Instant::now();
+    let n = cache
+        .promote_replicas(rec.id, vault.checkpoint)
+        .map_err(|e| e.to_string())?;
+    warn!(
+        "volume {:?}: its owner {dead:?} is gone; replaying {n} write(s) from this host's \
+         replicas (generation {}, from checkpoint {})",
+        rec.name,
+        vault.gen,
+        vault.checkpoint.max(set.checkpoint)
+    );
+    let store = d.store_pub(&rec.datastore).map_err(|e| e.to_string())?;
+    let extent = store
+        .open_volume(&rec.spec())
+        .await
+        .map_err(|e| e.to_string())?;
+    let volume = Volume::open(
+        rec.id,
+        rec.name.clone(),
+        Policy::Wb,
+        rec.tuning,
+        extent,
+        Some(cache.clone()),
+    )
+    .map_err(|e| e.to_string())?;
+    let c = volume.cache().ok_or("volume did not attach to the cache")?;
+    let mut replaying = Vault {
+        owner: me.clone(),
+        previous_owner: Some(dead.clone()),
+        ..vault.clone()
+    };
+    let mut last_put = Instant::now();
+    while !c.clean() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if last_put.elapsed() >= VAULT_CHECKPOINT_EVERY && c.checkpoint() > replaying.checkpoint {
+            replaying.checkpoint = c.checkpoint();
+            // A host that continues after this one dies starts from here.
+            d.coord
+                .put_vault(&replaying)
+                .await
+                .map_err(|e| e.to_string())?;
+            last_put = Instant::now();
+        }
+        if let Some(r) = c.report().degraded.filter(|_| cache.log().is_failed()) {
+            return Err(format!("replay stopped: {r}"));
+        }
+    }
+    let done = Vault {
+        policy: Policy::Wt,
+        gen: c.gen() + 1,
+        checkpoint: c.checkpoint(),
+        peers: Vec::new(),
+        ..replaying
+    };
+    d.coord.put_vault(&done).await.map_err(|e| e.to_string())?;
+    volume.detach_cache();
+    info!(
+        "volume {:?}: online replay done in {:.1} s; its datastore is current (vault: wt, \
+         generation {}); the owner takes it back when it returns",
+        rec.name,
+        started.elapsed().as_secs_f64(),
+        done.gen
+    );
+    Ok(())
+}

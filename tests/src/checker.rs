@@ -1,0 +1,99 @@
+//! A checker for crash tests: writers put versioned 4 KiB blocks on a volume and record, per
+//! block, the last version whose write completed and the one in flight; after a crash, every
+//! block must read as its completed version or its in-flight one (DESIGN §2).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use nbd::client::Client;
+use nbd::uri::NbdUri;
+
+pub const BLOCK: u64 = 4096;
+pub const BLOCKS: u64 = 1024;
+/// Writers; each owns the blocks ≡ its index mod WRITERS, so a block has at most one write in
+/// flight and its versions are strictly ordered.
+pub const WRITERS: u64 = 16;
+
+/// What a block holds: its number and version, repeated.
+pub fn content(block: u64, version: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(BLOCK as usize);
+    while v.len() < BLOCK as usize {
+        v.extend_from_slice(&block.to_le_bytes());
+        v.extend_from_slice(&version.to_le_bytes());
+    }
+    v
+}
+
+pub fn version_of(block: u64, data: &[u8]) -> u64 {
+    if data.iter().all(|b| *b == 0) {
+        return 0;
+    }
+    let b = u64::from_le_bytes(data[0..8].try_into().unwrap());
+    let v = u64::from_le_bytes(data[8..16].try_into().unwrap());
+    assert_eq!(b, block, "block {block} holds another block's data");
+    assert!(data == content(b, v), "block {block} is torn or corrupt");
+    v
+}
+
+/// Per block: the last version known completed, and the one in flight (if any).
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Known {
+    pub completed: u64,
+    pub in_flight: Option<u64>,
+}
+
+pub struct Xorshift(pub u64);
+
+impl Xorshift {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Runs writers until the connection dies; returns nothing, the shared table says what happened.
+pub async fn write_until_killed(
+    uri: String,
+    known: Arc<Mutex<Vec<Known>>>,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+) {
+    let Ok(client) = Client::connect(&NbdUri::parse(&uri).unwrap(), 2).await else {
+        return;
+    };
+    let client = Arc::new(client);
+    let mut tasks = Vec::new();
+    for w in 0..WRITERS {
+        let (client, known, stop) = (client.clone(), known.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Xorshift(seed ^ (w + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+            while !stop.load(Ordering::SeqCst) {
+                let block = (rng.next_u64() % (BLOCKS / WRITERS)) * WRITERS + w;
+                let version = {
+                    let mut k = known.lock().unwrap();
+                    let v = k[block as usize].completed + 1;
+                    k[block as usize].in_flight = Some(v);
+                    v
+                };
+                let fua = rng.next_u64().is_multiple_of(16);
+                let r = client
+                    .write(block * BLOCK, Bytes::from(content(block, version)), fua)
+                    .await;
+                let mut k = known.lock().unwrap();
+                if r.is_err() {
+                    return; // the daemon is gone; the write may or may not have landed
+                }
+                k[block as usize] = Known {
+                    completed: version,
+                    in_flight: None,
+                };
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
