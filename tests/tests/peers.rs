@@ -173,6 +173,12 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
         "8M",
         "--policy",
         "wbp:1:local",
+        // Destaging held: b holds replicas when it dies, and the writes that complete
+        // without it must not wait for the hold.
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
     ]);
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 1 0 1M"]);
@@ -196,8 +202,82 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
         &a.url("w"),
         &["write -P 3 2M 1M", "read -P 1 0 1M", "read -P 2 1M 1M"],
     );
+    // b returns with replicas of a generation the volume has left: it drops them.
     b.launch();
+    wait_for(
+        Duration::from_secs(20),
+        "b to drop its stale replicas",
+        || b.log().contains("dropping stale replicas").then_some(()),
+    );
     qemu_io(&a.url("w"), &["read -P 3 2M 1M"]);
+}
+
+/// FVP Table 1's cascade: the peer replaying for a dead owner dies too, and the next peer
+/// continues from the checkpoint the first one left in the vault.
+#[test]
+fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
+    let etcd = Etcd::start();
+    // A slow datastore: the replay takes seconds, long enough to kill the replayer midway.
+    let lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["delay-write=40ms"]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    let mut c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wbp:2",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b", "c"]);
+    // 64 separate 4 KiB writes far apart: 64 datastore writes of 40 ms, a window of at most
+    // 4 queue depths (32 IOs) at a time, so the replay takes two windows and over 160 ms.
+    let cmds: Vec<String> = (0..64u64)
+        .map(|i| format!("write -P {} {} 4k", i + 1, i * 64 * 1024))
+        .collect();
+    let cmds: Vec<&str> = cmds.iter().map(|s| s.as_str()).collect();
+    qemu_io(&a.url("w"), &cmds);
+    a.kill9();
+    let first = wait_for(
+        Duration::from_secs(TTL_S + 20),
+        "a peer to start replaying",
+        || {
+            [("b", &b), ("c", &c)]
+                .into_iter()
+                .find(|(_, h)| h.log().contains("is gone; replaying"))
+                .map(|(n, _)| n)
+        },
+    );
+    // Kill the replayer at once: it has done at most part of the work.
+    let (dead, other) = if first == "b" {
+        (&mut b, &mut c)
+    } else {
+        (&mut c, &mut b)
+    };
+    dead.kill9();
+    assert!(
+        !dead.log().contains("online replay done"),
+        "the replay finished before it could be interrupted; slow the datastore down"
+    );
+    wait_for(
+        Duration::from_secs(TTL_S + 30),
+        "the other peer to finish the replay",
+        || other.log().contains("online replay done").then_some(()),
+    );
+    let mut want = vec![0u8; 8 << 20];
+    for i in 0..64usize {
+        want[i * 65536..i * 65536 + 4096].fill(i as u8 + 1);
+    }
+    assert!(
+        on_datastore(&lun, 8 << 20) == want,
+        "after the cascade the datastore must hold every completed write"
+    );
 }
 
 /// The crash campaign of issue 3 with a peer: the owner of a `wbp:1` volume is killed at a
@@ -314,4 +394,109 @@ fn completed_writes_survive_the_owner_dying_under_load() {
         replayed_writes > 0,
         "no kill left dirty data for the peer to replay; the campaign is too gentle"
     );
+}
+
+/// FVP Table 1, flash failure in `wbp`: the owner's cache device fails with dirty data on it;
+/// its peer replays that data from its replicas, and the owner goes on uncached with the
+/// datastore current.
+#[test]
+fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wbp:1",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 4 0 1M", "write -P 9 2M 8k"]);
+    assert!(on_datastore(&lun, 4 << 20).iter().all(|x| *x == 0));
+    a.fail_cache_device();
+    wait_for(Duration::from_secs(30), "b to replay for a", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
+        let s = show(&a, "w");
+        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
+    });
+    assert_eq!(
+        on_datastore(&lun, 4 << 20),
+        expect(4 << 20, &[(0, 1 << 20, 4), (2 << 20, 8192, 9)]),
+        "the peer's replay must put every completed write on the datastore"
+    );
+    qemu_io(
+        &a.url("w"),
+        &["read -P 4 0 1M", "read -P 9 2M 8k", "write -P 5 3M 4k"],
+    );
+    assert!(
+        a.log().contains("its peers replay what it held"),
+        "{}",
+        a.log()
+    );
+}
+
+/// FVP Table 1, datastore failure: with the datastore failing every IO, the owner's destager
+/// stalls and loses nothing; the owner then dies, and its peer replays once the datastore
+/// answers again.
+#[test]
+fn a_failing_datastore_stalls_with_no_loss_and_the_peer_replays_when_it_returns() {
+    let etcd = Etcd::start();
+    let errors = vesta_tests::Scratch::new("errfile");
+    let on = errors.join("on");
+    let lun = Nbdkit::start(
+        128 << 20,
+        &["--filter=error"],
+        &[
+            "error=EIO",
+            "error-rate=100%",
+            &format!("error-file={}", on.display()),
+        ],
+    );
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wbp:1"]);
+    wait_replicating(&a, "w", &["b"]);
+    std::fs::write(&on, b"").unwrap();
+    qemu_io(
+        &a.url("w"),
+        &["write -P 3 0 1M", "write -P 8 5M 64k", "flush"],
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "destaging to fail and retry",
+        || {
+            let s = show(&a, "w");
+            (!s["cache"]["destage_error"].is_null()).then_some(s)
+        },
+    );
+    assert_eq!(
+        show(&a, "w")["cache"]["dirty_bytes"],
+        (1 << 20) + (64 << 10)
+    );
+    a.kill9();
+    // b takes over but cannot reach the datastore yet: it keeps trying, nothing is dropped.
+    std::thread::sleep(Duration::from_secs(TTL_S + 3));
+    assert!(!b.log().contains("online replay done"));
+    std::fs::remove_file(&on).unwrap();
+    wait_for(
+        Duration::from_secs(60),
+        "b's replay once the datastore is back",
+        || b.log().contains("online replay done").then_some(()),
+    );
+    assert_eq!(
+        on_datastore(&lun, 8 << 20),
+        expect(8 << 20, &[(0, 1 << 20, 3), (5 << 20, 64 << 10, 8)]),
+    );
+    a.launch();
+    qemu_io(&a.url("w"), &["read -P 3 0 1M", "read -P 8 5M 64k"]);
 }

@@ -481,6 +481,14 @@ impl Log {
         self.failed.load(Ordering::SeqCst)
     }
 
+    /// Checks the device is alive (a device sync: cheap when nothing is dirty, and it reaches
+    /// the device, unlike a read the page cache may answer), failing the log if not: an idle
+    /// log would otherwise notice a dead device only at its next append.
+    pub fn probe(&self) -> Result<()> {
+        self.check_failed()?;
+        self.dev.sync().map_err(|e| self.io_error(e))
+    }
+
     /// Starts a new current segment for `owner`, beginning with copies of its metadata. Only
     /// metadata may take the last [`META_RESERVE`] free segments.
     fn start_segment(&self, owner: Uuid, for_meta: bool) -> Result<u32> {

@@ -262,6 +262,10 @@ pub struct Vault {
     pub peers: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_owner: Option<String>,
+    /// The owner cannot destage the volume itself (its cache device failed) and has given up
+    /// the vault lock for a peer to replay from its replicas (FVP Table 1, flash failure).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub handoff: bool,
 }
 
 /// Per-volume write-back tuning (DESIGN §3).

@@ -209,6 +209,8 @@ struct VolState {
     draining: bool,
     /// The volume's peers while it is in `wbp`.
     replicator: Option<Arc<dyn Replicator>>,
+    /// Writes waiting to be on the datastore (a peer failed them): windows are not held.
+    urgent: usize,
 }
 
 /// Log bytes of one staged record (`cachelog::format::log_bytes`).
@@ -782,6 +784,7 @@ impl VolCache {
                 destage: DestageState::default(),
                 draining: false,
                 replicator: None,
+                urgent: 0,
             }),
             changed: Notify::new(),
             ds_latency: Mutex::new(Ewma::new(0.1)),
@@ -877,6 +880,16 @@ impl VolCache {
     /// Whether the volume is in `wbp` (healthy or not).
     pub fn has_peers(&self) -> bool {
         lock(&self.st).replicator.is_some()
+    }
+
+    /// The volume's peers, if it is in `wbp`.
+    pub fn peers(&self) -> Option<Arc<dyn Replicator>> {
+        lock(&self.st).replicator.clone()
+    }
+
+    /// Whether the host's cache device has failed (nothing on it can be read any more).
+    pub fn cache_failed(&self) -> bool {
+        self.shared.log.is_failed()
     }
 
     /// Indexes and stages one dirty record (caller holds the state lock).
@@ -1448,7 +1461,16 @@ impl VolCache {
     }
 
     /// Waits until the datastore holds every write up to `ser` (a checkpoint at or above it).
+    /// Held windows are not held meanwhile.
     async fn wait_destaged(&self, ser: u64) -> Result<(), Error> {
+        struct Urgent<'a>(&'a VolCache);
+        impl Drop for Urgent<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.st).urgent -= 1;
+            }
+        }
+        lock(&self.st).urgent += 1;
+        let _urgent = Urgent(self);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -1657,7 +1679,7 @@ impl VolCache {
             return false; // nothing to destage from
         }
         let opts = *lock(&self.opts);
-        if opts.hold.is_zero() || st.replaying || st.draining {
+        if opts.hold.is_zero() || st.replaying || st.draining || st.urgent > 0 {
             return true;
         }
         // The head of the queue is the oldest dirty write.

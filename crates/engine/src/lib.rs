@@ -304,6 +304,13 @@ impl Volume {
         *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
     }
 
+    /// Gives the cache up without draining it, after the host's cache device failed and
+    /// another host replayed what it held (a `wbp` peer): the volume goes on uncached.
+    pub fn abandon_cache(&self) {
+        self.detach_cache();
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+    }
+
     async fn pause(&self) {
         self.paused.store(true, Ordering::SeqCst);
         // In-flight IO is bounded (a datastore IO, or a cache append); no limit needed.

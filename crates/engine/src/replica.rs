@@ -44,6 +44,9 @@ pub trait Replicator: Send + Sync + 'static {
     fn checkpoint(&self, gen: u64, ser: u64);
     /// Takes the failed peers out of the volume's vault record (see the trait doc).
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>>;
+    /// Marks the vault for a peer to replay the volume (the owner's cache device failed);
+    /// the caller then gives the vault lock up.
+    fn hand_off(&self) -> BoxFuture<Result<(), String>>;
     /// Whether every peer is still taking writes.
     fn healthy(&self) -> bool;
     fn report(&self) -> Vec<PeerReport>;

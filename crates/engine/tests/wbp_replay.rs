@@ -59,6 +59,9 @@ impl Replicator for Direct {
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
         Box::pin(async { Ok(()) })
     }
+    fn hand_off(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     fn healthy(&self) -> bool {
         true
     }

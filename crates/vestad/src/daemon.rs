@@ -401,6 +401,7 @@ impl Daemon {
             owner: me,
             peers: Vec::new(),
             previous_owner,
+            handoff: false,
         };
         if prev.as_ref() != Some(&vault) {
             if let Err(e) = self.coord.put_vault(&vault).await {

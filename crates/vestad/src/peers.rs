@@ -259,6 +259,11 @@ impl Replicator for PeerSet {
         })
     }
 
+    fn hand_off(&self) -> BoxFuture<Result<(), String>> {
+        let vault = self.0.vault.clone();
+        Box::pin(async move { vault.update(|v| v.handoff = true).await })
+    }
+
     fn healthy(&self) -> bool {
         self.0.links.iter().all(|l| l.broken().is_none())
     }
@@ -288,6 +293,8 @@ pub struct PeerState {
     last_problem: Mutex<HashMap<String, String>>,
     /// Volumes being replayed here for a dead owner.
     replaying: Mutex<std::collections::HashSet<Uuid>>,
+    /// This host's volumes handed off to their peers (its cache device failed), by name.
+    handed_off: Mutex<std::collections::HashSet<String>>,
 }
 
 impl PeerState {
@@ -332,6 +339,7 @@ async fn vault_for(
         owner: me,
         peers,
         previous_owner,
+        handoff: false,
     }
 }
 
@@ -476,6 +484,15 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
             _ = tokio::time::sleep(ROUND) => {}
             _ = stop.wait() => return,
         }
+        if let Some(c) = d.cache.clone() {
+            // A cache device that died while idle is noticed here, not at the next write.
+            let log = c.log().clone();
+            let _ = datastore::device::on_pool(move || {
+                log.probe()
+                    .map_err(|e| std::io::Error::other(e.to_string()))
+            })
+            .await;
+        }
         keep_replicated(&d).await;
         if d.cache.is_some() && d.coord.kind() != "local" {
             look_after_replicas(&d).await;
@@ -491,6 +508,13 @@ async fn keep_replicated(d: &Arc<Daemon>) {
             continue;
         }
         let Some(c) = v.cache() else { continue };
+        if c.cache_failed() {
+            if let Err(why) = flash_failed(d, &e.record, v, &c).await {
+                d.peers
+                    .note(&e.record.name, Some(format!("hand-off to peers: {why}")));
+            }
+            continue;
+        }
         if c.replicating() && v.policy() == want {
             d.peers.note(&e.record.name, None);
             continue;
@@ -519,6 +543,76 @@ async fn keep_replicated(d: &Arc<Daemon>) {
             }
         }
     }
+}
+
+/// FVP Table 1, flash failure in `wbp`: the owner's cache device failed, so what only it and
+/// its peers held can be destaged only by a peer. The owner stops its destager, marks the
+/// vault for hand-off and gives the lock up; a peer replays (as for a dead owner) and leaves
+/// the vault in `wt` with a new generation; the owner then takes the lock back and serves the
+/// volume uncached, with the datastore current. Writes fail meanwhile (the volume reports the
+/// failed cache device); reads of clean data go on.
+async fn flash_failed(
+    d: &Arc<Daemon>,
+    rec: &VolumeRecord,
+    v: &Arc<Volume>,
+    c: &Arc<engine::cache::VolCache>,
+) -> Result<(), String> {
+    let name = &rec.name;
+    let handed = d.peers.handed_off.lock().expect("lock").contains(name);
+    if !handed {
+        let Some(p) = c.peers() else {
+            return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
+        };
+        v.stop_destaging().await;
+        p.hand_off().await?;
+        d.coord
+            .unlock_vault(rec.id)
+            .await
+            .map_err(|e| e.to_string())?;
+        d.peers
+            .handed_off
+            .lock()
+            .expect("lock")
+            .insert(name.clone());
+        warn!(
+            "volume {name:?}: the cache device failed; its peers replay what it held (vault \
+             lock given up)"
+        );
+        return Ok(());
+    }
+    // Waiting for a peer to finish.
+    let vault = d
+        .coord
+        .vault(rec.id)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no vault record")?;
+    if vault.handoff || vault.gen <= c.gen() {
+        return Ok(());
+    }
+    d.coord
+        .lock_vault(rec.id)
+        .await
+        .map_err(|e| e.to_string())?;
+    v.abandon_cache();
+    let me = d.coord.host().to_owned();
+    let back = Vault {
+        volume: rec.id,
+        policy: Policy::Uncached,
+        checkpoint: vault.checkpoint,
+        gen: vault.gen + 1,
+        owner: me,
+        peers: Vec::new(),
+        previous_owner: Some(vault.owner.clone()),
+        handoff: false,
+    };
+    d.coord.put_vault(&back).await.map_err(|e| e.to_string())?;
+    d.peers.handed_off.lock().expect("lock").remove(name);
+    info!(
+        "volume {name:?}: host {:?} replayed it; serving it uncached (the cache device failed)",
+        vault.owner
+    );
+    Ok(())
 }
 
 async fn look_after_replicas(d: &Arc<Daemon>) {
@@ -568,15 +662,20 @@ async fn look_after_replicas(d: &Arc<Daemon>) {
             }
             continue;
         }
-        if alive(&vault.owner) {
+        if alive(&vault.owner) && !vault.handoff {
             continue;
         }
-        // The vault's holder is gone: replay, if this host gets the lock first.
+        // The vault's holder is gone (or handed the volume off): replay, if this host gets
+        // the lock first.
         d.peers.replaying.lock().expect("lock").insert(set.volume);
         let d2 = d.clone();
         tokio::spawn(async move {
-            if let Err(e) = replay_for_dead_owner(&d2, &rec).await {
-                warn!("volume {:?}: online replay: {e}", rec.name);
+            match replay_for_dead_owner(&d2, &rec).await {
+                // Repeats (a datastore that stays down) are logged once.
+                Err(e) => d2
+                    .peers
+                    .note(&rec.name, Some(format!("online replay: {e}"))),
+                Ok(()) => d2.peers.note(&rec.name, None),
             }
             d2.peers.replaying.lock().expect("lock").remove(&rec.id);
         });
@@ -627,6 +726,13 @@ async fn replay_locked(
     }
     let dead = vault.owner.clone();
     let started = Instant::now();
+    // The datastore first: if it cannot be reached, the replicas stay as they are for the
+    // next attempt.
+    let store = d.store_pub(&rec.datastore).map_err(|e| e.to_string())?;
+    let extent = store
+        .open_volume(&rec.spec())
+        .await
+        .map_err(|e| format!("datastore {:?}: {e}; retrying", rec.datastore))?;
     let n = cache
         .promote_replicas(rec.id, vault.checkpoint)
         .map_err(|e| e.to_string())?;
@@ -637,11 +743,6 @@ async fn replay_locked(
         vault.gen,
         vault.checkpoint.max(set.checkpoint)
     );
-    let store = d.store_pub(&rec.datastore).map_err(|e| e.to_string())?;
-    let extent = store
-        .open_volume(&rec.spec())
-        .await
-        .map_err(|e| e.to_string())?;
     let volume = Volume::open(
         rec.id,
         rec.name.clone(),
@@ -655,6 +756,7 @@ async fn replay_locked(
     let mut replaying = Vault {
         owner: me.clone(),
         previous_owner: Some(dead.clone()),
+        handoff: false,
         ..vault.clone()
     };
     let mut last_put = Instant::now();
