@@ -13,6 +13,7 @@
 //! not rebuild them: use `make test`, or `cargo test --workspace`.
 
 pub mod checker;
+pub mod proxy;
 pub mod raw;
 
 use std::fs;

@@ -14,10 +14,22 @@ use vesta_tests::{qemu_io, read_file, wait_for, Etcd, Nbdkit, Vestad, VestadOpts
 const TTL_S: u64 = 3;
 
 fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
+    host_with(etcd, name, fault_domain, ip, lun, "")
+}
+
+/// A host with extra `[cluster]` lines.
+fn host_with(
+    etcd: &Etcd,
+    name: &str,
+    fault_domain: &str,
+    ip: &str,
+    lun: &Nbdkit,
+    cluster: &str,
+) -> Vestad {
     Vestad::start_with(VestadOpts {
         config: Some(format!(
-            "{}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
-             target = \"{}\"\nqueue_depth = 8\n",
+            "{}{cluster}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\n\
+             kind = \"lun\"\ntarget = \"{}\"\nqueue_depth = 8\n",
             etcd.cluster_config(name, fault_domain, TTL_S),
             lun.uri()
         )),
@@ -499,4 +511,129 @@ fn a_failing_datastore_stalls_with_no_loss_and_the_peer_replays_when_it_returns(
     );
     a.launch();
     qemu_io(&a.url("w"), &["read -P 3 0 1M", "read -P 8 5M 64k"]);
+}
+
+/// FVP Table 1, network failure between owner and peer: the link to the peer goes silent
+/// (a fault proxy drops every byte, the connection stays open). The owner's request times
+/// out, it takes the peer out of the vault, and the volume goes back to wbp with a new peer
+/// that holds everything needed: when the owner then dies, the new peer's replay makes the
+/// datastore current. The old peer, reachable again, drops its stale replicas.
+#[test]
+fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b_peer = format!("127.0.0.3:{}", vesta_tests::free_port());
+    let proxy = vesta_tests::proxy::FaultProxy::start("127.0.0.5", &b_peer);
+    let b = host_with(
+        &etcd,
+        "b",
+        "rack2",
+        "127.0.0.3",
+        &lun,
+        &format!(
+            "peer_listen = \"{b_peer}\"\npeer_advertise = \"{}\"\n",
+            proxy.addr
+        ),
+    );
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wbp:1:remote",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 1 0 1M"]);
+    proxy.blackhole();
+    let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    // This write waits for b until the link times out; then it completes on the datastore.
+    qemu_io(&a.url("w"), &["write -P 2 1M 1M"]);
+    wait_replicating(&a, "w", &["c"]);
+    qemu_io(&a.url("w"), &["write -P 3 2M 1M"]);
+    let s = show(&a, "w");
+    assert!(
+        s["cache"]["dirty_bytes"].as_u64().unwrap() >= 1 << 20,
+        "{s}"
+    );
+    proxy.heal();
+    wait_for(
+        Duration::from_secs(20),
+        "b to drop its stale replicas",
+        || b.log().contains("dropping stale replicas").then_some(()),
+    );
+    // The new peer alone must be enough.
+    a.kill9();
+    wait_for(Duration::from_secs(TTL_S + 20), "c to replay", || {
+        c.log().contains("online replay done").then_some(())
+    });
+    assert!(
+        !b.log().contains("online replay done"),
+        "the old peer must not replay"
+    );
+    assert_eq!(
+        on_datastore(&lun, 4 << 20),
+        expect(
+            4 << 20,
+            &[
+                (0, 1 << 20, 1),
+                (1 << 20, 1 << 20, 2),
+                (2 << 20, 1 << 20, 3)
+            ]
+        ),
+    );
+}
+
+/// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
+/// survives; another host replays it (surrogate replay) and the datastore is current.
+#[test]
+fn when_owner_and_peers_all_die_another_host_replays_the_owners_cache_file() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wbp:1:remote",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    qemu_io(
+        &a.url("w"),
+        &["write -P 6 0 1M", "write -P 7 6M 4k", "flush"],
+    );
+    a.kill9();
+    b.kill9();
+    // Both leases expire; nobody holds replicas to replay from.
+    std::thread::sleep(Duration::from_secs(TTL_S + 1));
+    assert!(on_datastore(&lun, 8 << 20).iter().all(|x| *x == 0));
+    let cache = a.data_dir.join("cache.img");
+    let out = c.vesta_ok(&["host", "replay-cache", &cache.display().to_string()]);
+    assert!(out.contains("replayed 2 write(s)"), "{out}");
+    assert_eq!(
+        on_datastore(&lun, 8 << 20),
+        expect(8 << 20, &[(0, 1 << 20, 6), (6 << 20, 4096, 7)]),
+    );
+    // The replay checkpointed the file: done twice, it finds nothing left to do.
+    let out = c.vesta_ok(&["host", "replay-cache", &cache.display().to_string()]);
+    assert!(out.contains("no dirty data"), "{out}");
+    // The owner returns to a current datastore.
+    a.launch();
+    qemu_io(&a.url("w"), &["read -P 6 0 1M", "read -P 7 6M 4k"]);
+    drop(b);
 }

@@ -116,6 +116,9 @@ pub struct HostInfo {
     pub alive: bool,
     pub api: Option<String>,
     pub nbd: Option<String>,
+    /// Where it takes `wbp` peers' writes.
+    #[serde(default)]
+    pub peer: Option<String>,
     pub cache_bytes: u64,
     pub cache_used_bytes: u64,
     pub started_unix: u64,
@@ -159,6 +162,19 @@ pub struct CacheInfo {
     /// The volume's peers in `wbp`, with how far each lags the owner.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<PeerInfo>,
+}
+
+/// Replay what another host's cache device holds (`vesta host replay-cache`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SurrogateReplay {
+    /// The cache file or device, as this host sees it.
+    pub path: String,
+}
+
+/// What a surrogate replay did, one line per volume found with dirty data.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SurrogateReport {
+    pub volumes: Vec<String>,
 }
 
 /// One `wbp` peer of a volume.

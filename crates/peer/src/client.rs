@@ -14,12 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::wire::{self, Msg, Status, HEADER_LEN};
+use crate::wire::{self, Body, Msg, Status, HEADER_LEN};
 
 /// Longest a request may wait for its reply before the link is declared broken.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,7 +54,7 @@ struct Inner {
     pending: Mutex<HashMap<u64, Waiter>>,
     broken: Mutex<Option<String>>,
     next: AtomicU64,
-    tx: mpsc::UnboundedSender<Bytes>,
+    tx: mpsc::UnboundedSender<([u8; HEADER_LEN], Body)>,
     budget: Semaphore,
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -170,6 +170,11 @@ impl Link {
 
     /// Sends `msg` and waits for its reply. `bytes` is what it carries (for the budget).
     async fn request(&self, msg: Msg, bytes: usize) -> Result<String, PeerError> {
+        self.send(Body::new(&msg), bytes).await
+    }
+
+    /// Sends an encoded body (a write encoded once for all of a volume's peers).
+    async fn send(&self, body: Body, bytes: usize) -> Result<String, PeerError> {
         let inner = &self.inner;
         let broken = |msg: String| PeerError::Broken {
             peer: inner.peer.clone(),
@@ -190,9 +195,9 @@ impl Link {
                 return Err(broken(why));
             }
             let seq = inner.next.fetch_add(1, Ordering::SeqCst);
-            let fatal = matches!(msg, Msg::Write(_) | Msg::Flush);
+            let fatal = matches!(body.kind(), wire::Kind::Write | wire::Kind::Flush);
             pending.insert(seq, (tx, fatal));
-            if inner.tx.send(wire::encode(seq, &msg)).is_err() {
+            if inner.tx.send((body.header(seq), body)).is_err() {
                 pending.remove(&seq);
                 drop(pending);
                 return Err(broken("connection closed".into()));
@@ -228,8 +233,13 @@ impl Link {
     }
 
     pub async fn write(&self, w: wire::WriteMsg) -> Result<(), PeerError> {
-        let bytes = w.data.as_ref().map_or(0, |d| d.len());
-        self.request(Msg::Write(w), bytes).await.map(drop)
+        self.write_encoded(Body::new(&Msg::Write(w))).await
+    }
+
+    /// Sends a write encoded with [`Body::new`] (once for all links).
+    pub async fn write_encoded(&self, body: Body) -> Result<(), PeerError> {
+        let bytes = body.len();
+        self.send(body, bytes).await.map(drop)
     }
 
     pub async fn flush(&self) -> Result<(), PeerError> {
@@ -252,29 +262,67 @@ impl Link {
     }
 }
 
+/// Most frame parts gathered into one vectored write.
+const GATHER: usize = 64;
+
+/// Sends frames as they are queued: everything queued at the moment goes out together, in
+/// vectored writes, with no copy of the data.
 async fn write_loop(
-    wr: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<([u8; HEADER_LEN], Body)>,
     link: std::sync::Weak<Inner>,
 ) {
-    let mut w = BufWriter::with_capacity(256 << 10, wr);
+    use bytes::Buf;
+    let mut chunks: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
+    let push = |chunks: &mut std::collections::VecDeque<Bytes>,
+                (head, body): ([u8; HEADER_LEN], Body)| {
+        chunks.push_back(Bytes::copy_from_slice(&head));
+        for p in body.parts {
+            if !p.is_empty() {
+                chunks.push_back(p);
+            }
+        }
+    };
     while let Some(frame) = rx.recv().await {
-        let mut r = w.write_all(&frame).await;
-        // Everything already queued goes out in the same flush.
-        while r.is_ok() {
-            match rx.try_recv() {
-                Ok(f) => r = w.write_all(&f).await,
-                Err(_) => break,
-            }
+        push(&mut chunks, frame);
+        while let Ok(f) = rx.try_recv() {
+            push(&mut chunks, f);
         }
-        if r.is_ok() {
-            r = w.flush().await;
-        }
-        if let Err(e) = r {
-            if let Some(l) = link.upgrade() {
-                l.fail(format!("send: {e}"));
+        while !chunks.is_empty() {
+            let slices: Vec<std::io::IoSlice<'_>> = chunks
+                .iter()
+                .take(GATHER)
+                .map(|c| std::io::IoSlice::new(c))
+                .collect();
+            let r = wr.write_vectored(&slices).await;
+            drop(slices);
+            let mut n = match r {
+                Ok(0) => Err(std::io::Error::from(std::io::ErrorKind::WriteZero)),
+                other => other,
             }
-            return;
+            .unwrap_or_else(|e| {
+                if let Some(l) = link.upgrade() {
+                    l.fail(format!("send: {e}"));
+                }
+                usize::MAX
+            });
+            if n == usize::MAX {
+                return;
+            }
+            while n > 0 {
+                let front = chunks.front_mut().expect("wrote no more than queued");
+                if front.len() <= n {
+                    n -= front.len();
+                    chunks.pop_front();
+                } else {
+                    front.advance(n);
+                    n = 0;
+                }
+            }
+            // Frames queued meanwhile join the next write.
+            while let Ok(f) = rx.try_recv() {
+                push(&mut chunks, f);
+            }
         }
     }
 }

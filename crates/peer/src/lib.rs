@@ -16,7 +16,7 @@ pub mod wire;
 
 pub use client::{Link, PeerError};
 pub use server::{serve, Refusal, Sink};
-pub use wire::WriteMsg;
+pub use wire::{Body, WriteMsg};
 
 #[cfg(test)]
 mod tests {

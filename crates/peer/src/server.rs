@@ -84,7 +84,9 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(wire::Head, Bytes)>>
 
 fn connection(s: TcpStream, sink: &dyn Sink) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    let mut r = BufReader::with_capacity(256 << 10, s.try_clone()?);
+    // Small: headers and small bodies are buffered, a write's data is read straight into
+    // its own buffer.
+    let mut r = BufReader::with_capacity(16 << 10, s.try_clone()?);
     let mut w = BufWriter::with_capacity(64 << 10, s);
     let mut from: Option<String> = None;
     loop {

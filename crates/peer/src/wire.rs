@@ -176,67 +176,112 @@ pub struct Head {
     pub body_crc: u32,
 }
 
-/// Encodes a frame: header and body in one buffer (a write's data is copied once, here).
-pub fn encode(seq: u64, msg: &Msg) -> Bytes {
-    let mut body = BytesMut::new();
-    let mut flags = 0u16;
-    let kind = match msg {
-        Msg::Hello { host } => {
-            body.put_slice(host.as_bytes());
-            Kind::Hello
-        }
-        Msg::Open {
-            volume,
-            gen,
-            checkpoint,
-        } => {
-            body.put_slice(volume.as_bytes());
-            body.put_u64_le(*gen);
-            body.put_u64_le(*checkpoint);
-            Kind::Open
-        }
-        Msg::Write(w) => {
-            body.put_slice(w.volume.as_bytes());
-            body.put_u64_le(w.gen);
-            body.put_u64_le(w.ser);
-            body.put_u64_le(w.offset);
-            body.put_u64_le(w.len);
-            match &w.data {
-                Some(d) => body.put_slice(d),
-                None => flags |= FLAG_ZERO,
+/// A frame's body, encoded once and sendable on any number of links (only the header, with
+/// its request number, differs). A write's data is not copied: it is the second part.
+#[derive(Debug, Clone)]
+pub struct Body {
+    kind: Kind,
+    flags: u16,
+    /// The fields, then (for a write) the data.
+    pub parts: [Bytes; 2],
+    crc: u32,
+}
+
+impl Body {
+    pub fn new(msg: &Msg) -> Body {
+        let mut b = BytesMut::new();
+        let mut flags = 0u16;
+        let mut data = Bytes::new();
+        let kind = match msg {
+            Msg::Hello { host } => {
+                b.put_slice(host.as_bytes());
+                Kind::Hello
             }
-            Kind::Write
+            Msg::Open {
+                volume,
+                gen,
+                checkpoint,
+            } => {
+                b.put_slice(volume.as_bytes());
+                b.put_u64_le(*gen);
+                b.put_u64_le(*checkpoint);
+                Kind::Open
+            }
+            Msg::Write(w) => {
+                b.put_slice(w.volume.as_bytes());
+                b.put_u64_le(w.gen);
+                b.put_u64_le(w.ser);
+                b.put_u64_le(w.offset);
+                b.put_u64_le(w.len);
+                match &w.data {
+                    Some(d) => data = d.clone(),
+                    None => flags |= FLAG_ZERO,
+                }
+                Kind::Write
+            }
+            Msg::Flush => Kind::Flush,
+            Msg::Checkpoint { volume, gen, ser } => {
+                b.put_slice(volume.as_bytes());
+                b.put_u64_le(*gen);
+                b.put_u64_le(*ser);
+                Kind::Checkpoint
+            }
+            Msg::Drop { volume, gen } => {
+                b.put_slice(volume.as_bytes());
+                b.put_u64_le(*gen);
+                Kind::Drop
+            }
+            Msg::Reply { status, msg } => {
+                b.put_u8(status.code());
+                b.put_slice(msg.as_bytes());
+                Kind::Reply
+            }
+        };
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&b), &data);
+        Body {
+            kind,
+            flags,
+            parts: [b.freeze(), data],
+            crc,
         }
-        Msg::Flush => Kind::Flush,
-        Msg::Checkpoint { volume, gen, ser } => {
-            body.put_slice(volume.as_bytes());
-            body.put_u64_le(*gen);
-            body.put_u64_le(*ser);
-            Kind::Checkpoint
-        }
-        Msg::Drop { volume, gen } => {
-            body.put_slice(volume.as_bytes());
-            body.put_u64_le(*gen);
-            Kind::Drop
-        }
-        Msg::Reply { status, msg } => {
-            body.put_u8(status.code());
-            body.put_slice(msg.as_bytes());
-            Kind::Reply
-        }
-    };
+    }
+
+    pub fn len(&self) -> usize {
+        self.parts[0].len() + self.parts[1].len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The frame header for sending this body as request `seq`.
+    pub fn header(&self, seq: u64) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        let mut w = &mut out[..];
+        w.put_slice(&MAGIC);
+        w.put_u8(VERSION);
+        w.put_u8(self.kind.code());
+        w.put_u16_le(self.flags);
+        w.put_u64_le(seq);
+        w.put_u32_le(self.len() as u32);
+        w.put_u32_le(self.crc);
+        let head_crc = crc32c::crc32c(&out[..24]);
+        out[24..28].copy_from_slice(&head_crc.to_le_bytes());
+        out
+    }
+}
+
+/// Encodes a frame: header and body in one buffer.
+pub fn encode(seq: u64, msg: &Msg) -> Bytes {
+    let body = Body::new(msg);
     let mut out = BytesMut::with_capacity(HEADER_LEN + body.len());
-    out.put_slice(&MAGIC);
-    out.put_u8(VERSION);
-    out.put_u8(kind.code());
-    out.put_u16_le(flags);
-    out.put_u64_le(seq);
-    out.put_u32_le(body.len() as u32);
-    out.put_u32_le(crc32c::crc32c(&body));
-    let head_crc = crc32c::crc32c(&out[..24]);
-    out.put_u32_le(head_crc);
-    out.put_u32_le(0);
-    out.put_slice(&body);
+    out.put_slice(&body.header(seq));
+    out.put_slice(&body.parts[0]);
+    out.put_slice(&body.parts[1]);
     out.freeze()
 }
 

@@ -78,6 +78,12 @@ enum HostCmd {
     /// Every host that registered: alive or down, fault domain, addresses, cache use and
     /// how many volumes it owns.
     List,
+    /// Surrogate replay: destage what a dead host's cache device holds (its file, moved or
+    /// reachable here) to the datastores, for volumes whose owner and peers are all gone.
+    ReplayCache {
+        /// The cache file or device as this host sees it.
+        path: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -496,6 +502,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                     .collect(),
             );
+        }
+        Cmd::Host(HostCmd::ReplayCache { path }) => {
+            let path = std::fs::canonicalize(&path)
+                .map(|p| p.display().to_string())
+                .unwrap_or(path);
+            let r: api::SurrogateReport =
+                c.post_long("/v1/hosts/replay-cache", &api::SurrogateReplay { path })?;
+            if cli.json {
+                return print_json(&r);
+            }
+            if r.volumes.is_empty() {
+                println!("no dirty data for any volume in that cache");
+            }
+            for l in &r.volumes {
+                println!("{l}");
+            }
         }
         Cmd::Host(HostCmd::List) => {
             let hosts: Vec<api::HostInfo> = c.get("/v1/hosts")?;

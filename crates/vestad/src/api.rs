@@ -50,6 +50,7 @@ pub fn router(d: Arc<Daemon>) -> Router {
     Router::new()
         .route("/v1/status", get(status))
         .route("/v1/hosts", get(list_hosts))
+        .route("/v1/hosts/replay-cache", axum::routing::post(replay_cache))
         .route("/v1/datastores", get(list_datastores).post(add_datastore))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
@@ -98,6 +99,20 @@ async fn list_volumes(State(d): D) -> Json<Vec<api::VolumeInfo>> {
 
 async fn list_hosts(State(d): D) -> Result<Json<Vec<api::HostInfo>>, OpError> {
     Ok(Json(d.host_infos().await?))
+}
+
+async fn replay_cache(
+    State(d): D,
+    b: Result<Json<api::SurrogateReplay>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<api::SurrogateReport>, OpError> {
+    let req = body(b)?;
+    let volumes = detached(async move {
+        crate::peers::surrogate_replay(&d, std::path::Path::new(&req.path))
+            .await
+            .map_err(OpError::BadRequest)
+    })
+    .await?;
+    Ok(Json(api::SurrogateReport { volumes }))
 }
 
 async fn create_volume(

@@ -60,6 +60,9 @@ pub struct ClusterConfig {
     /// admin API's address with a free port; without, no peer listener (one host has no
     /// peers).
     pub peer_listen: String,
+    /// The address other hosts are told to reach the peer listener at, if not the one it is
+    /// bound to (a NAT, a proxy); empty = the bound address.
+    pub peer_advertise: String,
 }
 
 impl Default for ClusterConfig {
@@ -71,6 +74,7 @@ impl Default for ClusterConfig {
             prefix: "/vesta".into(),
             lease_ttl_s: LEASE_TTL_DEFAULT_S,
             peer_listen: String::new(),
+            peer_advertise: String::new(),
         }
     }
 }
@@ -115,6 +119,14 @@ impl ClusterConfig {
             bail!(
                 "cluster.peer_listen = {:?} is not an ip:port address (e.g. \"10.0.0.5:7100\")",
                 self.peer_listen
+            );
+        }
+        if !self.peer_advertise.is_empty()
+            && self.peer_advertise.parse::<std::net::SocketAddr>().is_err()
+        {
+            bail!(
+                "cluster.peer_advertise = {:?} is not an ip:port address",
+                self.peer_advertise
             );
         }
         if !(3..=60).contains(&self.lease_ttl_s) {

@@ -527,6 +527,7 @@ impl Daemon {
                     alive: h.alive,
                     api: r.api,
                     nbd: r.nbd,
+                    peer: r.peer,
                     cache_bytes: r.cache_bytes,
                     cache_used_bytes: r.cache_used_bytes,
                     started_unix: r.started_unix,

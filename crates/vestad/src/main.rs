@@ -274,7 +274,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }),
         )?;
         info!("taking peers' writes on {bound}");
-        let _ = daemon.peers.addr.set(bound);
+        let advertised = match config.cluster.peer_advertise.as_str() {
+            "" => bound,
+            a => {
+                info!("peers are told to reach this host at {a}");
+                a.to_owned()
+            }
+        };
+        let _ = daemon.peers.addr.set(advertised);
     }
 
     let stop = StopHandle::new();

@@ -149,20 +149,21 @@ impl PeerSetInner {
 impl Replicator for PeerSet {
     fn write(&self, w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
         let set = self.0.clone();
+        // Encoded (and checksummed) once for every peer.
+        let body = peer::Body::new(&peer::wire::Msg::Write(WriteMsg {
+            volume: set.volume,
+            gen: w.gen,
+            ser: w.ser,
+            offset: w.offset,
+            len: w.len,
+            data: w.data.clone(),
+        }));
         let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
             .links
             .iter()
             .map(|l| {
-                let l = l.clone();
-                let m = WriteMsg {
-                    volume: set.volume,
-                    gen: w.gen,
-                    ser: w.ser,
-                    offset: w.offset,
-                    len: w.len,
-                    data: w.data.clone(),
-                };
-                Box::pin(async move { l.write(m).await }) as BoxFuture<_>
+                let (l, b) = (l.clone(), body.clone());
+                Box::pin(async move { l.write_encoded(b).await }) as BoxFuture<_>
             })
             .collect();
         let ser = w.ser;
@@ -792,4 +793,136 @@ async fn replay_locked(
         done.gen
     );
     Ok(())
+}
+
+/// Surrogate replay (DESIGN §4, FVP Table 1's last cascade): the owner and every peer of some
+/// volumes are gone, but the owner's cache device survives and is reachable from this host
+/// (moved, or on shared storage). Its log is scanned here, and each volume with dirty data in
+/// it is replayed to its datastore under its vault lock, as a peer would from replicas. A
+/// volume whose vault is of a newer generation than the log's copy was replayed already and is
+/// skipped. Returns a line per volume found.
+pub async fn surrogate_replay(
+    d: &Arc<Daemon>,
+    path: &std::path::Path,
+) -> Result<Vec<String>, String> {
+    if d.coord.kind() == "local" {
+        return Err(
+            "surrogate replay needs a cluster (etcd): with one host, restart its vestad \
+                    on the cache device instead"
+                .into(),
+        );
+    }
+    let own = d.config.cache_device().ok().flatten().map(|(p, _, _)| p);
+    if own.as_deref().and_then(|p| std::fs::canonicalize(p).ok())
+        == std::fs::canonicalize(path).ok()
+    {
+        return Err(format!(
+            "{} is this host's own cache device",
+            path.display()
+        ));
+    }
+    let size = std::fs::metadata(path)
+        .map_err(|e| format!("cache file {}: {e}", path.display()))?
+        .len();
+    let dev = Arc::new(
+        cachelog::FileCache::open(path, size)
+            .map_err(|e| format!("open {}: {e}", path.display()))?,
+    );
+    let host = CacheHost::open(dev, engine::cache::SEGMENT_DEFAULT).map_err(|e| e.to_string())?;
+    let state = d.coord.state().await.map_err(|e| e.to_string())?;
+    let found = host.recovered_volumes();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let destager = {
+        let (h, s) = (host.clone(), stop.clone());
+        tokio::spawn(h.run_destager(move || s.load(Ordering::SeqCst)))
+    };
+    let mut out = Vec::new();
+    for (id, _, n) in found {
+        if n == 0 {
+            continue;
+        }
+        let Some(rec) = state.volumes.iter().find(|v| v.id == id).cloned() else {
+            out.push(format!(
+                "volume {id}: no longer exists; its {n} dirty write(s) are left"
+            ));
+            continue;
+        };
+        match surrogate_one(d, &host, &rec, n).await {
+            Ok(line) => out.push(line),
+            Err(e) => out.push(format!("volume {:?}: not replayed: {e}", rec.name)),
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let _ = destager.await;
+    Ok(out)
+}
+
+async fn surrogate_one(
+    d: &Arc<Daemon>,
+    host: &Arc<CacheHost>,
+    rec: &VolumeRecord,
+    n: usize,
+) -> Result<String, String> {
+    d.coord
+        .lock_vault(rec.id)
+        .await
+        .map_err(|e| e.to_string())?;
+    let r = async {
+        let vault = d.coord.vault(rec.id).await.map_err(|e| e.to_string())?;
+        let gen = host.recovered_gen(rec.id).unwrap_or(0);
+        if let Some(v) = &vault {
+            if v.gen > gen {
+                return Ok(format!(
+                    "volume {:?}: skipped, already replayed (vault generation {} > {gen} in the \
+                     cache file)",
+                    rec.name, v.gen
+                ));
+            }
+        }
+        let store = d.store_pub(&rec.datastore).map_err(|e| e.to_string())?;
+        let extent = store
+            .open_volume(&rec.spec())
+            .await
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        let volume = Volume::open(
+            rec.id,
+            rec.name.clone(),
+            Policy::Wb,
+            rec.tuning,
+            extent,
+            Some(host.clone()),
+        )
+        .map_err(|e| e.to_string())?;
+        let c = volume.cache().ok_or("volume did not attach")?;
+        while !c.clean() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let me = d.coord.host().to_owned();
+        let done = Vault {
+            volume: rec.id,
+            policy: Policy::Wt,
+            checkpoint: c.checkpoint(),
+            gen: c.gen() + 1,
+            owner: me,
+            peers: Vec::new(),
+            previous_owner: vault.map(|v| v.owner),
+            handoff: false,
+        };
+        d.coord.put_vault(&done).await.map_err(|e| e.to_string())?;
+        volume.detach_cache();
+        Ok(format!(
+            "volume {:?}: replayed {n} write(s) in {:.1} s; its datastore is current",
+            rec.name,
+            started.elapsed().as_secs_f64()
+        ))
+    }
+    .await;
+    if let Err(e) = d.coord.unlock_vault(rec.id).await {
+        warn!("volume {:?}: give the vault lock back: {e}", rec.name);
+    }
+    if let Ok(line) = &r {
+        info!("surrogate replay: {line}");
+    }
+    r
 }
