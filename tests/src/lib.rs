@@ -553,6 +553,17 @@ impl Nbdkit {
         format!("nbd+unix:///?socket={}", self.socket.display())
     }
 
+    /// Starts nbdkit again if it exited. nbdkit 1.32 can abort (`raw_send_socket: Assertion
+    /// sock >= 0 failed`) when a client is killed with requests in its delay filter; a real
+    /// SAN does not go away with a client, so tests that kill clients mid-IO keep it up.
+    pub fn keep_running(&mut self) {
+        if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
+            eprintln!("nbdkit exited ({st}) after a client was killed; starting it again");
+            self.child = None;
+            self.restart();
+        }
+    }
+
     /// SIGKILL: the LUN disappears (its socket file stays, refusing connections).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -230,7 +230,7 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
 fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
     let etcd = Etcd::start();
     // A slow datastore: the replay takes seconds, long enough to kill the replayer midway.
-    let lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["delay-write=40ms"]);
+    let mut lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["delay-write=40ms"]);
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     let mut c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
@@ -280,7 +280,10 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
     wait_for(
         Duration::from_secs(TTL_S + 30),
         "the other peer to finish the replay",
-        || other.log().contains("online replay done").then_some(()),
+        || {
+            lun.keep_running();
+            other.log().contains("online replay done").then_some(())
+        },
     );
     let mut want = vec![0u8; 8 << 20];
     for i in 0..64usize {

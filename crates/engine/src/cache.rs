@@ -211,6 +211,9 @@ struct VolState {
     replicator: Option<Arc<dyn Replicator>>,
     /// Writes waiting to be on the datastore (a peer failed them): windows are not held.
     urgent: usize,
+    /// In `wbp`, every write up to here is durable on every peer (a forwarded FLUSH covered
+    /// it). The destager sends nothing above it to the datastore (see `destage_window`).
+    peer_synced: u64,
 }
 
 /// Log bytes of one staged record (`cachelog::format::log_bytes`).
@@ -785,6 +788,7 @@ impl VolCache {
                 draining: false,
                 replicator: None,
                 urgent: 0,
+                peer_synced: 0,
             }),
             changed: Notify::new(),
             ds_latency: Mutex::new(Ewma::new(0.1)),
@@ -1423,6 +1427,10 @@ impl VolCache {
             (Mode::Wb, Some(p)) => {
                 let (local, remote) = tokio::join!(self.sync(), p.flush());
                 local?;
+                if remote.is_ok() {
+                    let mut st = lock(&self.st);
+                    st.peer_synced = st.peer_synced.max(done);
+                }
                 if let Err(e) = remote {
                     // Durable only locally: the writes this flush covers count once they
                     // are on the datastore (a checkpoint follows a datastore flush).
@@ -1735,6 +1743,25 @@ impl VolCache {
             lock(&self.st).degraded.get_or_insert(format!("{e}"));
             return false;
         }
+        // The same for the peers in wbp: a peer that lost power could otherwise hold an older
+        // run of the sequence than the datastore, and replaying it from a lagging vault
+        // checkpoint would put old data back over newer (a state no prefix of the writes
+        // gives). One forwarded FLUSH usually covers several windows, as the local sync does.
+        let (peers, synced, done) = {
+            let st = lock(&self.st);
+            (st.replicator.clone(), st.peer_synced, st.done_ser)
+        };
+        if let Some(p) = peers.filter(|_| last > synced) {
+            match p.flush().await {
+                Ok(()) => {
+                    let mut st = lock(&self.st);
+                    st.peer_synced = st.peer_synced.max(done);
+                }
+                // A peer out of the vault can never replay: the window may go.
+                Err(_) if p.exclude_failed().await.is_ok() => {}
+                Err(_) => return false,
+            }
+        }
         let started = Instant::now();
         let pieces = window::coalesce(&window);
         let bytes: u64 = pieces.iter().map(|p| p.len).sum();
@@ -1975,6 +2002,7 @@ impl VolCache {
             st.mode = mode;
             st.replicator = if mode == Mode::Wb { peers } else { None };
             st.checkpoint = st.next_ser - 1;
+            st.peer_synced = st.checkpoint;
             (st.gen, st.next_ser)
         };
         let code = match mode {

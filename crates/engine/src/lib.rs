@@ -373,7 +373,7 @@ impl Volume {
             // Entering wb: writes completed before now may sit in the datastore's volatile
             // cache, and a wb FLUSH only syncs the cache log. Flush the datastore first so a
             // later FLUSH covers them too.
-            if new == Policy::Wb {
+            if mode_of(new) == Some(Mode::Wb) {
                 self.store.flush().await.map_err(Error::Datastore)?;
             }
             let route = match (&route, mode_of(new)) {
@@ -394,19 +394,22 @@ impl Volume {
                 }
                 _ => route.clone(),
             };
-            match (&route, mode_of(new)) {
-                (Route::Cached(c), Some(mode)) => {
-                    if let Some(h) = hook {
-                        let (gen, checkpoint) = c.switch_marks();
-                        h(gen, checkpoint).await.map_err(Error::Cache)?;
-                    }
-                    c.switch_mode(mode, peers)?
+            if let (Route::Cached(c), Some(h)) = (&route, hook) {
+                let (gen, checkpoint) = c.switch_marks();
+                if let Err(e) = h(gen, checkpoint).await {
+                    // The hook may have recorded the new generation before it failed (a
+                    // vault write whose answer was lost). Whatever it recorded, the volume
+                    // must not go on completing writes only in this cache: in wt every
+                    // write is on the datastore, so no record elsewhere can make a
+                    // completed write look stale.
+                    c.switch_mode(Mode::Wt, None)?;
+                    *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
+                    return Err(Error::Cache(format!("{e}; the volume is in wt meanwhile")));
                 }
+            }
+            match (&route, mode_of(new)) {
+                (Route::Cached(c), Some(mode)) => c.switch_mode(mode, peers)?,
                 (Route::Cached(c), None) => {
-                    if let Some(h) = hook {
-                        let (gen, checkpoint) = c.switch_marks();
-                        h(gen, checkpoint).await.map_err(Error::Cache)?;
-                    }
                     host.detach(c);
                     *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
                 }

@@ -109,7 +109,7 @@ fn image(writes: &[W], k: usize) -> Vec<u8> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     #[test]
     fn a_peer_replays_every_completed_write_in_order(
@@ -204,4 +204,67 @@ proptest! {
             Ok(())
         })?;
     }
+}
+
+/// A switch whose hook fails (the vault write may or may not have landed) leaves the volume
+/// in wt: from then on a completed write is on the datastore, so no vault record can make it
+/// look stale.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_switch_hook_leaves_the_volume_in_wt() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let host = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    vol.write(0, Bytes::from(vec![1u8; 4096]), false)
+        .await
+        .unwrap();
+    let drive = {
+        let h = host.clone();
+        tokio::spawn(async move {
+            for turn in 0.. {
+                if !h.destage_turn(turn).await {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
+        })
+    };
+    let hook: engine::SwitchHook =
+        Box::new(|_, _| Box::pin(async { Err("vault write: no answer".to_string()) }));
+    let e = vol
+        .set_policy_with(
+            Policy::Wbp {
+                peers: 1,
+                rule: PeerRule::Any,
+            },
+            Some(Arc::new(Direct { peer, volume: id })),
+            Some(hook),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("in wt meanwhile"), "{e}");
+    assert_eq!(vol.policy(), Policy::Wt);
+    drive.abort();
+    // Written through: on the datastore as soon as it completes.
+    vol.write(8192, Bytes::from(vec![2u8; 4096]), false)
+        .await
+        .unwrap();
+    let img = store.image();
+    assert!(
+        img[..4096].iter().all(|b| *b == 1),
+        "drained before the switch"
+    );
+    assert!(
+        img[8192..12288].iter().all(|b| *b == 2),
+        "wt writes reach the datastore"
+    );
 }

@@ -352,17 +352,22 @@ async fn read_loop(mut rd: tokio::net::tcp::OwnedReadHalf, link: std::sync::Weak
             break format!("reply to unknown request {}", h.seq);
         };
         let peer = l.peer.clone();
-        let refused = (status != Status::Ok).then(|| msg.clone());
+        if status != Status::Ok && fatal {
+            // The link breaks before the refusal is delivered: whoever sees the error also
+            // sees the link broken (and excludes the peer), and nothing after a refused
+            // write may count.
+            l.fail(format!("peer refused a write: {msg}"));
+            let _ = waiter.send(Err(match status {
+                Status::Stale => PeerError::Stale { peer, msg },
+                _ => PeerError::Refused { peer, msg },
+            }));
+            return;
+        }
         let _ = waiter.send(match status {
             Status::Ok => Ok(msg),
             Status::Failed => Err(PeerError::Refused { peer, msg }),
             Status::Stale => Err(PeerError::Stale { peer, msg }),
         });
-        if let (Some(why), true) = (refused, fatal) {
-            // Before the next reply is even read: nothing after a refused write may count.
-            l.fail(format!("peer refused a write: {why}"));
-            return;
-        }
     };
     if let Some(l) = link.upgrade() {
         l.fail(err);

@@ -343,7 +343,14 @@ impl Daemon {
             .open_volume(&rec.spec())
             .await
             .map_err(|e| e.to_string())?;
-        if let (Some(cache), Ok(Some(vault))) = (&self.cache, self.coord.vault(rec.id).await) {
+        // Without the vault this host cannot tell whether its own dirty data is still the
+        // newest: better not to open than to replay over a peer's replay.
+        let vault = self
+            .coord
+            .vault(rec.id)
+            .await
+            .map_err(|e| format!("read vault record: {e}"))?;
+        if let (Some(cache), Some(vault)) = (&self.cache, vault) {
             // Another host replayed the volume since this host's log was written (online
             // replay by a peer): its own dirty data is older than the datastore now, and
             // replaying it would put old data over new.
@@ -379,34 +386,26 @@ impl Daemon {
         if v.cache().is_some_and(|c| c.has_peers()) {
             return; // in wbp its peer set keeps the vault (crate::peers)
         }
-        let me = self.coord.host().to_owned();
-        let prev = match self.coord.vault(rec.id).await {
-            Ok(p) => p,
+        let w = match crate::peers::vault_writer(self, rec.id).await {
+            Ok(w) => w,
             Err(e) => {
-                warn!("volume {:?}: read vault record: {e}", rec.name);
-                None
+                warn!("volume {:?}: {e}", rec.name);
+                return;
             }
         };
         let report = v.cache_report();
-        let previous_owner = match &prev {
-            Some(p) if p.owner != me => Some(p.owner.clone()),
-            Some(p) => p.previous_owner.clone(),
-            None => None,
-        };
         let vault = Vault {
             volume: rec.id,
             policy: v.policy(),
             checkpoint: report.as_ref().map_or(0, |r| r.checkpoint),
             gen: report.as_ref().map_or(0, |r| r.gen),
-            owner: me,
+            owner: self.coord.host().to_owned(),
             peers: Vec::new(),
-            previous_owner,
+            previous_owner: None,
             handoff: false,
         };
-        if prev.as_ref() != Some(&vault) {
-            if let Err(e) = self.coord.put_vault(&vault).await {
-                warn!("volume {:?}: write vault record: {e}", rec.name);
-            }
+        if let Err(e) = w.replace(vault).await {
+            warn!("volume {:?}: write vault record: {e}", rec.name);
         }
     }
 
@@ -1307,6 +1306,7 @@ impl Daemon {
             v.detach_cache();
         }
         self.coord.delete_volume(name).await?;
+        crate::peers::forget_vault_writer(self, entry.record.id);
         self.sampler.lock().expect("lock").forget_volume(name);
         info!("deleted volume {name:?}");
         Ok(info)
@@ -1347,8 +1347,12 @@ impl Daemon {
                 .await
                 .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
         } else {
+            // Leaving wbp (or any switch): the vault says so before the volume switches.
+            let hook = crate::peers::switch_hook(self, volume.id(), policy)
+                .await
+                .map_err(OpError::Unavailable)?;
             volume
-                .set_policy(policy)
+                .set_policy_with(policy, None, Some(hook))
                 .await
                 .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
         }

@@ -101,9 +101,11 @@ async fn join_all<T>(mut futs: Vec<BoxFuture<T>>) -> Vec<T> {
         .collect()
 }
 
-/// The vault as the owner keeps it while in `wbp`; every write of it goes through one lock,
-/// so a checkpoint update can never put back a peer that was excluded.
-struct VaultWriter {
+/// The one writer of a volume's vault on this host (its owner): every change (a switch, a
+/// peer taken out, a checkpoint) goes through its lock and applies to the newest record, so
+/// a late update from an earlier peer set can neither put back an excluded peer nor an old
+/// generation.
+pub struct VaultWriter {
     coord: Arc<dyn Coordinator>,
     vault: tokio::sync::Mutex<(Vault, Instant)>,
 }
@@ -120,6 +122,62 @@ impl VaultWriter {
         *g = (v, Instant::now());
         Ok(())
     }
+
+    /// Writes `v` whole, carrying `previous_owner` over and never lowering the generation.
+    pub async fn replace(&self, mut v: Vault) -> Result<(), String> {
+        let mut g = self.vault.lock().await;
+        let cur = &g.0;
+        v.gen = v.gen.max(cur.gen);
+        if cur.owner != v.owner && !cur.owner.is_empty() {
+            v.previous_owner = Some(cur.owner.clone());
+        } else if v.previous_owner.is_none() {
+            v.previous_owner = cur.previous_owner.clone();
+        }
+        if v == g.0 {
+            return Ok(());
+        }
+        self.coord.put_vault(&v).await.map_err(|e| e.to_string())?;
+        *g = (v, Instant::now());
+        Ok(())
+    }
+}
+
+/// This host's vault writer for `volume`, created from the record in the coordinator.
+pub async fn vault_writer(d: &Daemon, volume: Uuid) -> Result<Arc<VaultWriter>, String> {
+    if let Some(w) = d.peers.writers.lock().expect("lock").get(&volume) {
+        return Ok(w.clone());
+    }
+    let cur = d
+        .coord
+        .vault(volume)
+        .await
+        .map_err(|e| format!("read vault record: {e}"))?
+        .unwrap_or(Vault {
+            volume,
+            policy: Policy::Uncached,
+            checkpoint: 0,
+            gen: 0,
+            owner: String::new(),
+            peers: Vec::new(),
+            previous_owner: None,
+            handoff: false,
+        });
+    let w = Arc::new(VaultWriter {
+        coord: d.coord.clone(),
+        vault: tokio::sync::Mutex::new((cur, Instant::now())),
+    });
+    Ok(d.peers
+        .writers
+        .lock()
+        .expect("lock")
+        .entry(volume)
+        .or_insert(w)
+        .clone())
+}
+
+/// Forgets the vault writer of a volume this host no longer holds the lock of.
+pub fn forget_vault_writer(d: &Daemon, volume: Uuid) {
+    d.peers.writers.lock().expect("lock").remove(&volume);
 }
 
 /// A `wbp` volume's peers, from its owner's side. Cheap to clone.
@@ -248,6 +306,11 @@ impl Replicator for PeerSet {
         let vault = self.0.vault.clone();
         let volume = self.0.volume;
         Box::pin(async move {
+            if failed.is_empty() {
+                // A write failed but no link says so: nothing can be excluded, so nothing
+                // may complete (the caller retries).
+                return Err("a peer failed a write but no link to a peer is broken".into());
+            }
             vault
                 .update(|v| v.peers.retain(|p| !failed.contains(p)))
                 .await?;
@@ -296,6 +359,8 @@ pub struct PeerState {
     replaying: Mutex<std::collections::HashSet<Uuid>>,
     /// This host's volumes handed off to their peers (its cache device failed), by name.
     handed_off: Mutex<std::collections::HashSet<String>>,
+    /// The vault writer of each volume this host owns ([`vault_writer`]).
+    writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
 }
 
 impl PeerState {
@@ -313,34 +378,6 @@ impl PeerState {
                 m.remove(volume);
             }
         }
-    }
-}
-
-/// The vault the owner writes when it switches a volume: `previous_owner` carried over.
-async fn vault_for(
-    coord: &Arc<dyn Coordinator>,
-    volume: Uuid,
-    policy: Policy,
-    gen: u64,
-    checkpoint: u64,
-    peers: Vec<String>,
-) -> Vault {
-    let me = coord.host().to_owned();
-    let prev = coord.vault(volume).await.ok().flatten();
-    let previous_owner = match &prev {
-        Some(p) if p.owner != me => Some(p.owner.clone()),
-        Some(p) => p.previous_owner.clone(),
-        None => None,
-    };
-    Vault {
-        volume,
-        policy,
-        checkpoint,
-        gen,
-        owner: me,
-        peers,
-        previous_owner,
-        handoff: false,
     }
 }
 
@@ -419,11 +456,7 @@ pub async fn establish(
     }
     let id = volume.id();
     let names: Vec<String> = links.iter().map(|l| l.peer().to_owned()).collect();
-    let placeholder = vault_for(&d.coord, id, policy, 0, 0, names.clone()).await;
-    let writer = Arc::new(VaultWriter {
-        coord: d.coord.clone(),
-        vault: tokio::sync::Mutex::new((placeholder, Instant::now())),
-    });
+    let writer = vault_writer(d, id).await?;
     let set = PeerSet(Arc::new(PeerSetInner {
         volume: id,
         links: links.clone(),
@@ -432,6 +465,8 @@ pub async fn establish(
         failed: d.peers.failed.clone(),
     }));
     let hook_writer = writer.clone();
+    let joined = names.join(", ");
+    let me = me.clone();
     let hook: engine::SwitchHook = Box::new(move |gen, checkpoint| {
         Box::pin(async move {
             // The peers first, then the vault: once the vault names them, they may replay.
@@ -441,9 +476,15 @@ pub async fn establish(
                     .map_err(|e| e.to_string())?;
             }
             hook_writer
-                .update(|v| {
-                    v.gen = gen;
-                    v.checkpoint = checkpoint;
+                .replace(Vault {
+                    volume: id,
+                    policy,
+                    checkpoint,
+                    gen,
+                    owner: me,
+                    peers: names,
+                    previous_owner: None,
+                    handoff: false,
                 })
                 .await
         })
@@ -453,8 +494,7 @@ pub async fn establish(
         .await
         .map_err(|e| e.to_string())?;
     info!(
-        "volume {name:?}: {policy} with peer(s) {} (generation {})",
-        names.join(", "),
+        "volume {name:?}: {policy} with peer(s) {joined} (generation {})",
         volume.cache_report().map_or(0, |r| r.gen)
     );
     Ok(())
@@ -463,18 +503,38 @@ pub async fn establish(
 /// Takes a `wbp` volume whose peers failed (and cannot be replaced now) to `wt`, recording
 /// it in the vault; it goes back to `wbp` once peers are available ([`run`]).
 async fn fall_back_to_wt(d: &Daemon, volume: &Arc<Volume>) -> Result<(), String> {
-    let coord = d.coord.clone();
-    let id = volume.id();
-    let hook: engine::SwitchHook = Box::new(move |gen, checkpoint| {
-        Box::pin(async move {
-            let v = vault_for(&coord, id, Policy::Wt, gen, checkpoint, Vec::new()).await;
-            coord.put_vault(&v).await.map_err(|e| e.to_string())
-        })
-    });
+    let hook = switch_hook(d, volume.id(), Policy::Wt).await?;
     volume
         .set_policy_with(Policy::Wt, None, Some(hook))
         .await
         .map_err(|e| e.to_string())
+}
+
+/// The hook of a switch to a policy without peers: the vault gets the new generation, the
+/// policy and no peers before the volume switches (so no former peer can replay over what
+/// the volume writes afterwards).
+pub async fn switch_hook(
+    d: &Daemon,
+    id: Uuid,
+    policy: Policy,
+) -> Result<engine::SwitchHook, String> {
+    let w = vault_writer(d, id).await?;
+    let me = d.coord.host().to_owned();
+    Ok(Box::new(move |gen, checkpoint| {
+        Box::pin(async move {
+            w.replace(Vault {
+                volume: id,
+                policy,
+                checkpoint,
+                gen,
+                owner: me,
+                peers: Vec::new(),
+                previous_owner: None,
+                handoff: false,
+            })
+            .await
+        })
+    }))
 }
 
 /// Once a second: keeps this host's `wbp` volumes replicated, and looks after the replicas
@@ -564,12 +624,19 @@ async fn flash_failed(
         let Some(p) = c.peers() else {
             return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
         };
+        if !p.report().iter().any(|r| r.error.is_none()) {
+            // No peer holds the data any more: handing off would hand it to nobody. The
+            // volume reports the loss, as in wb.
+            return Err("the cache device failed and no peer is left to replay from".into());
+        }
         v.stop_destaging().await;
         p.hand_off().await?;
         d.coord
             .unlock_vault(rec.id)
             .await
             .map_err(|e| e.to_string())?;
+        // Another host writes the vault next: this host's copy is stale from here.
+        forget_vault_writer(d, rec.id);
         d.peers
             .handed_off
             .lock()
@@ -607,7 +674,7 @@ async fn flash_failed(
         previous_owner: Some(vault.owner.clone()),
         handoff: false,
     };
-    d.coord.put_vault(&back).await.map_err(|e| e.to_string())?;
+    vault_writer(d, rec.id).await?.replace(back).await?;
     d.peers.handed_off.lock().expect("lock").remove(name);
     info!(
         "volume {name:?}: host {:?} replayed it; serving it uncached (the cache device failed)",
@@ -760,20 +827,31 @@ async fn replay_locked(
         handoff: false,
         ..vault.clone()
     };
+    // From here the replay runs to its end: giving the lock up with the volume still
+    // destaging here would let another host write the datastore at the same time. Vault
+    // errors are retried; only a lost lock (another host has it: this host's fence is closed
+    // and stays closed) or a dead cache device ends it early, and then the destager stops
+    // before anything else happens.
     let mut last_put = Instant::now();
+    let mut fail = None;
     while !c.clean() {
         tokio::time::sleep(Duration::from_millis(50)).await;
         if last_put.elapsed() >= VAULT_CHECKPOINT_EVERY && c.checkpoint() > replaying.checkpoint {
             replaying.checkpoint = c.checkpoint();
             // A host that continues after this one dies starts from here.
-            d.coord
-                .put_vault(&replaying)
-                .await
-                .map_err(|e| e.to_string())?;
+            match d.coord.put_vault(&replaying).await {
+                Ok(()) => {}
+                Err(cluster::Error::NotHeld(e)) => {
+                    fail = Some(format!("lost the vault lock: {e}"));
+                    break;
+                }
+                Err(e) => warn!("volume {:?}: vault checkpoint: {e}; retrying", rec.name),
+            }
             last_put = Instant::now();
         }
         if let Some(r) = c.report().degraded.filter(|_| cache.log().is_failed()) {
-            return Err(format!("replay stopped: {r}"));
+            fail = Some(format!("replay stopped: {r}"));
+            break;
         }
     }
     let done = Vault {
@@ -783,8 +861,24 @@ async fn replay_locked(
         peers: Vec::new(),
         ..replaying
     };
-    d.coord.put_vault(&done).await.map_err(|e| e.to_string())?;
+    while fail.is_none() {
+        match d.coord.put_vault(&done).await {
+            Ok(()) => break,
+            Err(cluster::Error::NotHeld(e)) => fail = Some(format!("lost the vault lock: {e}")),
+            Err(e) => {
+                warn!(
+                    "volume {:?}: record the replay in the vault: {e}; retrying",
+                    rec.name
+                );
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+    volume.stop_destaging().await;
     volume.detach_cache();
+    if let Some(e) = fail {
+        return Err(e);
+    }
     info!(
         "volume {:?}: online replay done in {:.1} s; its datastore is current (vault: wt, \
          generation {}); the owner takes it back when it returns",
@@ -897,6 +991,13 @@ async fn surrogate_one(
         let c = volume.cache().ok_or("volume did not attach")?;
         while !c.clean() {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            if let Some(why) = c.report().degraded.filter(|_| host.log().is_failed()) {
+                // The cache file failed: what is left cannot be read. Stop before giving
+                // the lock up.
+                volume.stop_destaging().await;
+                volume.detach_cache();
+                return Err(format!("replay stopped: {why}"));
+            }
         }
         let me = d.coord.host().to_owned();
         let done = Vault {
