@@ -191,6 +191,11 @@ struct PeerSetInner {
     vault: Arc<VaultWriter>,
     /// Peers that failed, remembered by the daemon so they are not picked again at once.
     failed: Arc<Mutex<HashMap<String, Instant>>>,
+    /// The newest checkpoint to forward, and whether a forwarding task runs: one task at a
+    /// time, sending the newest each time, however many windows end meanwhile.
+    forward: Mutex<(u64, bool)>,
+    /// At most one vault checkpoint update under way.
+    vault_busy: std::sync::atomic::AtomicBool,
 }
 
 impl PeerSetInner {
@@ -201,6 +206,30 @@ impl PeerSetInner {
                 f.insert(l.peer().to_owned(), Instant::now());
             }
         }
+    }
+}
+
+impl PeerSet {
+    /// Moves the vault's checkpoint to `ser` if the last update is a second old (DESIGN §11).
+    fn vault_checkpoint(&self, gen: u64, ser: u64) {
+        if self.0.vault_busy.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let set = self.0.clone();
+        tokio::spawn(async move {
+            let due = set.vault.vault.lock().await.1.elapsed() >= VAULT_CHECKPOINT_EVERY;
+            if due {
+                let _ = set
+                    .vault
+                    .update(|v| {
+                        if v.gen == gen {
+                            v.checkpoint = v.checkpoint.max(ser);
+                        }
+                    })
+                    .await;
+            }
+            set.vault_busy.store(false, Ordering::SeqCst);
+        });
     }
 }
 
@@ -271,28 +300,40 @@ impl Replicator for PeerSet {
     }
 
     fn checkpoint(&self, gen: u64, ser: u64) {
-        for l in &self.0.links {
-            if l.broken().is_none() {
-                let l = l.clone();
-                let volume = self.0.volume;
-                tokio::spawn(async move {
-                    let _ = l.checkpoint(volume, gen, ser).await;
-                });
+        {
+            let mut f = self.0.forward.lock().expect("lock");
+            f.0 = f.0.max(ser);
+            if f.1 {
+                return self.vault_checkpoint(gen, ser); // the running task sends the newest
             }
+            f.1 = true;
         }
-        let vault = self.0.vault.clone();
+        let set = self.0.clone();
         tokio::spawn(async move {
-            let due = vault.vault.lock().await.1.elapsed() >= VAULT_CHECKPOINT_EVERY;
-            if due {
-                let _ = vault
-                    .update(|v| {
-                        if v.gen == gen {
-                            v.checkpoint = v.checkpoint.max(ser);
-                        }
+            let mut sent = 0;
+            loop {
+                let next = {
+                    let mut f = set.forward.lock().expect("lock");
+                    if f.0 <= sent {
+                        f.1 = false;
+                        return;
+                    }
+                    f.0
+                };
+                let sends: Vec<BoxFuture<Result<(), PeerError>>> = set
+                    .links
+                    .iter()
+                    .filter(|l| l.broken().is_none())
+                    .map(|l| {
+                        let (l, v) = (l.clone(), set.volume);
+                        Box::pin(async move { l.checkpoint(v, gen, next).await }) as BoxFuture<_>
                     })
-                    .await;
+                    .collect();
+                join_all(sends).await;
+                sent = next;
             }
         });
+        self.vault_checkpoint(gen, ser);
     }
 
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
@@ -461,6 +502,8 @@ pub async fn establish(
         volume: id,
         links: links.clone(),
         acked: links.iter().map(|_| AtomicU64::new(0)).collect(),
+        forward: Mutex::new((0, false)),
+        vault_busy: Default::default(),
         vault: writer.clone(),
         failed: d.peers.failed.clone(),
     }));
@@ -569,40 +612,47 @@ async fn keep_replicated(d: &Arc<Daemon>) {
             continue;
         }
         let Some(c) = v.cache() else { continue };
-        if c.cache_failed() {
-            if let Err(why) = flash_failed(d, &e.record, v, &c).await {
-                d.peers
-                    .note(&e.record.name, Some(format!("hand-off to peers: {why}")));
-            }
-            continue;
-        }
-        if c.replicating() && v.policy() == want {
+        if c.replicating() && v.policy() == want && !c.cache_failed() {
             d.peers.note(&e.record.name, None);
             continue;
         }
         if c.report().replaying {
             continue; // offline replay first
         }
-        let Some(_busy) = d.try_claim(&e.record.name, "peer change") else {
-            continue;
-        };
-        match establish(d, &e.record.name, v, want).await {
-            Ok(()) => d.peers.note(&e.record.name, None),
-            Err(why) => {
-                if c.has_peers() {
-                    // Its peers failed and none can replace them: wt until some can.
-                    match fall_back_to_wt(d, v).await {
-                        Ok(()) => info!(
-                            "volume {:?}: lost its peers; in wt until new peers are available",
-                            e.record.name
-                        ),
-                        Err(e2) => warn!("volume {:?}: fall back to wt: {e2}", e.record.name),
-                    }
+        // Each volume on its own task: a drain that takes long (a slow or failed datastore)
+        // must not hold up the others, nor this host's replays for dead owners. The claim
+        // keeps one change per volume at a time.
+        let (d, e, v) = (d.clone(), e.clone(), v.clone());
+        tokio::spawn(async move {
+            let Some(_busy) = d.try_claim(&e.record.name, "peer change") else {
+                return;
+            };
+            let name = &e.record.name;
+            if c.cache_failed() {
+                if let Err(why) = flash_failed(&d, &e.record, &v, &c).await {
+                    d.peers
+                        .note(name, Some(format!("hand-off to peers: {why}")));
                 }
-                d.peers
-                    .note(&e.record.name, Some(format!("stays in wt for now: {why}")));
+                return;
             }
-        }
+            match establish(&d, name, &v, want).await {
+                Ok(()) => d.peers.note(name, None),
+                Err(why) => {
+                    if c.has_peers() {
+                        // Its peers failed and none can replace them: wt until some can.
+                        match fall_back_to_wt(&d, &v).await {
+                            Ok(()) => info!(
+                                "volume {name:?}: lost its peers; in wt until new peers are \
+                                 available"
+                            ),
+                            Err(e2) => warn!("volume {name:?}: fall back to wt: {e2}"),
+                        }
+                    }
+                    d.peers
+                        .note(name, Some(format!("stays in wt for now: {why}")));
+                }
+            }
+        });
     }
 }
 
