@@ -54,7 +54,7 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>) -> std::io::Result<()> 
                                         .peer_addr()
                                         .map(|a| a.to_string())
                                         .unwrap_or_else(|_| "?".into());
-                                    if let Err(e) = connection(s, &*sink) {
+                                    if let Err(e) = connection(s, sink) {
                                         warn!("peer connection from {who} closed: {e}");
                                     }
                                 });
@@ -82,12 +82,58 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(wire::Head, Bytes)>>
     Ok(Some((h, Bytes::from(body))))
 }
 
-fn connection(s: TcpStream, sink: &dyn Sink) -> std::io::Result<()> {
+fn reply_of(result: Result<String, Refusal>) -> Msg {
+    match result {
+        Ok(msg) => Msg::Reply {
+            status: Status::Ok,
+            msg,
+        },
+        Err(Refusal::Failed(msg)) => Msg::Reply {
+            status: Status::Failed,
+            msg,
+        },
+        Err(Refusal::Stale(msg)) => Msg::Reply {
+            status: Status::Stale,
+            msg,
+        },
+    }
+}
+
+type Writer = Arc<std::sync::Mutex<BufWriter<TcpStream>>>;
+
+/// FLUSHes are synced on their own thread, so the writes behind one keep going into the log
+/// while the device syncs; flushes waiting together share one sync. A flush's reply may
+/// overtake the replies of writes sent after it (replies are matched by request number).
+fn syncer(sink: Arc<dyn Sink>, w: Writer) -> std::sync::mpsc::Sender<u64> {
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let _ = std::thread::Builder::new()
+        .name("peer-sync".into())
+        .spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let mut seqs = vec![first];
+                seqs.extend(rx.try_iter());
+                // Everything the connection applied before queueing these is in the log.
+                let reply = reply_of(sink.flush().map(|_| String::new()));
+                let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+                let sent = seqs
+                    .iter()
+                    .try_for_each(|seq| w.write_all(&wire::encode(*seq, &reply)))
+                    .and_then(|_| w.flush());
+                if sent.is_err() {
+                    return; // the connection is gone; its thread notices too
+                }
+            }
+        });
+    tx
+}
+
+fn connection(s: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     // Small: headers and small bodies are buffered, a write's data is read straight into
     // its own buffer.
     let mut r = BufReader::with_capacity(16 << 10, s.try_clone()?);
-    let mut w = BufWriter::with_capacity(64 << 10, s);
+    let w: Writer = Arc::new(std::sync::Mutex::new(BufWriter::with_capacity(64 << 10, s)));
+    let flushes = syncer(sink.clone(), w.clone());
     let mut from: Option<String> = None;
     loop {
         let Some((h, body)) = read_frame(&mut r)? else {
@@ -105,6 +151,7 @@ fn connection(s: TcpStream, sink: &dyn Sink) -> std::io::Result<()> {
                     status: Status::Failed,
                     msg: format!("damaged frame: {e}"),
                 };
+                let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
                 w.write_all(&wire::encode(h.seq, &reply))?;
                 w.flush()?;
                 return Err(std::io::Error::other(e));
@@ -130,7 +177,12 @@ fn connection(s: TcpStream, sink: &dyn Sink) -> std::io::Result<()> {
                 },
             ) => sink.open(f, volume, gen, checkpoint).map(|_| String::new()),
             (Some(f), Msg::Write(m)) => sink.write(f, m).map(|_| String::new()),
-            (Some(_), Msg::Flush) => sink.flush().map(|_| String::new()),
+            (Some(_), Msg::Flush) => {
+                flushes
+                    .send(h.seq)
+                    .map_err(|_| std::io::Error::other("flush thread gone"))?;
+                continue;
+            }
             (Some(_), Msg::Checkpoint { volume, gen, ser }) => {
                 sink.checkpoint(volume, gen, ser).map(|_| String::new())
             }
@@ -141,20 +193,8 @@ fn connection(s: TcpStream, sink: &dyn Sink) -> std::io::Result<()> {
                 return Err(std::io::Error::other(format!("unexpected frame {other:?}")))
             }
         };
-        let reply = match result {
-            Ok(msg) => Msg::Reply {
-                status: Status::Ok,
-                msg,
-            },
-            Err(Refusal::Failed(msg)) => Msg::Reply {
-                status: Status::Failed,
-                msg,
-            },
-            Err(Refusal::Stale(msg)) => Msg::Reply {
-                status: Status::Stale,
-                msg,
-            },
-        };
+        let reply = reply_of(result);
+        let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
         w.write_all(&wire::encode(h.seq, &reply))?;
         if r.buffer().is_empty() {
             w.flush()?;
