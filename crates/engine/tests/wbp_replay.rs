@@ -268,3 +268,42 @@ async fn a_failed_switch_hook_leaves_the_volume_in_wt() {
         "wt writes reach the datastore"
     );
 }
+
+/// A peer takes only whole sectors, and only for a generation it was opened for.
+#[test]
+fn a_peer_refuses_malformed_and_stale_writes() {
+    use engine::cache::ReplicaRefusal;
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    let id = Uuid::new_v4();
+    let data = vec![7u8; 4096];
+    assert!(
+        matches!(
+            peer.replica_write(id, 1, 1, 0, 4096, Some(&data)),
+            Err(ReplicaRefusal::Failed(_))
+        ),
+        "not opened"
+    );
+    peer.replica_open("a", id, 3, 0).unwrap();
+    for (off, len) in [(100, 4096), (0, 100), (0, 0)] {
+        let d = vec![1u8; len as usize];
+        assert!(matches!(
+            peer.replica_write(id, 3, 1, off, len, Some(&d)),
+            Err(ReplicaRefusal::Failed(m)) if m.contains("sectors")
+        ));
+    }
+    assert!(matches!(
+        peer.replica_write(id, 2, 1, 0, 4096, Some(&data)),
+        Err(ReplicaRefusal::Stale(_))
+    ));
+    assert!(matches!(
+        peer.replica_open("a", id, 2, 0),
+        Err(ReplicaRefusal::Stale(_))
+    ));
+    peer.replica_write(id, 3, 1, 0, 4096, Some(&data)).unwrap();
+    let sets = peer.replica_sets();
+    assert_eq!((sets[0].gen, sets[0].last_ser, sets[0].bytes), (3, 1, 4096));
+    // A newer generation drops the older copies.
+    peer.replica_open("a", id, 4, 1).unwrap();
+    let sets = peer.replica_sets();
+    assert_eq!((sets[0].gen, sets[0].writes), (4, 0));
+}

@@ -179,6 +179,18 @@ impl CacheHost {
         len: u64,
         data: Option<&[u8]>,
     ) -> Result<(), ReplicaRefusal> {
+        let sector = crate::SECTOR;
+        if len == 0
+            || !offset.is_multiple_of(sector)
+            || !len.is_multiple_of(sector)
+            || offset.checked_add(len).is_none()
+            || data.is_some_and(|d| d.len() as u64 != len)
+        {
+            return Err(ReplicaRefusal::Failed(format!(
+                "write {ser} of volume {volume}: range {offset}+{len} is not a whole number of \
+                 512-byte sectors"
+            )));
+        }
         {
             let sets = lock(&self.replicas);
             match sets.get(&volume) {
