@@ -31,3 +31,17 @@ vestad_api() {
     [ -f "$1/vestad.json" ] || { echo "vestad did not become ready; see its log" >&2; exit 1; }
     echo "http://$(python3 -c 'import json,sys;print(json.load(open(sys.argv[1]))["api"])' "$1/vestad.json")"
 }
+
+# fio_run NAME URI RW BS QD -> "iops lat_us MiB/s": a timed fio write run (RUNTIME seconds after
+# 2 s of ramp) on an NBD URI, its JSON kept as $OUT/NAME.json. FIO_EXTRA adds options.
+fio_run() {
+    local json="$OUT/$1.json"
+    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" ${FIO_EXTRA:-} \
+        --size=1G --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
+        --output-format=json --output="$json"
+    python3 - "$json" <<'EOF'
+import json, sys
+w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
+print(f'{w["iops"]:.0f} {w["lat_ns"]["mean"] / 1000:.1f} {w["bw"] / 1024:.1f}')
+EOF
+}

@@ -45,19 +45,6 @@ vesta() { "$BIN/vesta" --api "$API" "$@"; }
 vesta datastore add slow --lun "nbd+unix:///?socket=$OUT/slow.sock" --queue-depth 16 >/dev/null
 V="nbd+unix:///%s?socket=$OUT/vesta/nbd.sock"
 
-# fio NAME URI RW BS QD -> "iops lat_us MiB/s"
-fio_run() {
-    local json="$OUT/$1.json"
-    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" \
-        --size=1G --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
-        --output-format=json --output="$json"
-    python3 - "$json" <<'EOF'
-import json, sys
-w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
-print(f'{w["iops"]:.0f} {w["lat_ns"]["mean"] / 1000:.1f} {w["bw"] / 1024:.1f}')
-EOF
-}
-
 # fresh NAME QD POLICY-ARGS...: a new volume on the local disk for one 4k randwrite run,
 # deleted after it (each run starts with an empty cache share and has the cache to itself).
 fresh() {

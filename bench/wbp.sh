@@ -88,19 +88,6 @@ wait_mode() {
     exit 1
 }
 
-# fio NAME URI RW BS QD -> "iops lat_us MiB/s"
-fio_run() {
-    local json="$OUT/$1.json"
-    fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" ${FIO_EXTRA:-} \
-        --size=1G --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
-        --output-format=json --output="$json"
-    python3 - "$json" <<'EOF'
-import json, sys
-w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
-print(f'{w["iops"]:.0f} {w["lat_ns"]["mean"] / 1000:.1f} {w["bw"] / 1024:.1f}')
-EOF
-}
-
 if [ "${ONLY:-}" != replay ]; then
 echo "### FVP Table 2 on loopback: a 1 ms datastore, peers on the same machine"
 echo

@@ -9,6 +9,25 @@ use bytes::Bytes;
 use nbd::client::Client;
 use nbd::uri::NbdUri;
 
+/// A campaign's rounds (from the environment variable `rounds_var`, else `default`) and its
+/// first seed (`VESTA_CRASH_SEED`, else the clock), so a failing campaign can be replayed.
+pub fn campaign(rounds_var: &str, default: u64) -> (u64, u64) {
+    let rounds = std::env::var(rounds_var)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
+    let seed = std::env::var("VESTA_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    (rounds, seed)
+}
+
 pub const BLOCK: u64 = 4096;
 pub const BLOCKS: u64 = 1024;
 /// Writers; each owns the blocks ≡ its index mod WRITERS, so a block has at most one write in

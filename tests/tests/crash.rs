@@ -13,24 +13,14 @@ use std::time::Duration;
 
 use nbd::client::Client;
 use nbd::uri::NbdUri;
-use vesta_tests::checker::{version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS};
+use vesta_tests::checker::{
+    campaign, version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+};
 use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
 
 #[test]
 fn completed_writes_survive_kill_9_of_vestad() {
-    let rounds: u64 = std::env::var("VESTA_CRASH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    let seed0: u64 = std::env::var("VESTA_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let (rounds, seed0) = campaign("VESTA_CRASH_ROUNDS", 20);
     eprintln!("crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     // A LUN whose writes take a millisecond, so dirty data piles up in the cache.
     let lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::Value;
-use vesta_tests::checker::{version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS};
+use vesta_tests::checker::{
+    campaign, version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+};
 use vesta_tests::{qemu_io, read_file, wait_for, Etcd, Nbdkit, Vestad, VestadOpts, LUN_EXTENT};
 
 const TTL_S: u64 = 3;
@@ -35,6 +37,24 @@ fn host_with(
         )),
         ip: Some(ip.into()),
     })
+}
+
+/// An 8 MiB volume whose destaging is held back (600 s): what it is written stays dirty in
+/// the owner's cache and the peers' replicas until something forces it out.
+fn create_held(v: &Vestad, name: &str, policy: &str) {
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        name,
+        "--size",
+        "8M",
+        "--policy",
+        policy,
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
 }
 
 fn show(v: &Vestad, name: &str) -> Value {
@@ -86,19 +106,7 @@ fn a_peer_replays_online_when_the_owner_dies_and_the_owner_comes_back_in_wbp() {
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     // Destaging held back: what the writes leave is in a's cache and b's replicas only.
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:1",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held(&a, "w", "wbp:1");
     let s = wait_replicating(&a, "w", &["b"]);
     let gen0 = s["cache"]["gen"].as_u64().unwrap();
     let writes = [
@@ -177,21 +185,9 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
     let lun = Nbdkit::start(128 << 20, &[], &[]);
     let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack1", "127.0.0.3", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:1:local",
-        // Destaging held: b holds replicas when it dies, and the writes that complete
-        // without it must not wait for the hold.
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    // Destaging held: b holds replicas when it dies, and the writes that complete
+    // without it must not wait for the hold.
+    create_held(&a, "w", "wbp:1:local");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 1 0 1M"]);
 
@@ -234,19 +230,7 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     let mut c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:2",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held(&a, "w", "wbp:2");
     wait_replicating(&a, "w", &["b", "c"]);
     // 64 separate 4 KiB writes far apart: 64 datastore writes of 40 ms, a window of at most
     // 4 queue depths (32 IOs) at a time, so the replay takes two windows and over 160 ms.
@@ -302,19 +286,7 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
 /// `VESTA_WBP_CRASH_ROUNDS` sets the rounds (default 5); a failing round prints its seed.
 #[test]
 fn completed_writes_survive_the_owner_dying_under_load() {
-    let rounds: u64 = std::env::var("VESTA_WBP_CRASH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
-    let seed0: u64 = std::env::var("VESTA_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let (rounds, seed0) = campaign("VESTA_WBP_CRASH_ROUNDS", 5);
     eprintln!("wbp crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     let etcd = Etcd::start();
     // Writes take a millisecond on the datastore, so dirty data piles up in the caches.
@@ -420,19 +392,7 @@ fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached
     let lun = Nbdkit::start(128 << 20, &[], &[]);
     let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:1",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held(&a, "w", "wbp:1");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 4 0 1M", "write -P 9 2M 8k"]);
     assert!(on_datastore(&lun, 4 << 20).iter().all(|x| *x == 0));
@@ -539,19 +499,7 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
             proxy.addr
         ),
     );
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:1:remote",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held(&a, "w", "wbp:1:remote");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 1 0 1M"]);
     proxy.blackhole();
@@ -601,19 +549,7 @@ fn when_owner_and_peers_all_die_another_host_replays_the_owners_cache_file() {
     let lun = Nbdkit::start(128 << 20, &[], &[]);
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wbp:1:remote",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held(&a, "w", "wbp:1:remote");
     wait_replicating(&a, "w", &["b"]);
     let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
     qemu_io(
