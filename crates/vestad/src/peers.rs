@@ -861,6 +861,39 @@ async fn replay_locked(
         vault.gen,
         vault.checkpoint.max(set.checkpoint)
     );
+    let replaying = Vault {
+        owner: me.clone(),
+        previous_owner: Some(dead.clone()),
+        handoff: false,
+        ..vault.clone()
+    };
+    let done = replay_to_datastore(d, cache, rec, extent, replaying).await?;
+    info!(
+        "volume {:?}: online replay done in {:.1} s; its datastore is current (vault: wt, \
+         generation {}); the owner takes it back when it returns",
+        rec.name,
+        started.elapsed().as_secs_f64(),
+        done.gen
+    );
+    Ok(())
+}
+
+/// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault
+/// lock this host holds: the volume attaches in wb, its destager replays in `ser` order with
+/// the vault's checkpoint (`replaying`) following at most once a second, and at the end the
+/// vault says `wt` with a new generation, so every other copy is stale. Returns that record.
+///
+/// It runs to its end: giving the lock up with the volume still destaging here would let
+/// another host write the datastore at the same time. Vault errors are retried; only a lost
+/// lock (another host has it: this host's fence is closed and stays closed) or a dead cache
+/// device ends it early. Either way the destager stops before this returns.
+async fn replay_to_datastore(
+    d: &Arc<Daemon>,
+    cache: &Arc<CacheHost>,
+    rec: &VolumeRecord,
+    extent: datastore::Extent,
+    mut replaying: Vault,
+) -> Result<Vault, String> {
     let volume = Volume::open(
         rec.id,
         rec.name.clone(),
@@ -871,17 +904,6 @@ async fn replay_locked(
     )
     .map_err(|e| e.to_string())?;
     let c = volume.cache().ok_or("volume did not attach to the cache")?;
-    let mut replaying = Vault {
-        owner: me.clone(),
-        previous_owner: Some(dead.clone()),
-        handoff: false,
-        ..vault.clone()
-    };
-    // From here the replay runs to its end: giving the lock up with the volume still
-    // destaging here would let another host write the datastore at the same time. Vault
-    // errors are retried; only a lost lock (another host has it: this host's fence is closed
-    // and stays closed) or a dead cache device ends it early, and then the destager stops
-    // before anything else happens.
     let mut last_put = Instant::now();
     let mut fail = None;
     while !c.clean() {
@@ -926,17 +948,10 @@ async fn replay_locked(
     }
     volume.stop_destaging().await;
     volume.detach_cache();
-    if let Some(e) = fail {
-        return Err(e);
+    match fail {
+        Some(e) => Err(e),
+        None => Ok(done),
     }
-    info!(
-        "volume {:?}: online replay done in {:.1} s; its datastore is current (vault: wt, \
-         generation {}); the owner takes it back when it returns",
-        rec.name,
-        started.elapsed().as_secs_f64(),
-        done.gen
-    );
-    Ok(())
 }
 
 /// Surrogate replay (DESIGN §4, FVP Table 1's last cascade): the owner and every peer of some
@@ -1029,39 +1044,18 @@ async fn surrogate_one(
             .await
             .map_err(|e| e.to_string())?;
         let started = Instant::now();
-        let volume = Volume::open(
-            rec.id,
-            rec.name.clone(),
-            Policy::Wb,
-            rec.tuning,
-            extent,
-            Some(host.clone()),
-        )
-        .map_err(|e| e.to_string())?;
-        let c = volume.cache().ok_or("volume did not attach")?;
-        while !c.clean() {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            if let Some(why) = c.report().degraded.filter(|_| host.log().is_failed()) {
-                // The cache file failed: what is left cannot be read. Stop before giving
-                // the lock up.
-                volume.stop_destaging().await;
-                volume.detach_cache();
-                return Err(format!("replay stopped: {why}"));
-            }
-        }
         let me = d.coord.host().to_owned();
-        let done = Vault {
+        let replaying = Vault {
             volume: rec.id,
-            policy: Policy::Wt,
-            checkpoint: c.checkpoint(),
-            gen: c.gen() + 1,
+            policy: Policy::Wb,
+            checkpoint: 0,
+            gen,
             owner: me,
             peers: Vec::new(),
             previous_owner: vault.map(|v| v.owner),
             handoff: false,
         };
-        d.coord.put_vault(&done).await.map_err(|e| e.to_string())?;
-        volume.detach_cache();
+        replay_to_datastore(d, host, rec, extent, replaying).await?;
         Ok(format!(
             "volume {:?}: replayed {n} write(s) in {:.1} s; its datastore is current",
             rec.name,
