@@ -36,6 +36,7 @@
 //! served meanwhile. Clean data is not kept across a crash.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -72,6 +73,9 @@ const STALL_FRACTION: f64 = 0.85;
 /// Most writes one window carries. A held window takes everything staged up to this: one
 /// enormous window would hold up every stalled writer until all of it were on the datastore.
 const WINDOW_MAX: usize = 4096;
+/// Most bytes one window carries. A window's records are all in memory while it is sent
+/// (`send_window`), so this bounds the destager's memory whatever a held window would take.
+const WINDOW_BYTES_MAX: u64 = 128 << 20;
 /// A batch window carries up to this many queue-depths of datastore IOs, sent at most a queue
 /// depth at a time: each window ends in a datastore FLUSH and a checkpoint, and a window of a
 /// single queue depth spends as long on those as on its writes.
@@ -354,6 +358,8 @@ struct Shared {
     /// Signalled when the destager frees space or a write completes.
     space: Notify,
     cached_volumes: AtomicU64,
+    /// Buffers for the destager's datastore writes, used again and again.
+    bufs: Arc<BufPool>,
 }
 
 impl Shared {
@@ -471,6 +477,7 @@ impl CacheHost {
                 wake: Notify::new(),
                 space: Notify::new(),
                 cached_volumes: AtomicU64::new(0),
+                bufs: Arc::new(BufPool::default()),
             }),
             vols: Mutex::new(Vec::new()),
             recovered: Mutex::new(recovered),
@@ -615,6 +622,109 @@ impl CacheHost {
     }
 }
 
+/// A destage window: the writes it carries (a prefix of the staging queue), the ser its
+/// checkpoint moves to, the log ticket that makes its records durable, its datastore IOs
+/// ([`window::coalesce`], [`window::runs`]) and the records they read (pinned until read).
+struct Window {
+    writes: Vec<Staged<Loc>>,
+    last: u64,
+    ticket: u64,
+    pieces: Vec<window::Piece<Loc>>,
+    runs: Vec<Range<usize>>,
+    locs: Vec<Loc>,
+}
+
+/// Each run's bytes (`None` for zeroes), read and verified.
+type ReadTask = tokio::task::JoinHandle<std::io::Result<Vec<Option<Bytes>>>>;
+
+/// The next window, its records being read while the current window is written.
+struct ReadAhead {
+    window: Window,
+    read: ReadTask,
+}
+
+/// A destage write's outcome and service time, with its buffer to use again.
+type SentRun = ((std::io::Result<()>, Duration), Option<Bytes>);
+
+/// Buffers of [`window::RUN_BYTES_MAX`] for the destager's datastore writes. Each window
+/// would otherwise allocate its bytes afresh, and memory that new costs a page fault and a
+/// zeroed page per 4 KiB: more than reading the log and sending the bytes together.
+#[derive(Default)]
+struct BufPool {
+    free: Mutex<Vec<BytesMut>>,
+}
+
+/// Buffers a pool keeps (1 MiB each): a window's worth.
+const BUF_POOL_MAX: usize = (WINDOW_BYTES_MAX / window::RUN_BYTES_MAX) as usize;
+
+impl BufPool {
+    /// A buffer of `len` zeroed bytes; pooled when `len` is large enough to be worth it.
+    fn take(&self, len: usize) -> BytesMut {
+        let size = window::RUN_BYTES_MAX as usize;
+        if len <= size / 4 || len > size {
+            return BytesMut::zeroed(len);
+        }
+        let mut b = lock(&self.free)
+            .pop()
+            .unwrap_or_else(|| BytesMut::with_capacity(size));
+        b.clear();
+        b.resize(len, 0);
+        b
+    }
+
+    /// Returns a buffer whose write is done, if nothing else holds it.
+    fn put(&self, b: Bytes) {
+        let size = window::RUN_BYTES_MAX as usize;
+        if let Ok(b) = b.try_into_mut() {
+            let mut free = lock(&self.free);
+            if b.capacity() == size && free.len() < BUF_POOL_MAX {
+                free.push(b);
+            }
+        }
+    }
+}
+
+/// The data of each run (`None` for zeroes): each piece's bytes read from its record and
+/// verified, straight into the run's buffer when the piece is a whole record.
+fn read_runs(
+    log: &Log,
+    bufs: &BufPool,
+    runs: &[Vec<window::Piece<Loc>>],
+) -> std::io::Result<Vec<Option<Bytes>>> {
+    let io = |e: LogError| std::io::Error::other(e.to_string());
+    // Records only part of which is in a piece, kept while the chunk may need them again.
+    let mut partial: HashMap<Loc, Vec<u8>> = HashMap::new();
+    let mut out = Vec::with_capacity(runs.len());
+    for run in runs {
+        if run.iter().all(|p| matches!(p.source, Source::Zero)) {
+            out.push(None);
+            continue;
+        }
+        let len: u64 = run.iter().map(|p| p.len).sum();
+        let mut buf = bufs.take(len as usize);
+        let mut at = 0usize;
+        for p in run {
+            let dst = &mut buf[at..at + p.len as usize];
+            match p.source {
+                Source::Data(l, 0) if l.len == p.len => log.read_into(&l, dst).map_err(io)?,
+                Source::Data(l, pos) => {
+                    let rec = match partial.entry(l) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => {
+                            e.insert(log.read(&l).map_err(io)?)
+                        }
+                    };
+                    dst.copy_from_slice(&rec[pos as usize..(pos + p.len) as usize]);
+                }
+                Source::Zero => unreachable!("runs of data hold no zero pieces"),
+            }
+            at += p.len as usize;
+        }
+        out.push(Some(buf.freeze()));
+    }
+    Ok(out)
+}
+
 /// Groups the scan into each volume's recoverable dirty writes.
 fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
     let mut by_vol: HashMap<Uuid, BTreeMap<u64, Vec<Scanned>>> = HashMap::new();
@@ -708,8 +818,9 @@ pub struct VolCache {
     destage_bps: Mutex<Ewma>,
     opts: Mutex<VolOpts>,
     counters: Counters,
-    /// Held for the whole of a destage window; a delete takes it to wait one out.
-    destaging: tokio::sync::Mutex<()>,
+    /// Held for the whole of a destage window; a delete takes it to wait one out. It keeps
+    /// the next window, read ahead while the current one is written.
+    destaging: tokio::sync::Mutex<Option<ReadAhead>>,
     /// Set while the volume's storage is being deleted: no window starts.
     destage_stopped: std::sync::atomic::AtomicBool,
 }
@@ -795,7 +906,7 @@ impl VolCache {
             destage_bps: Mutex::new(Ewma::new(0.2)),
             opts: Mutex::new(opts),
             counters: Counters::default(),
-            destaging: tokio::sync::Mutex::new(()),
+            destaging: tokio::sync::Mutex::new(None),
             destage_stopped: std::sync::atomic::AtomicBool::new(false),
             shared,
         };
@@ -1666,7 +1777,10 @@ impl VolCache {
     /// storage can be freed without a late datastore write landing in it.
     pub async fn stop_destaging(&self) {
         self.destage_stopped.store(true, Ordering::SeqCst);
-        drop(self.destaging.lock().await);
+        let mut ahead = self.destaging.lock().await;
+        if let Some(a) = ahead.take() {
+            let _ = a.read.await;
+        }
     }
 
     pub fn resume_destaging(&self) {
@@ -1699,41 +1813,30 @@ impl VolCache {
 
     /// Destages one window; true if it made progress.
     async fn destage_window(&self) -> bool {
-        let _window = self.destaging.lock().await;
+        let mut ahead = self.destaging.lock().await;
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
         }
-        let (window, last, gen, ticket) = {
+        // The window read ahead during the last turn, if it still starts the queue (the one
+        // before it reached the datastore); else a window composed now.
+        let (first, gen) = {
             let st = lock(&self.st);
-            let opts = *lock(&self.opts);
-            let closing = if opts.hold.is_zero() {
-                Closing::Batch {
-                    max_ios: self.store.gate().queue_depth() as usize * WINDOW_WAVES,
-                }
-            } else {
-                Closing::Held
-            };
-            // Only writes up to the completion watermark: a lower ser still in flight is not
-            // staged yet, and a checkpoint past it would claim the datastore has it.
-            let head: Vec<&StagedWrite> = st
-                .staged
-                .iter()
-                .take_while(|w| w.w.ser <= st.done_ser)
-                .take(WINDOW_MAX)
-                .collect();
-            let all: Vec<Staged<Loc>> = head.iter().map(|w| w.w).collect();
-            let n = window::window_len(&all, closing);
-            if n == 0 {
-                return false;
-            }
-            // A window ends at a whole write: all parts of its last ser.
-            let mut n = n;
-            while n < all.len() && all[n].ser == all[n - 1].ser {
-                n += 1;
-            }
-            let ticket = head[..n].iter().map(|w| w.ticket).max().unwrap_or(0);
-            (all[..n].to_vec(), all[n - 1].ser, st.gen, ticket)
+            (st.staged.front().map(|w| w.w.ser), st.gen)
         };
+        let (win, read) = match ahead.take() {
+            Some(a) if Some(a.window.writes[0].ser) == first => (a.window, a.read),
+            stale => {
+                if let Some(a) = stale {
+                    let _ = a.read.await;
+                }
+                let Some(win) = self.compose(None) else {
+                    return false;
+                };
+                let read = self.read_window(&win);
+                (win, read)
+            }
+        };
+        let (last, ticket) = (win.last, win.ticket);
         // Only durable records are destaged. The datastore then never holds a write the log
         // could lose, so a replay after any crash re-applies whole windows in order, which
         // is idempotent; without this, a held window (which coalesces overlapping writes)
@@ -1763,9 +1866,22 @@ impl VolCache {
             }
         }
         let started = Instant::now();
-        let pieces = window::coalesce(&window);
-        let bytes: u64 = pieces.iter().map(|p| p.len).sum();
-        let result = self.send_window(&pieces).await;
+        let bytes: u64 = win.pieces.iter().map(|p| p.len).sum();
+        let result = match read.await {
+            Ok(Ok(datas)) => {
+                // The next window's records are read while this one is written and flushed,
+                // when the next window is due at once anyway.
+                *ahead = self.read_ahead(last);
+                self.send_window(&win, datas, started).await
+            }
+            Ok(Err(e)) => {
+                // Never destage what cannot be verified.
+                let why = format!("a dirty cache record cannot be read ({e}); destaging stopped");
+                lock(&self.st).degraded.get_or_insert(why.clone());
+                Err(Error::Cache(why))
+            }
+            Err(e) => Err(Error::Cache(format!("destage read failed: {e}"))),
+        };
         if let Err(e) = result {
             let mut st = lock(&self.st);
             let backoff = if st.destage.backoff.is_zero() {
@@ -1848,7 +1964,7 @@ impl VolCache {
             .destaged_bytes
             .fetch_add(bytes, Ordering::Relaxed);
         self.counters.destaged_writes.fetch_add(
-            writes_among(window.iter().map(|w| w.ser)),
+            writes_among(win.writes.iter().map(|w| w.ser)),
             Ordering::Relaxed,
         );
         self.changed.notify_waiters();
@@ -1856,10 +1972,59 @@ impl VolCache {
         true
     }
 
-    /// Writes a window's pieces to the datastore, all concurrently (the datastore's gate
-    /// bounds what is in flight), then flushes it.
-    async fn send_window(&self, pieces: &[window::Piece<Loc>]) -> Result<(), Error> {
-        // The window's records, read and verified in one trip to the blocking pool.
+    /// The next window to destage: writes from the head of the staging queue (after `after`,
+    /// the last ser of a window still being sent), none past the completion watermark (a lower
+    /// ser still in flight is not staged yet, and a checkpoint past it would claim the
+    /// datastore has it), closed as the volume's hold time says and at [`WINDOW_MAX`] writes
+    /// or [`WINDOW_BYTES_MAX`] bytes, and always at a whole write. Its records are pinned
+    /// until read (`read_window`).
+    fn compose(&self, after: Option<u64>) -> Option<Window> {
+        let st = lock(&self.st);
+        let opts = *lock(&self.opts);
+        let closing = if opts.hold.is_zero() {
+            Closing::Batch {
+                max_ios: self.store.gate().queue_depth() as usize * WINDOW_WAVES,
+            }
+        } else {
+            Closing::Held
+        };
+        let start = match after {
+            None => 0,
+            Some(ser) => st.staged.iter().position(|w| w.w.ser > ser)?,
+        };
+        let mut bytes = 0u64;
+        let head: Vec<Staged<Loc>> = st
+            .staged
+            .range(start..)
+            .take_while(|w| w.w.ser <= st.done_ser)
+            .take(WINDOW_MAX)
+            .take_while(|w| {
+                bytes += w.w.len;
+                bytes == w.w.len || bytes <= WINDOW_BYTES_MAX
+            })
+            .map(|w| w.w)
+            .collect();
+        let mut n = window::window_len(&head, closing);
+        if n == 0 {
+            return None;
+        }
+        // A window ends at a whole write: all parts of its last ser, past the caps if need be
+        // (a checkpoint at that ser releases every part of it).
+        let tail = head[n - 1].ser;
+        n += st
+            .staged
+            .range(start + n..)
+            .take_while(|w| w.w.ser == tail)
+            .count();
+        let writes: Vec<Staged<Loc>> = st.staged.range(start..start + n).map(|w| w.w).collect();
+        let ticket = st
+            .staged
+            .range(start..start + n)
+            .map(|w| w.ticket)
+            .max()
+            .unwrap_or(0);
+        let pieces = window::coalesce(&writes);
+        let runs = window::runs(&pieces);
         let mut locs: Vec<Loc> = pieces
             .iter()
             .filter_map(|p| match p.source {
@@ -1869,62 +2034,127 @@ impl VolCache {
             .collect();
         locs.sort_by_key(|l| (l.segment, l.offset));
         locs.dedup();
-        let log = self.shared.log.clone();
-        let records: HashMap<Loc, Bytes> = blocking(move || {
-            locs.into_iter()
-                .map(|l| {
-                    log.read(&l)
-                        .map(|d| (l, Bytes::from(d)))
-                        .map_err(|e| std::io::Error::other(e.to_string()))
-                })
-                .collect()
-        })
-        .await
-        .map_err(|e| {
-            // Never destage what cannot be verified.
-            let why = format!("a dirty cache record cannot be read ({e}); destaging stopped");
-            lock(&self.st).degraded.get_or_insert(why.clone());
-            Error::Cache(why)
-        })?;
-        let bytes_of = |p: &window::Piece<Loc>| match p.source {
-            Source::Data(l, pos) => Some(records[&l].slice(pos as usize..(pos + p.len) as usize)),
-            Source::Zero => None,
-        };
-        let mut set = tokio::task::JoinSet::new();
-        for run in window::runs(pieces) {
-            let store = self.store.clone();
-            let run = &pieces[run];
-            let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
-            // Adjacent pieces (from different records) go out as one IO.
-            let data = if run.len() == 1 {
-                bytes_of(&run[0])
-            } else {
-                let mut buf = bytes::BytesMut::with_capacity(len as usize);
-                for p in run {
-                    buf.extend_from_slice(&bytes_of(p).expect("runs hold only data pieces"));
-                }
-                Some(buf.freeze())
-            };
-            // Flow control wants the device's service time, not the wait behind the rest of
-            // the window for a slot.
-            set.spawn(async move { store.write_timed(off, len, data).await });
+        // Staged records are pinned already; these pins keep them while they are read even if
+        // the volume's records are released meanwhile (a delete).
+        for l in &locs {
+            self.shared.log.pin(l);
         }
-        let mut first_err = None;
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok((Ok(()), t)) => self.note_latency(t),
-                Ok((Err(e), _)) => {
-                    first_err.get_or_insert(Error::Datastore(e));
-                }
-                Err(e) => {
-                    first_err.get_or_insert(Error::Cache(format!("destage task failed: {e}")));
-                }
+        Some(Window {
+            last: tail,
+            writes,
+            ticket,
+            pieces,
+            runs,
+            locs,
+        })
+    }
+
+    /// Reads and verifies every record of a window on the blocking pool, into reused buffers,
+    /// each piece that is a whole record straight into its datastore IO; then unpins them.
+    fn read_window(&self, w: &Window) -> ReadTask {
+        let (log, bufs) = (self.shared.log.clone(), self.shared.bufs.clone());
+        let jobs: Vec<Vec<window::Piece<Loc>>> = w
+            .runs
+            .iter()
+            .map(|r| w.pieces[r.clone()].to_vec())
+            .collect();
+        let locs = w.locs.clone();
+        tokio::task::spawn_blocking(move || {
+            let r = read_runs(&log, &bufs, &jobs);
+            for l in &locs {
+                log.unpin(l);
             }
+            r
+        })
+    }
+
+    /// The window after the one ending at `last`, its records being read, if the volume
+    /// would destage it at once (no hold time, or a replay, drain or urgent flush).
+    fn read_ahead(&self, last: u64) -> Option<ReadAhead> {
+        let due = {
+            let st = lock(&self.st);
+            lock(&self.opts).hold.is_zero() || st.replaying || st.draining || st.urgent > 0
+        };
+        let window = self.compose(Some(last)).filter(|_| due)?;
+        let read = self.read_window(&window);
+        Some(ReadAhead { window, read })
+    }
+
+    /// Writes a window to the datastore, then flushes it. Its records were all read and
+    /// verified before (`read_window`): if the cache device fails or a record is corrupt, the
+    /// datastore stays exactly at the last checkpoint (a prefix), never holding part of a
+    /// window that can no longer be completed. At most the datastore's queue depth of writes
+    /// is in flight.
+    async fn send_window(
+        &self,
+        win: &Window,
+        datas: Vec<Option<Bytes>>,
+        started: Instant,
+    ) -> Result<(), Error> {
+        let read = started.elapsed();
+        let limit = self.store.gate().queue_depth().max(1) as usize;
+        let mut set = tokio::task::JoinSet::new();
+        let mut first_err = None;
+        for (run, data) in win.runs.iter().zip(datas) {
+            while set.len() >= limit {
+                self.note_write(set.join_next().await, &mut first_err);
+            }
+            if first_err.is_some() {
+                break;
+            }
+            let run = &win.pieces[run.clone()];
+            let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
+            let store = self.store.clone();
+            // Flow control wants the device's service time, not the wait for a slot. The
+            // buffer comes back once the write is done with it.
+            set.spawn(async move {
+                let keep = data.clone();
+                (store.write_timed(off, len, data).await, keep)
+            });
+        }
+        // Every write sent is waited for, even after a failure: none may still be in flight
+        // when the window is sent again.
+        while !set.is_empty() {
+            self.note_write(set.join_next().await, &mut first_err);
         }
         if let Some(e) = first_err {
             return Err(e);
         }
-        self.store.flush().await.map_err(Error::Datastore)
+        let flushing = Instant::now();
+        let r = self.store.flush().await.map_err(Error::Datastore);
+        tracing::debug!(
+            "volume {:?}: window waited {read:?} for its records, written in {:?}, flushed in {:?}",
+            self.name,
+            flushing - started - read,
+            flushing.elapsed()
+        );
+        r
+    }
+
+    /// Takes in one finished destage write: its service time for flow control, its buffer
+    /// back to the pool, its error if it failed and none came before.
+    fn note_write(
+        &self,
+        r: Option<Result<SentRun, tokio::task::JoinError>>,
+        first_err: &mut Option<Error>,
+    ) {
+        match r {
+            Some(Ok((done, buf))) => {
+                if let Some(b) = buf {
+                    self.shared.bufs.put(b);
+                }
+                match done {
+                    (Ok(()), t) => self.note_latency(t),
+                    (Err(e), _) => {
+                        first_err.get_or_insert(Error::Datastore(e));
+                    }
+                }
+            }
+            Some(Err(e)) => {
+                first_err.get_or_insert(Error::Cache(format!("destage task failed: {e}")));
+            }
+            None => {}
+        }
     }
 
     /// Waits until at most `left` dirty writes remain (a drain), with writes throttled at full
@@ -1963,6 +2193,13 @@ impl VolCache {
     /// Whether every dirty write has been destaged.
     pub fn clean(&self) -> bool {
         lock(&self.st).staged.is_empty()
+    }
+
+    /// Waits until every dirty write has been destaged, or for `limit`; true if clean.
+    pub async fn wait_clean(&self, limit: Duration) -> bool {
+        tokio::time::timeout(limit, self.wait_until(|st| st.staged.is_empty()))
+            .await
+            .is_ok()
     }
 
     /// The datastore's queue depth: how many writes a drain leaves for the pause.
@@ -2078,5 +2315,34 @@ impl VolCache {
             }),
             destage_error: st.destage.error.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_buffer_pool_reuses_only_buffers_nothing_else_holds() {
+        let pool = BufPool::default();
+        let size = window::RUN_BYTES_MAX as usize;
+        let mut b = pool.take(size);
+        assert_eq!(b.len(), size);
+        b[0] = 7;
+        let ptr = b.as_ptr();
+        pool.put(b.freeze());
+        // Back, cleared and zeroed to the length asked for.
+        let b = pool.take(size / 2);
+        assert_eq!((b.as_ptr(), b.len()), (ptr, size / 2));
+        assert!(b.iter().all(|&x| x == 0));
+        // A buffer still shared (a write holding a slice of it) never goes back.
+        let shared = b.freeze();
+        let held = shared.slice(0..10);
+        pool.put(shared);
+        assert_ne!(pool.take(size).as_ptr(), ptr);
+        drop(held);
+        // Small runs are not pooled.
+        pool.put(pool.take(4096).freeze());
+        assert!(lock(&pool.free).is_empty());
     }
 }

@@ -907,7 +907,7 @@ async fn replay_to_datastore(
     let mut last_put = Instant::now();
     let mut fail = None;
     while !c.clean() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        c.wait_clean(Duration::from_millis(250)).await;
         if last_put.elapsed() >= VAULT_CHECKPOINT_EVERY && c.checkpoint() > replaying.checkpoint {
             replaying.checkpoint = c.checkpoint();
             // A host that continues after this one dies starts from here.

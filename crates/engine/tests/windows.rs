@@ -1,0 +1,205 @@
+//! Destage windows at their limits: a held window larger than the destager's byte cap, many
+//! batch windows each read ahead while the one before is written, and a window with a corrupt
+//! record. At every checkpoint the datastore must equal the volume as of that checkpoint
+//! (DESIGN §2), and a window that cannot be read must leave the datastore untouched.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use cachelog::device::SimDevice;
+use cachelog::CacheDevice;
+use cluster::{Policy, Tuning};
+use datastore::device::MemDevice;
+use datastore::{Extent, Gate};
+use engine::cache::CacheHost;
+use engine::Volume;
+use uuid::Uuid;
+
+/// The engine's default segment: records of 256 KiB, so a 768 KiB write has three parts.
+const SEG: u64 = 1 << 20;
+
+struct Rig {
+    cache: Arc<SimDevice>,
+    store: Arc<MemDevice>,
+    host: Arc<CacheHost>,
+    vol: Volume,
+    /// Every write issued, in ser order (sers count from 1): offset and data.
+    writes: Vec<(u64, Vec<u8>)>,
+}
+
+impl Rig {
+    fn open(cache_bytes: u64, vol_bytes: u64, depth: u32, hold_s: f64) -> Rig {
+        let cache = Arc::new(SimDevice::new(cache_bytes));
+        let store = Arc::new(MemDevice::new(vol_bytes));
+        let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
+        let extent = Extent::new(store.clone(), 0, vol_bytes, Arc::new(Gate::new(depth)));
+        let vol = Volume::open(
+            Uuid::new_v4(),
+            "w".into(),
+            Policy::Wb,
+            Tuning {
+                hold_s: Some(hold_s),
+                ..Tuning::default()
+            },
+            extent,
+            Some(host.clone()),
+        )
+        .expect("open volume");
+        host.finish_recovery(&[]).expect("finish recovery");
+        Rig {
+            cache,
+            store,
+            host,
+            vol,
+            writes: Vec::new(),
+        }
+    }
+
+    async fn write(&mut self, offset: u64, data: Vec<u8>) {
+        self.vol
+            .write(offset, Bytes::from(data.clone()), false)
+            .await
+            .expect("write");
+        self.writes.push((offset, data));
+    }
+
+    /// The volume after its first `k` writes.
+    fn image(&self, k: usize) -> Vec<u8> {
+        let mut img = vec![0u8; self.store.image().len()];
+        for (off, data) in &self.writes[..k] {
+            img[*off as usize..*off as usize + data.len()].copy_from_slice(data);
+        }
+        img
+    }
+
+    fn checkpoint(&self) -> u64 {
+        self.vol.cache().expect("cached").checkpoint()
+    }
+
+    /// Destager turns until the volume is clean, checking the datastore at every checkpoint;
+    /// returns how many windows it took.
+    async fn destage_checking(&self) -> usize {
+        let c = self.vol.cache().expect("cached");
+        let mut windows = 0;
+        for turn in 0..10_000 {
+            if c.clean() {
+                return windows;
+            }
+            let before = self.checkpoint();
+            if self.host.destage_turn(turn).await {
+                windows += 1;
+                let cp = self.checkpoint();
+                assert!(cp > before, "a window moved the checkpoint");
+                assert!(
+                    self.store.image() == self.image(cp as usize),
+                    "the datastore differs from the volume as of checkpoint {cp}"
+                );
+            }
+        }
+        panic!("the destager made no progress");
+    }
+
+    /// [`Rig::destage_checking`] while the volume drains. The hold time has not passed, so
+    /// nothing is due until then; a drain (a policy change's, a replay's) makes the held
+    /// window ready at once.
+    async fn drain_checking(&self) -> usize {
+        let c = self.vol.cache().expect("cached");
+        let drain = tokio::spawn(async move { c.drain(0).await });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let windows = self.destage_checking().await;
+        drain.await.unwrap().expect("drain");
+        windows
+    }
+}
+
+/// Bytes that differ by write and by position, so a piece put in the wrong place shows.
+fn pattern(i: usize, len: u64) -> Vec<u8> {
+    (0..len)
+        .map(|j| (i as u64 * 31 + j / 512) as u8 | 1)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
+    // 220 writes of 768 KiB (three records each), 640 KiB apart: each overwrites the first
+    // 128 KiB of the last record of the one before, so pieces are whole and partial records.
+    // 165 MiB in all, over the 128 MiB a window carries, and 128 MiB is no whole number of
+    // writes: the cap falls inside a write.
+    let (n, len, stride) = (220usize, 768u64 << 10, 640u64 << 10);
+    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+    for i in 0..n {
+        r.write(i as u64 * stride, pattern(i, len)).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let windows = r.drain_checking().await;
+    assert!(windows >= 2, "165 MiB took {windows} window(s)");
+    assert_eq!(r.checkpoint(), n as u64);
+    assert!(
+        r.store.image() == r.image(n),
+        "the datastore holds every write"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_windows_read_ahead_and_stay_prefixes() {
+    // A queue depth of 2 makes each batch window 8 IOs: 300 writes need dozens of windows,
+    // each read while the one before it is written. Writes overlap now and then, which
+    // closes batch windows early.
+    let mut r = Rig::open((64 << 20) + 64 * SEG, 8 << 20, 2, 0.0);
+    let c = r.vol.cache().expect("cached");
+    c.stop_destaging().await; // nothing runs until the writes are all staged
+    for i in 0..300usize {
+        let off = ((i * 7919) % 2000) as u64 * 4096;
+        let len = 4096 * (1 + (i % 5) as u64);
+        r.write(off, pattern(i, len)).await;
+    }
+    c.resume_destaging();
+    let windows = r.destage_checking().await;
+    assert!(windows >= 10, "300 writes took only {windows} window(s)");
+    assert!(r.store.image() == r.image(r.writes.len()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_with_a_corrupt_record_leaves_the_datastore_at_its_checkpoint() {
+    let mut r = Rig::open((64 << 20) + 64 * SEG, 4 << 20, 4, 3600.0);
+    let c = r.vol.cache().expect("cached");
+    for i in 0..20usize {
+        r.write(i as u64 * 65536, pattern(i, 65536)).await;
+    }
+    r.drain_checking().await;
+    assert_eq!(r.checkpoint(), 20);
+    // Twenty more, one of them with a mark to find its record by; then that record rots.
+    for i in 20..40usize {
+        let mut data = pattern(i, 65536);
+        if i == 30 {
+            data[..16].copy_from_slice(b"corrupt-me-here!");
+        }
+        r.write(i as u64 * 65536, data).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let mut dev = vec![0u8; r.cache.size() as usize];
+    r.cache.read_at(0, &mut dev).unwrap();
+    let at = dev
+        .windows(16)
+        .position(|w| w == b"corrupt-me-here!")
+        .expect("the marked record is in the log") as u64;
+    r.cache.corrupt(at + 1000);
+    let before = r.store.image();
+    let drain = {
+        let c = c.clone();
+        tokio::spawn(async move { c.drain(0).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert!(
+        !r.host.destage_turn(0).await,
+        "the window cannot be destaged"
+    );
+    drain.abort();
+    assert_eq!(r.checkpoint(), 20);
+    assert!(
+        r.store.image() == before,
+        "no part of the unreadable window reached the datastore"
+    );
+    let degraded = c.report().degraded.expect("the volume is degraded");
+    assert!(degraded.contains("cannot be read"), "{degraded}");
+}
