@@ -632,6 +632,8 @@ struct Window {
     pieces: Vec<window::Piece<Loc>>,
     runs: Vec<Range<usize>>,
     locs: Vec<Loc>,
+    /// Whether later writes could not have joined it (see `compose`).
+    closed: bool,
 }
 
 /// Each run's bytes (`None` for zeroes), read and verified.
@@ -2008,6 +2010,13 @@ impl VolCache {
         if n == 0 {
             return None;
         }
+        // Closed: the window would be the same if composed later, because something other
+        // than the end of the ready writes ended it (an overlap, a cap).
+        let closed = n < head.len()
+            || st
+                .staged
+                .get(start + head.len())
+                .is_some_and(|w| w.w.ser <= st.done_ser);
         // A window ends at a whole write: all parts of its last ser, past the caps if need be
         // (a checkpoint at that ser releases every part of it).
         let tail = head[n - 1].ser;
@@ -2046,6 +2055,7 @@ impl VolCache {
             pieces,
             runs,
             locs,
+            closed,
         })
     }
 
@@ -2069,15 +2079,32 @@ impl VolCache {
     }
 
     /// The window after the one ending at `last`, its records being read, if the volume
-    /// would destage it at once (no hold time, or a replay, drain or urgent flush).
+    /// would destage it at once (no hold time, or a replay, drain or urgent flush) and it is
+    /// closed already: a window still open to later writes waits for them, or each window
+    /// would carry only what completed while the one before was read, and pay a datastore
+    /// FLUSH (in `wbp` a peer FLUSH too) for that little.
     fn read_ahead(&self, last: u64) -> Option<ReadAhead> {
         let due = {
             let st = lock(&self.st);
             lock(&self.opts).hold.is_zero() || st.replaying || st.draining || st.urgent > 0
         };
-        let window = self.compose(Some(last)).filter(|_| due)?;
+        if !due {
+            return None;
+        }
+        let window = self.compose(Some(last))?;
+        if !window.closed {
+            self.unpin_window(&window);
+            return None;
+        }
         let read = self.read_window(&window);
         Some(ReadAhead { window, read })
+    }
+
+    /// Releases the pins `compose` took, for a window that will not be read.
+    fn unpin_window(&self, w: &Window) {
+        for l in &w.locs {
+            self.shared.log.unpin(l);
+        }
     }
 
     /// Writes a window to the datastore, then flushes it. Its records were all read and
@@ -2123,8 +2150,11 @@ impl VolCache {
         let flushing = Instant::now();
         let r = self.store.flush().await.map_err(Error::Datastore);
         tracing::debug!(
-            "volume {:?}: window waited {read:?} for its records, written in {:?}, flushed in {:?}",
+            "volume {:?}: window of {} writes ({} IOs) waited {read:?} for its records, \
+             written in {:?}, flushed in {:?}",
             self.name,
+            win.writes.len(),
+            win.runs.len(),
             flushing - started - read,
             flushing.elapsed()
         );
