@@ -15,6 +15,7 @@
 pub mod checker;
 pub mod proxy;
 pub mod raw;
+pub mod writers;
 
 use std::fs;
 use std::io::Read;
@@ -147,6 +148,10 @@ pub struct VestadOpts {
     /// Loopback address for the API and NBD TCP listeners (a host of its own, e.g.
     /// `127.0.0.2`); `127.0.0.1` if unset.
     pub ip: Option<String>,
+    /// Symbolic links (name, target) made in the daemon's working directory, its scratch
+    /// directory, before it starts: a config naming `socket=lun.sock` then reaches a socket
+    /// of this host's own while every host's config says the same (see [`Nbdkit::door`]).
+    pub links: Vec<(String, PathBuf)>,
 }
 
 impl Vestad {
@@ -167,6 +172,9 @@ impl Vestad {
             "--nbd-tcp".to_owned(),
             format!("{ip}:0"),
         ];
+        for (name, target) in &opts.links {
+            std::os::unix::fs::symlink(target, scratch.join(name)).expect("link");
+        }
         if let Some(c) = &opts.config {
             let p = scratch.join("vestad.toml");
             fs::write(&p, c).expect("write config");
@@ -203,6 +211,7 @@ impl Vestad {
         let child = Command::new(bin("vestad"))
             .args(&self.extra_args)
             .env("VESTA_LOG", "info")
+            .current_dir(self.scratch.path())
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log)
@@ -492,6 +501,17 @@ pub struct Nbdkit {
     pub image: PathBuf,
     pub socket: PathBuf,
     args: Vec<String>,
+    doors: std::sync::Mutex<Vec<Door>>,
+}
+
+/// A host's own way onto the LUN: another nbdkit on the same image with the same filters,
+/// and nbdkit's log filter outermost, so its log says what that host wrote and when
+/// ([`writers`]).
+struct Door {
+    host: String,
+    socket: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
 }
 
 impl Nbdkit {
@@ -512,41 +532,83 @@ impl Nbdkit {
             scratch,
             image,
             args,
+            doors: std::sync::Mutex::new(Vec::new()),
         };
         k.restart();
         k
     }
 
-    /// (Re)starts serving the same image on the same socket.
+    /// (Re)starts serving the same image on the same socket (and every door on its own).
     pub fn restart(&mut self) {
         self.stop();
-        let _ = fs::remove_file(&self.socket);
-        let log = fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.scratch.join("nbdkit.log"))
-            .expect("log");
-        let child = Command::new("nbdkit")
-            .arg("-f")
-            .arg("--unix")
-            .arg(&self.socket)
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("dup"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn nbdkit (is it installed? run `make deps`)");
-        self.child = Some(child);
-        let sock = self.socket.clone();
-        wait_for(Duration::from_secs(10), "nbdkit socket", || {
-            if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
-                let mut s = String::new();
-                let _ = fs::File::open(self.scratch.join("nbdkit.log"))
-                    .and_then(|mut f| f.read_to_string(&mut s));
-                panic!("nbdkit exited with {st}: {s}");
-            }
-            sock.exists().then_some(())
-        });
+        let socket = self.socket.clone();
+        self.child = Some(self.spawn(&socket, &[]));
+        for d in self
+            .doors
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+        {
+            let extra = door_args(&d.log);
+            d.child = Some(spawn_nbdkit(&self.scratch, &self.args, &d.socket, &extra));
+        }
+    }
+
+    fn spawn(&self, socket: &Path, extra: &[String]) -> Child {
+        spawn_nbdkit(&self.scratch, &self.args, socket, extra)
+    }
+
+    /// The socket of `host`'s own door onto this LUN (started on first use): the same image
+    /// and filters, with every request logged for [`Nbdkit::assert_one_writer_at_a_time`].
+    /// Every host must name the datastore's target alike, so a host reaches its door through
+    /// a link of the same name in its working directory ([`VestadOpts::links`]).
+    pub fn door(&self, host: &str) -> PathBuf {
+        let mut doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
+        if !doors.iter().any(|d| d.host == host) {
+            let socket = self.scratch.join(&format!("door-{host}.sock"));
+            let log = self.scratch.join(&format!("door-{host}.log"));
+            let child = self.spawn(&socket, &door_args(&log));
+            doors.push(Door {
+                host: host.to_owned(),
+                socket,
+                log,
+                child: Some(child),
+            });
+        }
+        let d = doors.iter().find(|d| d.host == host).expect("door exists");
+        d.socket.clone()
+    }
+
+    /// Checks, from the doors' logs, that no two hosts had writes to `range` in service at
+    /// the same time (and that some host wrote there, so the check says something).
+    pub fn assert_one_writer_at_a_time(&self, range: std::ops::Range<u64>) {
+        let doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(doors.len() >= 2, "the check needs a door per host");
+        let mut all = Vec::new();
+        for d in doors.iter() {
+            all.extend(writers::parse(&d.host, &read_string(&d.log)));
+        }
+        let inside: Vec<&writers::Request> = all
+            .iter()
+            .filter(|r| r.offset < range.end && r.offset + r.count > range.start)
+            .collect();
+        let hosts: std::collections::BTreeSet<&str> =
+            inside.iter().map(|r| r.host.as_str()).collect();
+        assert!(
+            !hosts.is_empty(),
+            "no host wrote {range:?}: nothing to check"
+        );
+        let found = writers::overlaps(&all, range.clone());
+        assert!(
+            found.is_empty(),
+            "two hosts wrote {range:?} at the same time ({} time(s)); first: {}",
+            found.len(),
+            found[0]
+        );
+        eprintln!(
+            "one writer at a time on {range:?}: {} data requests from {hosts:?}, none overlapping",
+            inside.len()
+        );
     }
 
     pub fn uri(&self) -> String {
@@ -560,15 +622,35 @@ impl Nbdkit {
         if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
             eprintln!("nbdkit exited ({st}) after a client was killed; starting it again");
             self.child = None;
-            self.restart();
+            let socket = self.socket.clone();
+            self.child = Some(self.spawn(&socket, &[]));
+        }
+        for d in self
+            .doors
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+        {
+            if let Some(Ok(Some(st))) = d.child.as_mut().map(|c| c.try_wait()) {
+                eprintln!(
+                    "door of {} exited ({st}) after a client was killed; starting it again",
+                    d.host
+                );
+                let extra = door_args(&d.log);
+                d.child = Some(spawn_nbdkit(&self.scratch, &self.args, &d.socket, &extra));
+            }
         }
     }
 
-    /// SIGKILL: the LUN disappears (its socket file stays, refusing connections).
+    /// SIGKILL: the LUN disappears, doors too (their socket files stay, refusing
+    /// connections).
     pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        let doors = self.doors.get_mut().unwrap_or_else(|e| e.into_inner());
+        for c in std::iter::once(&mut self.child).chain(doors.iter_mut().map(|d| &mut d.child)) {
+            if let Some(mut c) = c.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
         }
     }
 }
@@ -577,6 +659,55 @@ impl Drop for Nbdkit {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A door's log filter, outermost: it sees a request arrive before any other filter (a
+/// delay, an error) and return after all of them.
+fn door_args(log: &Path) -> Vec<String> {
+    vec![
+        format!("logfile={}", log.display()),
+        "logappend=true".into(),
+    ]
+}
+
+/// Starts `nbdkit` with `args` (filters, plugin, image, parameters) on `socket`; `extra`
+/// non-empty means a door: the log filter first, `extra` (its parameters) last.
+fn spawn_nbdkit(scratch: &Scratch, args: &[String], socket: &Path, extra: &[String]) -> Child {
+    let _ = fs::remove_file(socket);
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(scratch.join("nbdkit.log"))
+        .expect("log");
+    let mut cmd = Command::new("nbdkit");
+    cmd.arg("-f").arg("--unix").arg(socket);
+    if !extra.is_empty() {
+        cmd.arg("--filter=log");
+    }
+    let mut child = cmd
+        .args(args)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().expect("dup"))
+        .stderr(log)
+        .spawn()
+        .expect("spawn nbdkit (is it installed? run `make deps`)");
+    wait_for(Duration::from_secs(10), "nbdkit socket", || {
+        if let Ok(Some(st)) = child.try_wait() {
+            panic!(
+                "nbdkit exited with {st}: {}",
+                read_string(&scratch.join("nbdkit.log"))
+            );
+        }
+        socket.exists().then_some(())
+    });
+    child
+}
+
+fn read_string(p: &Path) -> String {
+    let mut s = String::new();
+    let _ = fs::File::open(p).and_then(|mut f| f.read_to_string(&mut s));
+    s
 }
 
 /// Runs `qemu-io` commands against a URI; returns the output, panicking on failure or on any

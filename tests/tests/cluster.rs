@@ -25,6 +25,7 @@ fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> 
             lun.uri()
         )),
         ip: Some(ip.into()),
+        ..Default::default()
     })
 }
 

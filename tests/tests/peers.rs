@@ -33,9 +33,11 @@ fn host_with(
             "{}{cluster}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\n\
              kind = \"lun\"\ntarget = \"{}\"\nqueue_depth = 8\n",
             etcd.cluster_config(name, fault_domain, TTL_S),
-            lun.uri()
+            "nbd+unix:///?socket=lun.sock"
         )),
         ip: Some(ip.into()),
+        // Every host names the same target; each reaches the LUN through its own door.
+        links: vec![("lun.sock".into(), lun.door(name))],
     })
 }
 
@@ -84,6 +86,12 @@ fn wait_replicating(v: &Vestad, name: &str, peers: &[&str]) -> Value {
             .then_some(s)
         },
     )
+}
+
+/// No two hosts had writes to the volume area of the LUN in service at the same time (every
+/// host reaches the LUN through its own door, whose log says what it wrote when).
+fn one_writer_at_a_time(lun: &Nbdkit) {
+    lun.assert_one_writer_at_a_time(LUN_EXTENT as u64..u64::MAX);
 }
 
 /// The volume's bytes as the datastore holds them (the first volume of a fresh LUN).
@@ -177,6 +185,7 @@ fn a_peer_replays_online_when_the_owner_dies_and_the_owner_comes_back_in_wbp() {
     qemu_io(&a.url("w"), &["write -P 8 4M 4k"]);
     let s = show(&a, "w");
     assert_eq!(s["cache"]["peers"][0]["lag_writes"], 0, "{s}");
+    one_writer_at_a_time(&lun);
 }
 
 #[test]
@@ -218,6 +227,7 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
         || b.log().contains("dropping stale replicas").then_some(()),
     );
     qemu_io(&a.url("w"), &["read -P 3 2M 1M"]);
+    one_writer_at_a_time(&lun);
 }
 
 /// FVP Table 1's cascade: the peer replaying for a dead owner dies too, and the next peer
@@ -277,6 +287,7 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
         on_datastore(&lun, 8 << 20) == want,
         "after the cascade the datastore must hold every completed write"
     );
+    one_writer_at_a_time(&lun);
 }
 
 /// The crash campaign of issue 3 with a peer: the owner of a `wbp:1` volume is killed at a
@@ -381,6 +392,7 @@ fn completed_writes_survive_the_owner_dying_under_load() {
         replayed_writes > 0,
         "no kill left dirty data for the peer to replay; the campaign is too gentle"
     );
+    one_writer_at_a_time(&lun);
 }
 
 /// FVP Table 1, flash failure in `wbp`: the owner's cache device fails with dirty data on it;
@@ -418,6 +430,7 @@ fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached
         "{}",
         a.log()
     );
+    one_writer_at_a_time(&lun);
 }
 
 /// FVP Table 1, datastore failure: with the datastore failing every IO, the owner's destager
@@ -474,6 +487,7 @@ fn a_failing_datastore_stalls_with_no_loss_and_the_peer_replays_when_it_returns(
     );
     a.launch();
     qemu_io(&a.url("w"), &["read -P 3 0 1M", "read -P 8 5M 64k"]);
+    one_writer_at_a_time(&lun);
 }
 
 /// FVP Table 1, network failure between owner and peer: the link to the peer goes silent
@@ -539,6 +553,7 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
             ]
         ),
     );
+    one_writer_at_a_time(&lun);
 }
 
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
@@ -575,4 +590,5 @@ fn when_owner_and_peers_all_die_another_host_replays_the_owners_cache_file() {
     a.launch();
     qemu_io(&a.url("w"), &["read -P 6 0 1M", "read -P 7 6M 4k"]);
     drop(b);
+    one_writer_at_a_time(&lun);
 }
