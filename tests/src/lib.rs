@@ -29,7 +29,9 @@ use serde_json::Value;
 /// Directory holding the project's binaries.
 pub fn bin_dir() -> PathBuf {
     if let Ok(d) = std::env::var("VESTA_BIN_DIR") {
-        return PathBuf::from(d);
+        // A relative path means one from the workspace root, where `make` and cargo are run
+        // (tests run in their package's directory, daemons in scratch directories).
+        return Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(d);
     }
     let profile = if cfg!(debug_assertions) {
         "debug"
