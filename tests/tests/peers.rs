@@ -230,6 +230,64 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
     one_writer_at_a_time(&lun);
 }
 
+/// A peer keeps another host's replicas to the share of its cache one of its own volumes
+/// would get: an owner whose replicas outgrow it (here: destaging held) has its writes
+/// refused, drops the peer and writes through, losing nothing, and the peer's own volumes
+/// keep their room.
+#[test]
+fn a_peer_refuses_replicas_beyond_their_share_and_the_owner_writes_through() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(256 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "64M",
+        "--policy",
+        "wbp:1",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    // b serves three volumes of its own: with a's replicas, each has a quarter of its
+    // 128 MiB cache, 32 MiB; a's own share of its cache is all of it.
+    for n in ["b1", "b2", "b3"] {
+        b.vesta_ok(&["volume", "create", n, "--size", "8M", "--policy", "wb"]);
+    }
+    qemu_io(&a.url("w"), &["write -P 7 0 48M", "flush"]);
+    wait_for(Duration::from_secs(30), "b to refuse a's replicas", || {
+        b.log().contains("fill their share").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to write through", || {
+        (show(&a, "w")["cache"]["mode"] == "wt").then_some(())
+    });
+    assert!(
+        a.log().contains("peer refused a write"),
+        "a should say why it dropped b:\n{}",
+        a.log()
+    );
+    // In wt nothing stays dirty: every byte is on the datastore.
+    wait_for(Duration::from_secs(60), "w clean", || {
+        (show(&a, "w")["cache"]["dirty_bytes"] == 0).then_some(())
+    });
+    assert!(
+        on_datastore(&lun, 48 << 20) == expect(48 << 20, &[(0, 48 << 20, 7)]),
+        "every write the owner completed must be on the datastore"
+    );
+    // b's own volumes still have their room, and the owner's data reads back.
+    qemu_io(
+        &b.url("b1"),
+        &["write -P 9 0 8M", "flush", "read -P 9 0 8M"],
+    );
+    qemu_io(&a.url("w"), &["read -P 7 0 48M"]);
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1's cascade: the peer replaying for a dead owner dies too, and the next peer
 /// continues from the checkpoint the first one left in the vault.
 #[test]

@@ -358,6 +358,9 @@ struct Shared {
     /// Signalled when the destager frees space or a write completes.
     space: Notify,
     cached_volumes: AtomicU64,
+    /// Volumes this host holds replicas of as a peer: each takes a share of the log, like a
+    /// cached volume, and no more ([`CacheHost::replica_write`]).
+    replica_sets: AtomicU64,
     /// Buffers for the destager's datastore writes, used again and again.
     bufs: Arc<BufPool>,
 }
@@ -372,8 +375,12 @@ impl Shared {
         RECORD_MAX.min(quarter).max(page)
     }
 
+    /// A fair share of the log: for each cached volume, and for each volume this host holds
+    /// replicas of.
     fn share_segments(&self) -> u64 {
-        let n = self.cached_volumes.load(Ordering::SeqCst).max(1);
+        let n = (self.cached_volumes.load(Ordering::SeqCst)
+            + self.replica_sets.load(Ordering::SeqCst))
+        .max(1);
         (self.log.superblock().segment_count / n).max(2)
     }
 
@@ -468,6 +475,7 @@ impl CacheHost {
                 sets.insert(id, replicas::from_recovered(r));
             }
         }
+        let replica_sets = AtomicU64::new(sets.len() as u64);
         Ok(Arc::new(CacheHost {
             replicas: Mutex::new(sets),
             gen_floor: Mutex::new(HashMap::new()),
@@ -477,6 +485,7 @@ impl CacheHost {
                 wake: Notify::new(),
                 space: Notify::new(),
                 cached_volumes: AtomicU64::new(0),
+                replica_sets,
                 bufs: Arc::new(BufPool::default()),
             }),
             vols: Mutex::new(Vec::new()),

@@ -87,3 +87,80 @@ async fn a_full_cache_throttles_and_evicts_but_never_hangs() {
     assert!(c.report().degraded.is_none(), "{:?}", c.report().degraded);
     destager.abort();
 }
+
+/// A peer's replicas of another host's volume take a share of its log like one of its own
+/// volumes, and no more: an owner that does not checkpoint (a long hold, a stuck datastore)
+/// gets its replica writes refused (and drops this peer) instead of filling the log under
+/// this host's own volumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing() {
+    // Sixteen segments: a share of eight for the host's volume and eight for the replicas.
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    let own = Volume::open(
+        Uuid::new_v4(),
+        "own".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let other = Uuid::new_v4();
+    host.replica_open("owner", other, 1, 0).unwrap();
+    // The owner never checkpoints: its writes come until this host refuses one.
+    const W: u64 = 16 << 10;
+    let h = host.clone();
+    let (taken, refusal) = tokio::task::spawn_blocking(move || {
+        let data = vec![0x5a; W as usize];
+        for ser in 1..=256u64 {
+            if let Err(e) = h.replica_write(other, 1, ser, (ser - 1) * W % VOL, W, Some(&data)) {
+                return (ser - 1, format!("{e:?}"));
+            }
+        }
+        (256, String::new())
+    })
+    .await
+    .unwrap();
+    assert!(
+        refusal.contains("share of this host's cache"),
+        "{taken} replica writes taken, then: {refusal:?}"
+    );
+    // Eight segments' worth at most (their headers take some of it), and one write over.
+    assert!(
+        taken * W <= 8 * SEG + W,
+        "the replicas took {taken} writes of {W} bytes, over their share of 8 segments"
+    );
+    // The host's own volume still has its share.
+    let mut expect = vec![0u8; VOL as usize];
+    let writes = async {
+        for i in 0..16u64 {
+            let data = vec![i as u8 + 1; W as usize];
+            own.write(i * W, Bytes::from(data.clone()), i % 4 == 3)
+                .await
+                .unwrap();
+            expect[(i * W) as usize..((i + 1) * W) as usize].copy_from_slice(&data);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), writes)
+        .await
+        .expect("the host's own volume could not write beside the replicas");
+    assert!(own.read(0, VOL as u32).await.unwrap()[..] == expect[..]);
+    // A checkpoint frees the replicas' space: writes are taken again.
+    host.replica_checkpoint(other, 1, taken).unwrap();
+    let h = host.clone();
+    tokio::task::spawn_blocking(move || {
+        h.replica_write(other, 1, taken + 1, 0, W, Some(&vec![1u8; W as usize]))
+    })
+    .await
+    .unwrap()
+    .expect("a replica write after the checkpoint");
+    destager.abort();
+}

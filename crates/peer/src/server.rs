@@ -176,7 +176,23 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<()> {
                     checkpoint,
                 },
             ) => sink.open(f, volume, gen, checkpoint).map(|_| String::new()),
-            (Some(f), Msg::Write(m)) => sink.write(f, m).map(|_| String::new()),
+            (Some(f), Msg::Write(m)) => {
+                let volume = m.volume;
+                match sink.write(f, m) {
+                    Ok(()) => Ok(String::new()),
+                    Err(e) => {
+                        // The owner counts nothing after a refused write and breaks the link:
+                        // the writes queued behind this one are not applied (each could wait
+                        // for room again), the connection ends here.
+                        let (Refusal::Failed(why) | Refusal::Stale(why)) = &e;
+                        warn!("refused a write of volume {volume} from peer {f}: {why}");
+                        let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+                        w.write_all(&wire::encode(h.seq, &reply_of(Err(e))))?;
+                        w.flush()?;
+                        return Ok(());
+                    }
+                }
+            }
             (Some(_), Msg::Flush) => {
                 flushes
                     .send(h.seq)

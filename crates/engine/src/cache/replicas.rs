@@ -13,8 +13,9 @@
 
 use super::*;
 
-/// Longest a replica append waits for log space (the owner's checkpoints free it) before the
-/// write is refused and the owner drops this peer.
+/// Longest a replica append waits for log space, or for its volume's replicas to fit their
+/// share again (the owner's checkpoints free both), before the write is refused and the owner
+/// drops this peer.
 const SPACE_WAIT: Duration = Duration::from_secs(5);
 
 /// Why a replica request was not taken.
@@ -116,6 +117,36 @@ impl CacheHost {
         Ok(())
     }
 
+    /// Notes how many volumes this host holds replicas of: each takes a share of the log.
+    fn count_sets(&self, sets: &HashMap<Uuid, ReplicaSet>) {
+        self.shared
+            .replica_sets
+            .store(sets.len() as u64, Ordering::SeqCst);
+    }
+
+    /// Waits, up to [`SPACE_WAIT`], until `volume`'s replicas take less than their share of
+    /// the log: an owner must not crowd out this host's own volumes, nor the replicas of
+    /// other owners. A write is let in while they are under the share, so they exceed it by
+    /// at most one write.
+    fn replica_room(&self, volume: Uuid) -> Result<(), ReplicaRefusal> {
+        let log = &self.shared.log;
+        let started = Instant::now();
+        loop {
+            let (used, share) = (log.segments_of(volume) as u64, self.shared.share_segments());
+            if used < share {
+                return Ok(());
+            }
+            if started.elapsed() >= SPACE_WAIT {
+                return Err(ReplicaRefusal::Failed(format!(
+                    "the replicas of volume {volume} fill their share of this host's cache \
+                     ({used} of {share} segments) and no checkpoint freed any within \
+                     {SPACE_WAIT:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     fn append_meta_for(&self, volume: Uuid, ser: u64, gen: u64) -> Result<(), ReplicaRefusal> {
         let e = Entry {
             kind: Kind::Checkpoint,
@@ -165,6 +196,7 @@ impl CacheHost {
         set.checkpoint = set.checkpoint.max(checkpoint);
         // Recorded so a scan knows the generation and where its replicas start.
         let ckpt = set.checkpoint;
+        self.count_sets(&sets);
         drop(sets);
         self.append_meta_for(volume, ckpt, gen)
     }
@@ -215,6 +247,7 @@ impl CacheHost {
                 Some(_) => {}
             }
         }
+        self.replica_room(volume)?;
         let kind = if data.is_some() {
             Kind::Replica
         } else {
@@ -335,6 +368,7 @@ impl CacheHost {
             return Ok(());
         }
         let mut set = sets.remove(&volume).expect("present");
+        self.count_sets(&sets);
         drop(sets);
         let last = set.writes.keys().next_back().copied().unwrap_or(0);
         // A checkpoint above them all, so a scan does not bring them back.
@@ -371,11 +405,14 @@ impl CacheHost {
     /// it attaches here. Only the contiguous run above the checkpoint counts. Returns how
     /// many writes will be replayed.
     pub fn promote_replicas(&self, volume: Uuid, checkpoint: u64) -> Result<usize, Error> {
-        let Some(mut set) = lock(&self.replicas).remove(&volume) else {
+        let mut sets = lock(&self.replicas);
+        let Some(mut set) = sets.remove(&volume) else {
             return Err(Error::Cache(format!(
                 "this host holds no replicas of volume {volume}"
             )));
         };
+        self.count_sets(&sets);
+        drop(sets);
         let log = &self.shared.log;
         let from = set.checkpoint.max(checkpoint);
         set.release(log, from);
