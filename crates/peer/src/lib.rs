@@ -196,6 +196,54 @@ mod tests {
         server.await.unwrap();
     }
 
+    async fn reply(s: &mut tokio::net::TcpStream) -> wire::Msg {
+        use tokio::io::AsyncReadExt;
+        let mut head = [0u8; wire::HEADER_LEN];
+        s.read_exact(&mut head).await.unwrap();
+        let h = wire::decode_head(&head).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).await.unwrap();
+        wire::decode_body(&h, Bytes::from(body)).unwrap()
+    }
+
+    /// The owner counts nothing after a refused write, so the peer applies nothing after it
+    /// either: it answers the refusal and closes, leaving the writes queued behind unapplied.
+    #[tokio::test]
+    async fn a_refused_write_is_the_last_request_a_connection_applies() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut bad = w(1, 1);
+        bad.offset = u64::MAX;
+        let mut frames = Vec::new();
+        for (seq, m) in [
+            wire::Msg::Hello { host: "x".into() },
+            wire::Msg::Write(w(1, 1)),
+            wire::Msg::Write(bad),
+            wire::Msg::Write(w(2, 2)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            frames.extend_from_slice(&wire::encode(seq as u64, &m));
+        }
+        s.write_all(&frames).await.unwrap();
+        for want in [wire::Status::Ok, wire::Status::Ok, wire::Status::Failed] {
+            match reply(&mut s).await {
+                wire::Msg::Reply { status, msg } => assert_eq!(status, want, "{msg}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        let mut rest = [0u8; 1];
+        assert!(
+            !matches!(s.read(&mut rest).await, Ok(n) if n > 0),
+            "the connection goes on after a refused write"
+        );
+        let log = sink.log.lock().unwrap().clone();
+        assert_eq!(log, vec!["write 1 4096 1".to_string()]);
+    }
+
     #[tokio::test]
     async fn a_damaged_frame_closes_the_connection() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -209,14 +257,6 @@ mod tests {
         let last = f.len() - 1;
         f[last] ^= 0x40; // payload bit flip
         s.write_all(&f).await.unwrap();
-        async fn reply(s: &mut tokio::net::TcpStream) -> wire::Msg {
-            let mut head = [0u8; wire::HEADER_LEN];
-            s.read_exact(&mut head).await.unwrap();
-            let h = wire::decode_head(&head).unwrap();
-            let mut body = vec![0u8; h.body_len as usize];
-            s.read_exact(&mut body).await.unwrap();
-            wire::decode_body(&h, Bytes::from(body)).unwrap()
-        }
         assert!(matches!(
             reply(&mut s).await,
             wire::Msg::Reply {
