@@ -520,6 +520,9 @@ impl CacheHost {
             )));
         }
         let mut rec = lock(&self.recovered).remove(&id).unwrap_or_default();
+        if let Some(why) = &rec.degraded {
+            warn!("volume {name}: {why}");
+        }
         rec.min_gen = lock(&self.gen_floor).get(&id).copied().unwrap_or(0);
         let held: Vec<Loc> = if rec.pinned_by_host {
             rec.writes.iter().flatten().map(|s| s.loc).collect()
@@ -569,16 +572,20 @@ impl CacheHost {
     pub fn finish_recovery(&self, keep: &[Uuid]) -> Result<(), Error> {
         let mut rec = lock(&self.recovered);
         rec.retain(|id, r| {
-            if r.writes.is_empty() {
-                return false;
-            }
-            if keep.contains(id) {
+            if keep.contains(id) && (!r.writes.is_empty() || r.degraded.is_some()) {
                 warn!(
                     "volume {id} has {} dirty write(s) in the cache log but is not open yet; \
-                     they are kept for when it opens",
-                    r.writes.len()
+                     they are kept for when it opens{}",
+                    r.writes.len(),
+                    r.degraded
+                        .as_deref()
+                        .map(|d| format!(" ({d})"))
+                        .unwrap_or_default()
                 );
                 return true;
+            }
+            if r.writes.is_empty() {
+                return false;
             }
             warn!(
                 "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
@@ -808,7 +815,8 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
                      in the log were discarded to keep it a prefix",
                     if damaged { "damaged" } else { "missing" }
                 ));
-                warn!("volume {id}: {}", r.degraded.as_deref().unwrap_or(""));
+                // Said when the volume attaches: records of a deleted volume linger in freed
+                // segments, with holes where segments were reused, and are no one's loss.
             }
         }
         out.insert(id, r);

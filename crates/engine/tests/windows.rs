@@ -203,3 +203,57 @@ async fn a_window_with_a_corrupt_record_leaves_the_datastore_at_its_checkpoint()
     let degraded = c.report().degraded.expect("the volume is degraded");
     assert!(degraded.contains("cannot be read"), "{degraded}");
 }
+
+/// The first dirty write after the checkpoint rots while the host is down, and the volume
+/// opens only after recovery has finished (its datastore was not reachable at start): nothing
+/// of it is served, and the volume is still reported degraded, not silently clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_opened_after_recovery_still_reports_its_rotten_first_record() {
+    let mut r = Rig::open((64 << 20) + 64 * SEG, 4 << 20, 4, 3600.0);
+    let id = r.vol.id();
+    for i in 0..3usize {
+        let mut data = pattern(i, 65536);
+        if i == 0 {
+            data[..16].copy_from_slice(b"corrupt-me-here!");
+        }
+        r.write(i as u64 * 65536, data).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let mut dev = vec![0u8; r.cache.size() as usize];
+    r.cache.read_at(0, &mut dev).unwrap();
+    let at = dev
+        .windows(16)
+        .position(|w| w == b"corrupt-me-here!")
+        .expect("the marked record is in the log") as u64;
+    let Rig {
+        cache, store, vol, ..
+    } = r;
+    drop(vol);
+    cache.power_loss(|_, _| cachelog::device::Fate::Kept);
+    cache.corrupt(at + 1000);
+    let host = CacheHost::open(cache.clone(), SEG).expect("reopen cache");
+    // Recovery ends with the volume known but not open yet.
+    host.finish_recovery(&[id]).expect("finish recovery");
+    let extent = Extent::new(store.clone(), 0, 4 << 20, Arc::new(Gate::new(4)));
+    let vol = Volume::open(
+        id,
+        "w".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .expect("open volume");
+    let degraded = vol
+        .cache()
+        .expect("cached")
+        .report()
+        .degraded
+        .expect("the volume is degraded");
+    assert!(degraded.contains("damaged"), "{degraded}");
+    let read = vol.read(0, 3 * 65536).await.expect("read");
+    assert!(
+        read.iter().all(|b| *b == 0),
+        "nothing after the rotten record is served"
+    );
+}
