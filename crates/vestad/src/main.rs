@@ -239,13 +239,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 warn!("--test-faults: the debug fault API is enabled");
                 let _ = faults::CACHE.set(dev.clone());
             }
+            // A large, well-used log takes a while to scan (every record's crc is checked).
+            info!(
+                "cache device {}: scanning {} for recovery",
+                path.display(),
+                vesta_api::format_size(size)
+            );
+            let scan = std::time::Instant::now();
             let host = CacheHost::open(dev, segment)
                 .map_err(|e| anyhow!("cache device {}: {e}", path.display()))?;
             info!(
-                "cache device {} ({} segments of {})",
+                "cache device {} ({} segments of {}), scanned in {:.1?}",
                 path.display(),
                 host.log().superblock().segment_count,
-                vesta_api::format_size(host.log().superblock().segment_size)
+                vesta_api::format_size(host.log().superblock().segment_size),
+                scan.elapsed()
             );
             Some(host)
         }
