@@ -51,7 +51,7 @@ use cachelog::index::{ExtentMap, Piece as IndexPiece};
 use cachelog::log::{Entry, Loc, Log, LogError, Scanned};
 use cachelog::CacheDevice;
 use cluster::Policy;
-use datastore::device::blocking;
+use datastore::device::{blocking, BatchWrite};
 use datastore::Extent;
 
 use crate::flow::{self, Ewma, Signals, Triggers};
@@ -76,6 +76,11 @@ const WINDOW_MAX: usize = 4096;
 /// Most bytes one window carries. A window's records are all in memory while it is sent
 /// (`send_window`), so this bounds the destager's memory whatever a held window would take.
 const WINDOW_BYTES_MAX: u64 = 128 << 20;
+/// Most writes, and bytes, in one batch to a device that takes batches
+/// ([`datastore::device::Device::prefers_batches`]): a batch is one blocking call, checked
+/// against the fence once, so it is kept short.
+const BATCH_WRITES: usize = 256;
+const BATCH_BYTES: u64 = 4 << 20;
 /// A batch window carries up to this many queue-depths of datastore IOs, sent at most a queue
 /// depth at a time: each window ends in a datastore FLUSH and a checkpoint, and a window of a
 /// single queue depth spends as long on those as on its writes.
@@ -2136,6 +2141,10 @@ impl VolCache {
         started: Instant,
     ) -> Result<(), Error> {
         let read = started.elapsed();
+        if self.store.prefers_batches() {
+            self.send_batches(win, datas).await?;
+            return self.flush_window(win, started, read).await;
+        }
         let limit = self.store.gate().queue_depth().max(1) as usize;
         let mut set = tokio::task::JoinSet::new();
         let mut first_err = None;
@@ -2164,6 +2173,51 @@ impl VolCache {
         if let Some(e) = first_err {
             return Err(e);
         }
+        self.flush_window(win, started, read).await
+    }
+
+    /// A window's writes to a device that takes them in batches (a file: each write ends in
+    /// the page cache, and a thread hop per write would cost more than the write), one batch
+    /// after another, in the window's order.
+    async fn send_batches(&self, win: &Window, datas: Vec<Option<Bytes>>) -> Result<(), Error> {
+        let mut batch = Vec::new();
+        let mut bufs = Vec::new();
+        let mut bytes = 0;
+        let mut runs = win.runs.iter().zip(datas).peekable();
+        while let Some((run, data)) = runs.next() {
+            let run = &win.pieces[run.clone()];
+            let (offset, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
+            bufs.extend(data.clone());
+            batch.push(BatchWrite { offset, len, data });
+            bytes += len;
+            if batch.len() < BATCH_WRITES && bytes < BATCH_BYTES && runs.peek().is_some() {
+                continue;
+            }
+            let n = batch.len() as u32;
+            let (r, took) = self
+                .store
+                .write_batch_timed(std::mem::take(&mut batch))
+                .await;
+            // The device is done with the buffers either way.
+            for b in bufs.drain(..) {
+                self.shared.bufs.put(b);
+            }
+            r.map_err(Error::Datastore)?;
+            // Flow control wants the device's time per write.
+            self.note_latency(took / n);
+            bytes = 0;
+        }
+        Ok(())
+    }
+
+    /// Ends a window whose writes are all done: a datastore FLUSH, so the checkpoint that
+    /// follows covers only what is stable.
+    async fn flush_window(
+        &self,
+        win: &Window,
+        started: Instant,
+        read: Duration,
+    ) -> Result<(), Error> {
         let flushing = Instant::now();
         let r = self.store.flush().await.map_err(Error::Datastore);
         tracing::debug!(

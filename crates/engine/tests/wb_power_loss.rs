@@ -149,12 +149,15 @@ proptest! {
     fn every_durable_write_survives_and_the_volume_is_a_prefix(
         ops in proptest::collection::vec(op(), 1..60),
         depth in prop::sample::select(vec![1u32, 2, 8]),
+        batches in any::<bool>(),
     ) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async {
             let id = Uuid::new_v4();
             let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
             let store = Arc::new(MemDevice::new(VOL));
+            // Windows sent as concurrent writes (a LUN) or in batches (a file).
+            store.prefer_batches(batches);
             let mut r = Rig::open(cache, store, id, depth);
             // Every write issued, in ser order; how many are durable; the next ser.
             let mut writes: Vec<W> = Vec::new();

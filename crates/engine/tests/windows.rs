@@ -125,19 +125,23 @@ async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
     // 128 KiB of the last record of the one before, so pieces are whole and partial records.
     // 165 MiB in all, over the 128 MiB a window carries, and 128 MiB is no whole number of
     // writes: the cap falls inside a write.
+    // Sent as concurrent writes (a LUN), then in batches (a file): 128 MiB is many batches.
     let (n, len, stride) = (220usize, 768u64 << 10, 640u64 << 10);
-    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
-    for i in 0..n {
-        r.write(i as u64 * stride, pattern(i, len)).await;
+    for batches in [false, true] {
+        let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+        r.store.prefer_batches(batches);
+        for i in 0..n {
+            r.write(i as u64 * stride, pattern(i, len)).await;
+        }
+        r.vol.flush().await.expect("flush");
+        let windows = r.drain_checking().await;
+        assert!(windows >= 2, "165 MiB took {windows} window(s)");
+        assert_eq!(r.checkpoint(), n as u64);
+        assert!(
+            r.store.image() == r.image(n),
+            "the datastore holds every write (batches: {batches})"
+        );
     }
-    r.vol.flush().await.expect("flush");
-    let windows = r.drain_checking().await;
-    assert!(windows >= 2, "165 MiB took {windows} window(s)");
-    assert_eq!(r.checkpoint(), n as u64);
-    assert!(
-        r.store.image() == r.image(n),
-        "the datastore holds every write"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,18 +149,25 @@ async fn batch_windows_read_ahead_and_stay_prefixes() {
     // A queue depth of 2 makes each batch window 8 IOs: 300 writes need dozens of windows,
     // each read while the one before it is written. Writes overlap now and then, which
     // closes batch windows early.
-    let mut r = Rig::open((64 << 20) + 64 * SEG, 8 << 20, 2, 0.0);
-    let c = r.vol.cache().expect("cached");
-    c.stop_destaging().await; // nothing runs until the writes are all staged
-    for i in 0..300usize {
-        let off = ((i * 7919) % 2000) as u64 * 4096;
-        let len = 4096 * (1 + (i % 5) as u64);
-        r.write(off, pattern(i, len)).await;
+    // Sent as concurrent writes (a LUN), then in batches (a file).
+    for batches in [false, true] {
+        let mut r = Rig::open((64 << 20) + 64 * SEG, 8 << 20, 2, 0.0);
+        r.store.prefer_batches(batches);
+        let c = r.vol.cache().expect("cached");
+        c.stop_destaging().await; // nothing runs until the writes are all staged
+        for i in 0..300usize {
+            let off = ((i * 7919) % 2000) as u64 * 4096;
+            let len = 4096 * (1 + (i % 5) as u64);
+            r.write(off, pattern(i, len)).await;
+        }
+        c.resume_destaging();
+        let windows = r.destage_checking().await;
+        assert!(windows >= 10, "300 writes took only {windows} window(s)");
+        assert!(
+            r.store.image() == r.image(r.writes.len()),
+            "batches: {batches}"
+        );
     }
-    c.resume_destaging();
-    let windows = r.destage_checking().await;
-    assert!(windows >= 10, "300 writes took only {windows} window(s)");
-    assert!(r.store.image() == r.image(r.writes.len()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
