@@ -205,6 +205,14 @@ impl SimDevice {
         self.failed.store(false, Ordering::SeqCst);
     }
 
+    /// A second device holding what a power loss now that kept no unsynced write would leave,
+    /// so a test can recover from it while this one stays in use.
+    pub fn crash_copy(&self) -> SimDevice {
+        let copy = SimDevice::new(self.size);
+        copy.state().durable = self.state().durable.clone();
+        copy
+    }
+
     /// Flips one bit at `offset` in what reads return (and what a sync would persist), as
     /// media corruption would.
     pub fn corrupt(&self, offset: u64) {

@@ -159,7 +159,8 @@ pub struct Log {
     /// Header checksum key ([`format::key_of`] of the device UUID).
     key: u32,
     inner: Mutex<Inner>,
-    /// Appends completed so far; a sync that begins when this is n covers the first n.
+    /// Appends (and segment headers) completed so far; a sync that begins when this is n
+    /// covers the first n.
     completed: AtomicU64,
     commit: Mutex<Commit>,
     committed: Condvar,
@@ -399,13 +400,19 @@ impl Log {
     ///
     /// 1. Every unclaimed segment that holds no owner's newest metadata is free at once: it
     ///    holds nothing anyone needs (stale data, superseded metadata).
-    /// 2. Every owner gets a fresh segment starting with copies of its metadata.
-    /// 3. Once those are synced, the segments that held the newest metadata are freed too.
+    /// 2. Every owner gets a fresh segment starting with copies of its metadata, and the
+    ///    segments that held its newest metadata are freed (reusable after the sync that
+    ///    makes the copies durable, as every freed segment is).
+    /// 3. An owner for whom no segment is free (the log full of dirty data) keeps its old
+    ///    metadata segments until its next segment starts, whenever that is; nothing frees
+    ///    them before, not even the release of their last record.
     ///
-    /// Done in this order, recovery never needs a free segment it does not have, even when
-    /// every segment of a well-used cache carries a valid header.
+    /// Owners whose old metadata segments hold nothing else go first, and the round repeats
+    /// while it frees segments, so a full log still gives as many owners their copies as it
+    /// can. Done in this order, recovery never needs a free segment it does not have, even
+    /// when every segment of a well-used cache carries a valid header.
     pub fn finish_recovery(&self) -> Result<()> {
-        let owners: Vec<Uuid> = {
+        let mut owners: Vec<(usize, Uuid)> = {
             let mut inner = lock(&self.inner);
             let unclaimed: Vec<u32> = (0..inner.segs.len() as u32)
                 .filter(|i| {
@@ -417,35 +424,56 @@ impl Log {
                 Self::mark_free(&mut inner, i);
                 inner.free.push_back(i);
             }
+            // Segments each owner's copy would give back.
+            let gives = |o: &Uuid| {
+                inner
+                    .meta_segs
+                    .iter()
+                    .map(|i| &inner.segs[*i as usize])
+                    .filter(|s| s.owner == Some(*o) && s.held == 0 && s.pins == 0)
+                    .count()
+            };
             inner
                 .meta
                 .iter()
                 .filter(|(_, m)| m.checkpoint.is_some() || m.policy.is_some())
-                .map(|(o, _)| *o)
+                .map(|(o, _)| (gives(o), *o))
                 .collect()
         };
-        let mut copied = true;
-        for o in owners {
-            match self.start_segment(o, true) {
-                Ok(_) => {}
-                // Full of dirty data: keep the old metadata segments, nothing is lost.
-                Err(LogError::NoSpace) => copied = false,
-                Err(e) => return Err(e),
-            }
-        }
-        self.sync()?;
-        let mut inner = lock(&self.inner);
-        if copied {
-            let current: Vec<u32> = inner.current.values().copied().collect();
-            for i in std::mem::take(&mut inner.meta_segs) {
-                let s = &inner.segs[i as usize];
-                if !s.free && s.held == 0 && s.pins == 0 && !current.contains(&i) {
-                    Self::mark_free(&mut inner, i);
-                    inner.free.push_back(i);
+        owners.sort_by(|a, b| b.cmp(a));
+        loop {
+            let before = owners.len();
+            let mut left = Vec::new();
+            for (gives, o) in owners {
+                match self.start_segment(o, true) {
+                    Ok(_) => {}
+                    // Full of dirty data: the old metadata segments stay (3. above).
+                    Err(LogError::NoSpace) => left.push((gives, o)),
+                    Err(e) => return Err(e),
                 }
             }
+            // Makes the copies durable, and the segments they freed reusable.
+            self.sync()?;
+            owners = left;
+            if owners.is_empty() || owners.len() == before {
+                return Ok(());
+            }
         }
-        Ok(())
+    }
+
+    /// `owner`'s newest metadata now has a copy in a segment whose header was written, or the
+    /// owner is forgotten: the segments kept for its old metadata may go.
+    fn release_meta_segs(inner: &mut Inner, owner: Uuid) {
+        let mine: Vec<u32> = inner
+            .meta_segs
+            .iter()
+            .copied()
+            .filter(|i| inner.segs[*i as usize].owner == Some(owner))
+            .collect();
+        for i in mine {
+            inner.meta_segs.remove(&i);
+            Self::maybe_free(inner, i);
+        }
     }
 
     /// Free segments kept for metadata: [`META_RESERVE`], or a quarter of a tiny log.
@@ -533,6 +561,9 @@ impl Log {
             inner.free.push_front(s);
             return Err(self.io_error(e));
         }
+        // The header (with its metadata copies) counts as an append: the next `sync` covers
+        // it, even when no record was appended since the last one (recovery's copies).
+        self.completed.fetch_add(1, Ordering::SeqCst);
         let clock = inner.clock;
         let seg = &mut inner.segs[s as usize];
         *seg = Seg {
@@ -548,6 +579,7 @@ impl Log {
         if let Some(old) = inner.current.insert(owner, s) {
             Self::maybe_free(&mut inner, old);
         }
+        Self::release_meta_segs(&mut inner, owner);
         Ok(s)
     }
 
@@ -831,9 +863,9 @@ impl Log {
     }
 
     fn maybe_free(inner: &mut Inner, s: u32) {
-        let is_current = inner.current.values().any(|c| *c == s);
+        let kept = inner.current.values().any(|c| *c == s) || inner.meta_segs.contains(&s);
         let seg = &mut inner.segs[s as usize];
-        if !seg.free && seg.held == 0 && seg.pins == 0 && !is_current {
+        if !seg.free && seg.held == 0 && seg.pins == 0 && !kept {
             Self::mark_free(inner, s);
             inner.freed_unsynced.push(s);
         }
@@ -927,6 +959,7 @@ impl Log {
         if let Some(s) = inner.current.remove(&owner) {
             Self::maybe_free(&mut inner, s);
         }
+        Self::release_meta_segs(&mut inner, owner);
     }
 }
 
@@ -1192,6 +1225,86 @@ mod tests {
         l2.sync().unwrap();
         let (l3, _) = reopen(&d);
         assert_eq!(l3.meta(a).checkpoint, Some((5, 1)));
+    }
+
+    #[test]
+    fn metadata_without_room_for_a_copy_is_kept_until_its_owner_moves_on() {
+        let (d, l) = log(6);
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        // a: a checkpoint alone in its segment. b and c: a checkpoint each, then dirty data
+        // until the log is full, leaving recovery one free segment for three owners.
+        add(&l, &meta_entry(Kind::Checkpoint, a, 3, 0), &[]);
+        add(&l, &meta_entry(Kind::Checkpoint, b, 7, 0), &[]);
+        add(&l, &meta_entry(Kind::Checkpoint, c, 8, 0), &[]);
+        'fill: for ser in 10.. {
+            for v in [b, c] {
+                match l.append(&data(v, ser, 0, 24 << 10), &vec![5u8; 24 << 10]) {
+                    Ok((loc, _)) => l.unpin(&loc),
+                    Err(LogError::NoSpace) => break 'fill,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        l.sync().unwrap();
+        d.power_loss(|_, _| Fate::Kept);
+        let (l2, scanned) = reopen(&d);
+        // The engine claims b's and c's dirty data.
+        let held: Vec<(Loc, u64)> = scanned
+            .iter()
+            .filter(|r| r.header.kind == Kind::Data)
+            .map(|r| (r.loc, r.header.len))
+            .collect();
+        for (loc, len) in &held {
+            l2.hold(loc, *len);
+        }
+        assert_eq!(l2.free_segments(), 1, "the test needs a full log");
+        l2.finish_recovery().unwrap();
+        // a's copy took the free segment and gave its old one back, which gave one of b and c
+        // its copy. The other (x) got none and keeps the segment of its newest checkpoint.
+        let (x, x_ckpt, x_seg) = {
+            let inner = lock(&l2.inner);
+            assert!(inner.current.contains_key(&a), "a got no copy");
+            let kept: Vec<u32> = inner.meta_segs.iter().copied().collect();
+            assert_eq!(kept.len(), 1, "kept for metadata: {kept:?}");
+            let x = inner.segs[kept[0] as usize].owner.unwrap();
+            assert!(!inner.current.contains_key(&x));
+            assert_eq!(inner.current.len(), 2, "b or c got no copy");
+            (x, if x == b { 7 } else { 8 }, kept[0])
+        };
+        // All dirty data leaves the cache (destaged, then overwritten). x's checkpoint segment
+        // still may not go: x's newest checkpoint has no other copy.
+        for (loc, len) in &held {
+            l2.release(loc, *len);
+        }
+        l2.sync().unwrap();
+        assert!(
+            !lock(&l2.inner).segs[x_seg as usize].free,
+            "x's only checkpoint segment was freed"
+        );
+        // a writes until the log is full again, reusing every segment it may.
+        for ser in 1.. {
+            match l2.append(&data(a, ser, 0, 24 << 10), &vec![6u8; 24 << 10]) {
+                Ok((loc, _)) => l2.unpin(&loc),
+                Err(LogError::NoSpace) => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        l2.sync().unwrap();
+        let (l3, _) = reopen(&Arc::new(d.crash_copy()));
+        assert_eq!(l3.meta(a).checkpoint, Some((3, 1)));
+        assert_eq!(l3.meta(b).checkpoint, Some((7, 1)));
+        assert_eq!(l3.meta(c).checkpoint, Some((8, 1)));
+        // Once x starts a segment (its next checkpoint), the old one goes.
+        add(&l2, &meta_entry(Kind::Checkpoint, x, x_ckpt + 1, 0), &[]);
+        l2.sync().unwrap();
+        assert!(
+            lock(&l2.inner).segs[x_seg as usize].free,
+            "x's old metadata segment was not freed"
+        );
+        d.power_loss(|_, _| Fate::Kept);
+        let (l4, _) = reopen(&d);
+        assert_eq!(l4.meta(a).checkpoint, Some((3, 1)));
+        assert_eq!(l4.meta(x).checkpoint, Some((x_ckpt + 1, 1)));
     }
 
     #[test]
