@@ -953,7 +953,7 @@ impl VolCache {
                     "volume {:?}: replaying {} dirty write(s) ({} bytes) from the cache log \
                      before it takes writes",
                     v.name,
-                    st.staged.len(),
+                    writes_among(st.staged.iter().map(|w| w.w.ser)),
                     st.dirty_bytes
                 );
             }

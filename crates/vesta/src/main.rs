@@ -462,10 +462,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 max_dirty_age_s: tuning.max_dirty_age,
                 rpo_s: tuning.rpo,
             };
-            if !cli.json {
-                eprintln!(
-                    "changing the policy of {name} (leaving wb waits for dirty data to destage)…"
-                );
+            // Leaving write-back drains dirty data first, which can take a while: say so.
+            if !cli.json && req.policy != "wb" && !req.policy.starts_with("wbp") {
+                eprintln!("changing the policy of {name} (dirty data destages first)…");
             }
             let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{name}/policy"), &req)?;
             if cli.json {
