@@ -148,6 +148,8 @@ pub struct CacheInfo {
     pub read_hit_ratio: Option<f64>,
     pub destaged_bytes: u64,
     pub destaged_writes: u64,
+    /// Moving average of the destager's rate over the windows it wrote: what it can do, not
+    /// what it does now (it keeps its value while there is nothing to destage).
     pub destage_bytes_per_s: f64,
     pub datastore_write_latency_us: Option<u64>,
     /// `off`, `throttling` or `stalled`.

@@ -606,7 +606,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         .unwrap_or_else(|| "-".into())
                 );
                 println!(
-                    "  destage    {} in {} write(s), {}/s now, datastore write latency {}",
+                    "  destage    {} in {} write(s), {}/s while destaging, datastore write latency {}",
                     format_size(c.destaged_bytes),
                     c.destaged_writes,
                     format_size(c.destage_bytes_per_s as u64),
