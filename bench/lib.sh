@@ -33,11 +33,12 @@ vestad_api() {
 }
 
 # fio_run NAME URI RW BS QD -> "iops lat_us MiB/s": a timed fio write run (RUNTIME seconds after
-# 2 s of ramp) on an NBD URI, its JSON kept as $OUT/NAME.json. FIO_EXTRA adds options.
+# 2 s of ramp) on an NBD URI, its JSON kept as $OUT/NAME.json, over the first FIO_SIZE bytes
+# (1G). FIO_EXTRA adds options.
 fio_run() {
     local json="$OUT/$1.json"
     fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" ${FIO_EXTRA:-} \
-        --size=1G --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
+        --size="${FIO_SIZE:-1G}" --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
         --output-format=json --output="$json"
     python3 - "$json" <<'EOF'
 import json, sys

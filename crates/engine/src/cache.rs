@@ -657,8 +657,16 @@ struct Window {
     closed: bool,
 }
 
-/// Each run's bytes (`None` for zeroes), read and verified.
-type ReadTask = tokio::task::JoinHandle<std::io::Result<Vec<Option<Bytes>>>>;
+/// A window's bytes, read from the log and verified.
+struct WindowData {
+    /// Each run's bytes (`None` for zeroes).
+    runs: Vec<Option<Bytes>>,
+    /// The pool buffers small runs were packed into, each shared by its runs' bytes; back to
+    /// the pool once the runs' writes are done and nothing else holds them.
+    slabs: Vec<Bytes>,
+}
+
+type ReadTask = tokio::task::JoinHandle<std::io::Result<WindowData>>;
 
 /// The next window, its records being read while the current window is written.
 struct ReadAhead {
@@ -683,16 +691,22 @@ const BUF_POOL_MAX: usize = (WINDOW_BYTES_MAX / window::RUN_BYTES_MAX) as usize;
 impl BufPool {
     /// A buffer of `len` zeroed bytes; pooled when `len` is large enough to be worth it.
     fn take(&self, len: usize) -> BytesMut {
-        let size = window::RUN_BYTES_MAX as usize;
-        if len <= size / 4 || len > size {
+        if !Self::pools(len) {
             return BytesMut::zeroed(len);
         }
+        let size = window::RUN_BYTES_MAX as usize;
         let mut b = lock(&self.free)
             .pop()
             .unwrap_or_else(|| BytesMut::with_capacity(size));
         b.clear();
         b.resize(len, 0);
         b
+    }
+
+    /// Whether a buffer of `len` bytes comes from the pool.
+    fn pools(len: usize) -> bool {
+        let size = window::RUN_BYTES_MAX as usize;
+        len > size / 4 && len <= size
     }
 
     /// Returns a buffer whose write is done, if nothing else holds it.
@@ -708,23 +722,49 @@ impl BufPool {
 }
 
 /// The data of each run (`None` for zeroes): each piece's bytes read from its record and
-/// verified, straight into the run's buffer when the piece is a whole record.
+/// verified, straight into the run's buffer when the piece is a whole record. Runs too small
+/// for a pool buffer of their own are packed into shared ones (slabs): a window of 4 KiB
+/// writes would otherwise allocate thousands of small buffers, and the allocator gives their
+/// memory back and faults it in again for every window.
 fn read_runs(
     log: &Log,
     bufs: &BufPool,
     runs: &[Vec<window::Piece<Loc>>],
-) -> std::io::Result<Vec<Option<Bytes>>> {
+) -> std::io::Result<WindowData> {
     let io = |e: LogError| std::io::Error::other(e.to_string());
+    let slab_size = window::RUN_BYTES_MAX as usize;
     // Records only part of which is in a piece, kept while the chunk may need them again.
     let mut partial: HashMap<Loc, Vec<u8>> = HashMap::new();
-    let mut out = Vec::with_capacity(runs.len());
+    // Where each run goes: its own buffer, or a range of a slab.
+    enum Place {
+        Zero,
+        Own(BytesMut),
+        Slab(usize, usize, usize),
+    }
+    let mut places = Vec::with_capacity(runs.len());
+    let mut slabs: Vec<BytesMut> = Vec::new();
+    let mut used = slab_size;
     for run in runs {
         if run.iter().all(|p| matches!(p.source, Source::Zero)) {
-            out.push(None);
+            places.push(Place::Zero);
             continue;
         }
-        let len: u64 = run.iter().map(|p| p.len).sum();
-        let mut buf = bufs.take(len as usize);
+        let len = run.iter().map(|p| p.len).sum::<u64>() as usize;
+        let mut place = if len > slab_size / 4 {
+            Place::Own(bufs.take(len))
+        } else {
+            if used + len > slab_size {
+                slabs.push(bufs.take(slab_size));
+                used = 0;
+            }
+            used += len;
+            Place::Slab(slabs.len() - 1, used - len, len)
+        };
+        let buf: &mut [u8] = match &mut place {
+            Place::Own(b) => b,
+            Place::Slab(k, at, len) => &mut slabs[*k][*at..*at + *len],
+            Place::Zero => unreachable!("zero runs were taken above"),
+        };
         let mut at = 0usize;
         for p in run {
             let dst = &mut buf[at..at + p.len as usize];
@@ -743,9 +783,18 @@ fn read_runs(
             }
             at += p.len as usize;
         }
-        out.push(Some(buf.freeze()));
+        places.push(place);
     }
-    Ok(out)
+    let slabs: Vec<Bytes> = slabs.into_iter().map(BytesMut::freeze).collect();
+    let runs = places
+        .into_iter()
+        .map(|p| match p {
+            Place::Zero => None,
+            Place::Own(b) => Some(b.freeze()),
+            Place::Slab(k, at, len) => Some(slabs[k].slice(at..at + len)),
+        })
+        .collect();
+    Ok(WindowData { runs, slabs })
 }
 
 /// Groups the scan into each volume's recoverable dirty writes.
@@ -2137,14 +2186,26 @@ impl VolCache {
     async fn send_window(
         &self,
         win: &Window,
-        datas: Vec<Option<Bytes>>,
+        data: WindowData,
         started: Instant,
     ) -> Result<(), Error> {
         let read = started.elapsed();
-        if self.store.prefers_batches() {
-            self.send_batches(win, datas).await?;
-            return self.flush_window(win, started, read).await;
+        let WindowData { runs, slabs } = data;
+        let sent = if self.store.prefers_batches() {
+            self.send_batches(win, runs).await
+        } else {
+            self.send_runs(win, runs).await
+        };
+        // Every write is done with its slice of a slab by now.
+        for b in slabs {
+            self.shared.bufs.put(b);
         }
+        sent?;
+        self.flush_window(win, started, read).await
+    }
+
+    /// A window's writes, at most the datastore's queue depth in flight.
+    async fn send_runs(&self, win: &Window, datas: Vec<Option<Bytes>>) -> Result<(), Error> {
         let limit = self.store.gate().queue_depth().max(1) as usize;
         let mut set = tokio::task::JoinSet::new();
         let mut first_err = None;
@@ -2170,10 +2231,10 @@ impl VolCache {
         while !set.is_empty() {
             self.note_write(set.join_next().await, &mut first_err);
         }
-        if let Some(e) = first_err {
-            return Err(e);
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        self.flush_window(win, started, read).await
     }
 
     /// A window's writes to a device that takes them in batches (a file: each write ends in
@@ -2445,5 +2506,86 @@ mod tests {
         // Small runs are not pooled.
         pool.put(pool.take(4096).freeze());
         assert!(lock(&pool.free).is_empty());
+    }
+
+    #[test]
+    fn small_runs_share_pool_slabs_that_come_back_once_their_writes_are_done() {
+        let dev = Arc::new(cachelog::SimDevice::new(256 << 20));
+        let log = Log::format(dev, 4 << 20).expect("format");
+        let vol = Uuid::new_v4();
+        // Records of many sizes, each filled with its own byte.
+        let lens = [
+            4096u64,
+            8192,
+            4096,
+            300 << 10,
+            12288,
+            1 << 20,
+            4096,
+            200 << 10,
+        ];
+        let mut runs = Vec::new();
+        let mut offset = 0;
+        for (i, len) in (0u64..).zip(lens.iter().copied().cycle().take(300)) {
+            let e = Entry {
+                kind: Kind::Data,
+                volume: vol,
+                ser: i + 1,
+                gen: 1,
+                offset,
+                len,
+                arg: 0,
+            };
+            let (loc, _) = log
+                .append(&e, &vec![(i % 251) as u8; len as usize])
+                .expect("append");
+            runs.push(vec![window::Piece {
+                offset,
+                len,
+                source: Source::Data(loc, 0),
+            }]);
+            offset += len;
+            // A zero run now and then, and a run from two records.
+            if i % 97 == 0 {
+                runs.push(vec![window::Piece {
+                    offset,
+                    len: 4096,
+                    source: Source::Zero,
+                }]);
+            }
+        }
+        let pool = BufPool::default();
+        let data = read_runs(&log, &pool, &runs).expect("read");
+        assert_eq!(data.runs.len(), runs.len());
+        let mut small = 0;
+        let mut i = 0u64;
+        for (run, got) in runs.iter().zip(&data.runs) {
+            match run[0].source {
+                Source::Zero => assert!(got.is_none()),
+                Source::Data(..) => {
+                    let got = got.as_ref().expect("data run");
+                    assert_eq!(got.len() as u64, run[0].len);
+                    assert!(got.iter().all(|&b| b == (i % 251) as u8), "run {i}");
+                    small += got.len() * usize::from(run[0].len <= 256 << 10);
+                    i += 1;
+                }
+            }
+        }
+        // The small runs fill their slabs: none more than they need.
+        let slab = window::RUN_BYTES_MAX as usize;
+        assert!(data.slabs.len() >= small.div_ceil(slab));
+        assert!(data.slabs.len() <= small.div_ceil(slab) + small.div_ceil(slab) / 2 + 1);
+        // A slab goes back to the pool only when none of its runs is still held.
+        let WindowData { runs: got, slabs } = data;
+        let held = got.iter().flatten().find(|b| b.len() == 4096).cloned();
+        drop(got);
+        let ptrs: Vec<*const u8> = slabs.iter().map(|b| b.as_ptr()).collect();
+        for b in slabs {
+            pool.put(b);
+        }
+        assert_eq!(lock(&pool.free).len(), ptrs.len() - 1);
+        drop(held);
+        let back: Vec<*const u8> = lock(&pool.free).iter().map(|b| b.as_ptr()).collect();
+        assert!(back.iter().all(|p| ptrs.contains(p)));
     }
 }
