@@ -401,7 +401,21 @@ pub fn free_port() -> u16 {
 }
 
 impl Etcd {
+    /// Starts etcd on two ports free a moment before. Another test may take a port in that
+    /// moment; etcd then exits with "address already in use" and is started again on others.
     pub fn start() -> Etcd {
+        for _ in 0..5 {
+            match Etcd::try_start() {
+                Ok(e) => return e,
+                Err(log) if log.contains("address already in use") => continue,
+                Err(log) => panic!("etcd exited: {log}"),
+            }
+        }
+        panic!("etcd found no free ports in 5 tries");
+    }
+
+    /// etcd serving, or its log if it exited first.
+    fn try_start() -> Result<Etcd, String> {
         let scratch = Scratch::new("etcd");
         let (client, peer) = (free_port(), free_port());
         let endpoint = format!("http://127.0.0.1:{client}");
@@ -429,17 +443,22 @@ impl Etcd {
             scratch,
             endpoint,
         };
-        wait_for(Duration::from_secs(20), "etcd to serve", || {
+        let exited = wait_for(Duration::from_secs(20), "etcd to serve", || {
             if let Some(Ok(Some(st))) = e.child.as_mut().map(|c| c.try_wait()) {
-                panic!(
-                    "etcd exited with {st}: {}",
-                    fs::read_to_string(e.scratch.join("etcd.log")).unwrap_or_default()
-                );
+                let log = fs::read_to_string(e.scratch.join("etcd.log")).unwrap_or_default();
+                return Some(Some(format!("{st}: {log}")));
             }
             let out = e.etcdctl(&["endpoint", "health"]);
-            out.status.success().then_some(())
+            out.status.success().then_some(None)
         });
-        e
+        match exited {
+            Some(log) => {
+                // Already exited: nothing for Drop to stop.
+                e.child = None;
+                Err(log)
+            }
+            None => Ok(e),
+        }
     }
 
     pub fn etcdctl(&self, args: &[&str]) -> Output {
