@@ -247,6 +247,21 @@ impl Gate {
         self.run_timed(op, bytes, io).await.0
     }
 
+    /// A slot for an IO of kind `op`, unless the gate is closed or the host's lease fences
+    /// `op`. The fence is checked after the wait for a slot, right before the IO is issued:
+    /// a write that queued while the lease was still good must not go out after it lapsed.
+    async fn slot(&self, op: Op) -> io::Result<tokio::sync::SemaphorePermit<'_>> {
+        let slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| io::Error::other("datastore gate closed"))?;
+        if self.fenced(op) {
+            return Err(io::Error::other(fence::FENCED));
+        }
+        Ok(slot)
+    }
+
     /// [`Gate::run`], also returning the IO's service time: from issue to completion at the
     /// device, without the wait for a slot. (A latency that counted the queue in front of the
     /// gate would grow with the number of IOs submitted at once, not with the device.)
@@ -256,20 +271,10 @@ impl Gate {
         bytes: u64,
         io: impl Future<Output = io::Result<T>>,
     ) -> (io::Result<T>, Duration) {
-        let _slot = match self.slots.acquire().await {
+        let _slot = match self.slot(op).await {
             Ok(s) => s,
-            Err(_) => {
-                return (
-                    Err(io::Error::other("datastore gate closed")),
-                    Duration::ZERO,
-                )
-            }
+            Err(e) => return (Err(e), Duration::ZERO),
         };
-        // Checked after the wait for a slot, right before the IO is issued: a write that
-        // queued while the lease was still good must not go out after it lapsed.
-        if self.fenced(op) {
-            return (Err(io::Error::other(fence::FENCED)), Duration::ZERO);
-        }
         let t = self.stats.start();
         let started = Instant::now();
         let r = io.await;
@@ -286,18 +291,10 @@ impl Gate {
         ios: &[(Op, u64)],
         io: impl Future<Output = io::Result<()>>,
     ) -> (io::Result<()>, Duration) {
-        let _slot = match self.slots.acquire().await {
+        let _slot = match self.slot(Op::Write).await {
             Ok(s) => s,
-            Err(_) => {
-                return (
-                    Err(io::Error::other("datastore gate closed")),
-                    Duration::ZERO,
-                )
-            }
+            Err(e) => return (Err(e), Duration::ZERO),
         };
-        if self.fenced(Op::Write) {
-            return (Err(io::Error::other(fence::FENCED)), Duration::ZERO);
-        }
         let ts: Vec<_> = ios.iter().map(|_| self.stats.start()).collect();
         let started = Instant::now();
         let r = io.await;

@@ -2222,7 +2222,8 @@ impl VolCache {
             // Flow control wants the device's service time, not the wait for a slot. The
             // buffer comes back once the write is done with it.
             set.spawn(async move {
-                let keep = data.clone();
+                // Only a buffer of its own can go back; a slab's slice never could alone.
+                let keep = data.clone().filter(|b| BufPool::pools(b.len()));
                 (store.write_timed(off, len, data).await, keep)
             });
         }
@@ -2248,7 +2249,7 @@ impl VolCache {
         while let Some((run, data)) = runs.next() {
             let run = &win.pieces[run.clone()];
             let (offset, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
-            bufs.extend(data.clone());
+            bufs.extend(data.clone().filter(|b| BufPool::pools(b.len())));
             batch.push(BatchWrite { offset, len, data });
             bytes += len;
             if batch.len() < BATCH_WRITES && bytes < BATCH_BYTES && runs.peek().is_some() {
