@@ -158,6 +158,9 @@ pub struct CacheInfo {
     pub throttled_writes: u64,
     pub throttle_delay_us_total: u64,
     pub stalls: u64,
+    /// Writes that waited for the cache log to free a segment.
+    #[serde(default)]
+    pub space_waits: u64,
     pub replaying: bool,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,

@@ -857,6 +857,20 @@ impl Log {
         }
     }
 
+    /// Makes the segments freed since the last sync reusable, with a device sync of its own
+    /// when any wait for one, even if every append is durable already (then [`Log::sync`]
+    /// has nothing to do and would leave them waiting). True if any were waiting.
+    pub fn sync_freed(&self) -> Result<bool> {
+        if lock(&self.inner).freed_unsynced.is_empty() {
+            return Ok(false);
+        }
+        // A ticket past every completed append: the sync that covers it starts after this
+        // point, so it takes the freed list as it is now (or a later one).
+        let ticket = self.completed.fetch_add(1, Ordering::SeqCst) + 1;
+        self.sync_through(ticket)?;
+        Ok(true)
+    }
+
     /// Device syncs issued so far (group commit makes this smaller than the sync requests).
     pub fn syncs(&self) -> u64 {
         lock(&self.commit).syncs
@@ -1167,6 +1181,34 @@ mod tests {
         let free_now = lock(&l.inner).free.len();
         l.sync().unwrap();
         assert_eq!(lock(&l.inner).free.len(), free_now + 1);
+    }
+
+    #[test]
+    fn segments_freed_after_the_last_sync_are_made_reusable_without_an_append() {
+        let (_d, l) = log(3);
+        let a = Uuid::new_v4();
+        let (loc, _) = l.append(&data(a, 1, 0, 512), &[1u8; 512]).unwrap();
+        let mut ser = 2;
+        while add(&l, &data(a, ser, 0, 16 << 10), &vec![2u8; 16 << 10]).segment == loc.segment {
+            ser += 1;
+        }
+        // Every append is durable; then the first segment is freed.
+        l.sync().unwrap();
+        l.unpin(&loc);
+        let free_now = lock(&l.inner).free.len();
+        let syncs = l.syncs();
+        l.sync().unwrap();
+        assert_eq!(l.syncs(), syncs, "nothing to sync for the appends");
+        assert_eq!(
+            lock(&l.inner).free.len(),
+            free_now,
+            "so the freed segment still waits"
+        );
+        assert!(l.sync_freed().unwrap());
+        assert_eq!(l.syncs(), syncs + 1);
+        assert_eq!(lock(&l.inner).free.len(), free_now + 1);
+        assert!(!l.sync_freed().unwrap(), "nothing left waiting");
+        assert_eq!(l.syncs(), syncs + 1);
     }
 
     #[test]

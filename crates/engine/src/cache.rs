@@ -248,6 +248,7 @@ struct Counters {
     throttle_us: AtomicU64,
     stalls: AtomicU64,
     evicted_segments: AtomicU64,
+    space_waits: AtomicU64,
 }
 
 /// Per-volume tuning the engine reads.
@@ -304,6 +305,9 @@ pub struct CacheReport {
     pub throttled_writes: u64,
     pub throttle_delay_us_total: u64,
     pub stalls: u64,
+    /// Appends that found the log out of free segments and had to wait for the destager or
+    /// another volume to free some.
+    pub space_waits: u64,
     pub replaying: bool,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,
@@ -1309,7 +1313,14 @@ impl VolCache {
                         return Err(Error::NoRoom);
                     }
                     Err(LogError::NoSpace) => {
+                        // Segments evicted or released since the last sync are reusable after
+                        // one: take them at once rather than wait for someone else's sync.
+                        let log = self.shared.log.clone();
+                        if let Ok(Ok(true)) = blocking(move || Ok(log.sync_freed())).await {
+                            continue;
+                        }
                         // Wait for the destager (or another volume's eviction) to free space.
+                        self.counters.space_waits.fetch_add(1, Ordering::Relaxed);
                         self.shared.wake.notify_one();
                         let space = self.shared.space.notified();
                         let _ = tokio::time::timeout(Duration::from_millis(50), space).await;
@@ -2464,6 +2475,7 @@ impl VolCache {
             throttled_writes: self.counters.throttled_writes.load(Ordering::Relaxed),
             throttle_delay_us_total: self.counters.throttle_us.load(Ordering::Relaxed),
             stalls: self.counters.stalls.load(Ordering::Relaxed),
+            space_waits: self.counters.space_waits.load(Ordering::Relaxed),
             replaying: st.replaying,
             degraded: st.degraded.clone().or_else(|| {
                 self.shared.log.is_failed().then(|| match st.mode {

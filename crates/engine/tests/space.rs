@@ -88,6 +88,71 @@ async fn a_full_cache_throttles_and_evicts_but_never_hangs() {
     destager.abort();
 }
 
+/// A log full of clean data makes room for a write at once: the segments it evicts are
+/// reusable after one sync, which the write does itself rather than wait for the destager's.
+/// (It waited for a timeout per segment before: `wb` took 1 MiB sequential writes at 68 MiB/s
+/// on the default 1 GiB cache, against 400 MiB/s after.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_full_of_clean_data_takes_writes_without_waiting() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 12 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    let v = Volume::open(
+        Uuid::new_v4(),
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let c = v.cache().unwrap();
+    // Each write takes five segments (four segments' worth of data, and headers), so it
+    // needs more than the log has free: from the second round of the log on, most segments it
+    // gets are ones it evicted itself.
+    const W: u64 = 4 * SEG;
+    const N: u64 = VOL / W * 3;
+    for i in 0..N {
+        let data = Bytes::from(vec![i as u8 + 1; W as usize]);
+        v.write(i * W % VOL, data, false).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !c.clean() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the destager never caught up");
+    }
+    let r = c.report();
+    assert_eq!(
+        r.space_waits, 0,
+        "writes waited for space in a log holding nothing dirty"
+    );
+    assert!(r.used_bytes > 0);
+    // The last round is what the volume and the datastore hold.
+    let last = |at: u64| (N - VOL / W + at / W) as u8 + 1;
+    let got = v.read(0, VOL as u32).await.unwrap();
+    let image = store.image();
+    for at in (0..VOL).step_by(W as usize) {
+        let r = at as usize..(at + W) as usize;
+        assert!(
+            got[r.clone()].iter().all(|b| *b == last(at)),
+            "{at} reads back wrong"
+        );
+        assert!(
+            image[r].iter().all(|b| *b == last(at)),
+            "{at} is wrong on the datastore"
+        );
+    }
+    destager.abort();
+}
+
 /// A peer's replicas of another host's volume take a share of its log like one of its own
 /// volumes, and no more: an owner that does not checkpoint (a long hold, a stuck datastore)
 /// gets its replica writes refused (and drops this peer) instead of filling the log under

@@ -588,9 +588,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(c) = &v.cache {
                 println!("cache        {} (gen {})", c.mode, c.gen);
                 println!(
-                    "  share      {} used of {}",
+                    "  share      {} used of {}; {} write(s) waited for free space",
                     format_size(c.used_bytes),
-                    format_size(c.share_bytes)
+                    format_size(c.share_bytes),
+                    c.space_waits
                 );
                 println!(
                     "  dirty      {} in {} write(s); checkpoint {} of {}",

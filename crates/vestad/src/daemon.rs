@@ -1519,6 +1519,7 @@ fn cache_info(r: CacheReport) -> api::CacheInfo {
         throttled_writes: r.throttled_writes,
         throttle_delay_us_total: r.throttle_delay_us_total,
         stalls: r.stalls,
+        space_waits: r.space_waits,
         replaying: r.replaying,
         degraded: r.degraded,
         destage_error: r.destage_error,

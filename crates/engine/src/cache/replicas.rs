@@ -288,9 +288,12 @@ impl CacheHost {
                 match log.append(&e, payload) {
                     Ok((loc, _)) => break loc,
                     Err(LogError::NoSpace) if started.elapsed() < SPACE_WAIT => {
-                        // Freed segments become reusable after a sync.
-                        let _ = log.sync();
-                        std::thread::sleep(Duration::from_millis(10));
+                        // Freed segments become reusable after a sync; wait only when none
+                        // were freed.
+                        if !matches!(log.sync_freed(), Ok(true)) {
+                            let _ = log.sync();
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
                     }
                     Err(err) => return Err(fail(&out, format!("cache log: {err}"))),
                 }
