@@ -2004,7 +2004,11 @@ impl VolCache {
             Err(LogError::NoSpace) => {
                 // The log is full even for metadata: make room and send the window again
                 // later (resending is harmless; nothing is released until a checkpoint lands).
+                // What eviction frees is reusable after a sync, which no one else may be about
+                // to make (every writer waiting for space, or none writing).
                 self.shared.evict_elsewhere(None);
+                let log = self.shared.log.clone();
+                let _ = blocking(move || Ok(log.sync_freed())).await;
                 lock(&self.st).destage.retry_at = Some(Instant::now() + Duration::from_millis(100));
                 return false;
             }

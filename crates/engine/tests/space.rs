@@ -153,6 +153,69 @@ async fn a_log_full_of_clean_data_takes_writes_without_waiting() {
     destager.abort();
 }
 
+/// Concurrent writes that each need several segments (together about half the log), on a
+/// log full of clean data, all complete and read back. When every writer waits for space, no
+/// append is left to trigger the sync that makes freed segments reusable; the writers make
+/// it themselves. (`bench/seqwrite.sh` hung once that way before they did; this test
+/// has not reproduced that hang, the destager's syncs got there first, but keeps the case.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_large_writes_on_a_full_log_never_wait_on_each_other() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 24 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    let v = Arc::new(
+        Volume::open(
+            Uuid::new_v4(),
+            "v".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap(),
+    );
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let c = v.cache().unwrap();
+    const W: u64 = 2 * SEG;
+    for round in 0..8u64 {
+        let writes: Vec<_> = (0..4u64)
+            .map(|w| {
+                let v = v.clone();
+                tokio::spawn(async move {
+                    let data = Bytes::from(vec![(round * 4 + w + 1) as u8; W as usize]);
+                    v.write(w * W, data, false).await.unwrap();
+                })
+            })
+            .collect();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            for t in writes {
+                t.await.unwrap();
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: writes hung on a log full of clean data"));
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !c.clean() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the destager never caught up");
+    }
+    let got = v.read(0, (4 * W) as u32).await.unwrap();
+    for w in 0..4u64 {
+        let r = (w * W) as usize..((w + 1) * W) as usize;
+        assert!(got[r.clone()].iter().all(|b| *b == (7 * 4 + w + 1) as u8));
+        assert!(store.image()[r].iter().all(|b| *b == (7 * 4 + w + 1) as u8));
+    }
+    destager.abort();
+}
+
 /// A peer's replicas of another host's volume take a share of its log like one of its own
 /// volumes, and no more: an owner that does not checkpoint (a long hold, a stuck datastore)
 /// gets its replica writes refused (and drops this peer) instead of filling the log under
