@@ -201,6 +201,8 @@ struct VolState {
     /// What the dirty records occupy in the log, headers included: what admission counts,
     /// since small writes cost the log up to twice their size.
     dirty_log_bytes: u64,
+    /// Log space that admitted writes not yet staged may take ([`Reservation`]).
+    reserved_log_bytes: u64,
     /// Bumped whenever data leaves the index (eviction, a `wt` write invalidating a range, a
     /// clean record that failed to read), so a read that raced it does not put back data read
     /// from the datastore before the newer data got there.
@@ -234,6 +236,20 @@ fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
     match src {
         Source::Data(l, _) => log_bytes(IxSrc::Rec(*l), len),
         Source::Zero => log_bytes(IxSrc::Zero, len),
+    }
+}
+
+/// Log space a write holds from its admission until it is staged or fails
+/// ([`VolCache::admit`]).
+struct Reservation<'a> {
+    v: &'a VolCache,
+    bytes: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        lock(&self.v.st).reserved_log_bytes -= self.bytes;
+        self.v.changed.notify_waiters();
     }
 }
 
@@ -395,6 +411,17 @@ impl Shared {
 
     fn share_bytes(&self) -> u64 {
         self.share_segments() * self.log.superblock().segment_size
+    }
+
+    /// Log bytes (as [`log_bytes`] counts them) a volume's dirty records and admitted writes
+    /// may take before its writes stall: [`STALL_FRACTION`] of its share, less what packing
+    /// can waste. A part that does not fit in what is left of a segment goes to the next one,
+    /// so up to one part's worth ([`Shared::record_max`]) of every segment may stay empty
+    /// (with 1 MiB segments, three 256 KiB parts fit and the fourth moves on).
+    fn stall_limit(&self) -> u64 {
+        let seg = self.log.superblock().segment_size;
+        let packed = (seg - self.record_max()) as f64 / seg as f64;
+        (self.share_bytes() as f64 * STALL_FRACTION * packed) as u64
     }
 
     /// Evicts one clean segment from the attached volume most over its share (the volume
@@ -967,6 +994,7 @@ impl VolCache {
                 staged: VecDeque::new(),
                 dirty_bytes: 0,
                 dirty_log_bytes: 0,
+                reserved_log_bytes: 0,
                 evictions: 0,
                 replaying,
                 void_upto: rec.void_upto,
@@ -1195,11 +1223,21 @@ impl VolCache {
     }
 
     /// Admission of a write of `len` bytes: waits out offline replay, and stalls while the
-    /// volume's share would be full of dirty data.
-    async fn admit(&self, len: u64) -> Result<(), Error> {
-        let limit = (self.shared.share_bytes() as f64 * STALL_FRACTION) as u64;
+    /// volume's share would be full of dirty data and the log space that writes admitted
+    /// before this one may still take.
+    ///
+    /// Counting writes in flight matters for writes of several parts: each part is appended
+    /// on its own, and one that waits for space keeps its earlier parts pinned, while later
+    /// writes cannot be destaged before it. Enough of them at once (64 writes of 1 MiB on a
+    /// 64 MiB cache) would fill the log with pins and wait for each other forever. Such a
+    /// write also counts a segment more, for the part of a segment its pins keep from eviction.
+    async fn admit(&self, len: u64) -> Result<Reservation<'_>, Error> {
+        let limit = self.shared.stall_limit();
         let parts = len.div_ceil(self.shared.record_max()).max(1);
-        let need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
+        let mut need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
+        if parts > 1 {
+            need += self.shared.log.superblock().segment_size;
+        }
         let mut stalled = false;
         loop {
             let changed = self.changed.notified();
@@ -1212,10 +1250,15 @@ impl VolCache {
                         return Err(Error::Cache(why.clone()));
                     }
                 }
-                let full =
-                    st.mode == Mode::Wb && st.dirty_bytes > 0 && st.dirty_log_bytes + need > limit;
+                let taken = st.dirty_log_bytes + st.reserved_log_bytes;
+                let full = st.mode == Mode::Wb && taken > 0 && taken + need > limit;
                 if !st.replaying && !full {
-                    return Ok(());
+                    let mut st = st;
+                    st.reserved_log_bytes += need;
+                    return Ok(Reservation {
+                        v: self,
+                        bytes: need,
+                    });
                 }
                 if full && !stalled {
                     stalled = true;
@@ -1414,7 +1457,7 @@ impl VolCache {
         fua: bool,
     ) -> Result<(), Error> {
         let started = Instant::now();
-        self.admit(len).await?;
+        let reservation = self.admit(len).await?;
         let (ser, gen) = self.gatekeep(offset, len).await;
         let done = Completion { v: self, ser };
         let (mode, peers) = {
@@ -1469,6 +1512,8 @@ impl VolCache {
                     .await?
             }
         }
+        // Staged: its records count as dirty now.
+        drop(reservation);
         drop(done);
         // Complete in ser order: see the module doc.
         self.wait_until(|st| st.done_ser >= ser).await;
@@ -2441,7 +2486,7 @@ impl VolCache {
         let st = lock(&self.st);
         let sig = self.signals(&st);
         let p = flow::pressure(&sig, &self.triggers());
-        let limit = (self.shared.share_bytes() as f64 * STALL_FRACTION) as u64;
+        let limit = self.shared.stall_limit();
         let hits = self.counters.read_hit_bytes.load(Ordering::Relaxed);
         let misses = self.counters.read_miss_bytes.load(Ordering::Relaxed);
         CacheReport {

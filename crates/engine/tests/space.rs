@@ -216,6 +216,79 @@ async fn concurrent_large_writes_on_a_full_log_never_wait_on_each_other() {
     destager.abort();
 }
 
+/// More multi-part writes in flight than the log has room for wait at admission instead
+/// of each appending some parts and waiting, with them pinned, for space only the others'
+/// completion could free (they waited for each other forever before: 64 writes of 1 MiB on a
+/// 64 MiB cache did, and so did this test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_large_writes_in_flight_than_the_log_holds_never_deadlock() {
+    // Twelve segments of 64 KiB; each write takes eight 16 KiB parts over three segments.
+    let cache = Arc::new(SimDevice::new((1 << 20) + 12 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    let v = Arc::new(
+        Volume::open(
+            Uuid::new_v4(),
+            "v".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap(),
+    );
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    const W: u64 = 2 * SEG;
+    const WRITERS: u64 = 8;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let v = v.clone();
+            tokio::spawn(async move {
+                for round in 0..16u64 {
+                    let data = Bytes::from(vec![(round * WRITERS + w + 1) as u8; W as usize]);
+                    v.write(w * W, data, false).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for t in writers {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect("large writes deadlocked on a small log");
+    let c = v.cache().unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !c.clean() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the destager never caught up");
+    let got = v.read(0, (WRITERS * W) as u32).await.unwrap();
+    let image = store.image();
+    for w in 0..WRITERS {
+        let want = (15 * WRITERS + w + 1) as u8;
+        let r = (w * W) as usize..((w + 1) * W) as usize;
+        assert!(
+            got[r.clone()].iter().all(|b| *b == want),
+            "writer {w} reads back wrong"
+        );
+        assert!(
+            image[r].iter().all(|b| *b == want),
+            "writer {w} is wrong on the datastore"
+        );
+    }
+    assert!(c.report().degraded.is_none());
+    destager.abort();
+}
+
 /// A peer's replicas of another host's volume take a share of its log like one of its own
 /// volumes, and no more: an owner that does not checkpoint (a long hold, a stuck datastore)
 /// gets its replica writes refused (and drops this peer) instead of filling the log under
