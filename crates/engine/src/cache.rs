@@ -65,6 +65,28 @@ pub use replicas::{ReplicaInfo, ReplicaRefusal};
 /// Largest payload of one log record; larger writes are split into parts sharing one `ser`.
 /// Small segments lower it further ([`Shared::record_max`]).
 pub const RECORD_MAX: u64 = 256 << 10;
+
+/// Splits a payload of `len` bytes into parts of at most `max` bytes (a multiple of the page):
+/// as few parts as `max` allows, as equal as whole pages let them be, each but the last in
+/// whole pages. Equal parts pack segments better than parts of `max` and a remainder. With
+/// 1 MiB segments (four 252 KiB parts fit one), a stream of 1 MiB writes fills segments to
+/// 80 % cut 4 × 208 + 192 KiB, against 75 % cut 4 × 256 KiB; 512 KiB writes 83 % against
+/// 75 %, and writes of 4 KiB to 1 MiB mixed 89 % against 80 % (a model of the log's packing).
+pub fn split(len: u64, max: u64) -> Vec<(u64, u64)> {
+    let page = cachelog::format::PAGE;
+    debug_assert!(max >= page && max.is_multiple_of(page));
+    let n = len.div_ceil(max).max(1);
+    let size = len.div_ceil(n).next_multiple_of(page).min(max);
+    let mut out = Vec::with_capacity(n as usize);
+    let mut at = 0;
+    while at < len || out.is_empty() {
+        let l = size.min(len - at);
+        out.push((at, l));
+        at += l;
+    }
+    out
+}
+
 /// Default segment size of a new cache log.
 pub const SEGMENT_DEFAULT: u64 = 1 << 20;
 /// A write stalls when its volume's dirty records would take more than this fraction of its
@@ -391,13 +413,23 @@ struct Shared {
 }
 
 impl Shared {
-    /// The largest part a write is split into: [`RECORD_MAX`], or a quarter segment if that
-    /// is smaller, so a part always fits a segment with its header and metadata copies.
+    /// The largest part a write is split into: [`RECORD_MAX`], or a quarter of a segment's
+    /// data area (all but the page of headers) if that is smaller, so that four parts fill a
+    /// segment and one always fits with its header and metadata copies.
     fn record_max(&self) -> u64 {
         // Whole pages, so that the parts of a page-aligned write are paged too.
         let page = cachelog::format::PAGE;
-        let quarter = self.log.superblock().segment_size / 4 / page * page;
+        let quarter = (self.log.superblock().segment_size - page) / 4 / page * page;
         RECORD_MAX.min(quarter).max(page)
+    }
+
+    /// The parts (offset in the write, length) a write of `len` bytes is appended as.
+    fn parts(&self, has_payload: bool, len: u64) -> Vec<(u64, u64)> {
+        if has_payload {
+            split(len, self.record_max())
+        } else {
+            vec![(0, len)]
+        }
     }
 
     /// A fair share of the log: for each cached volume, and for each volume this host holds
@@ -416,8 +448,7 @@ impl Shared {
     /// Log bytes (as [`log_bytes`] counts them) a volume's dirty records and admitted writes
     /// may take before its writes stall: [`STALL_FRACTION`] of its share, less what packing
     /// can waste. A part that does not fit in what is left of a segment goes to the next one,
-    /// so up to one part's worth ([`Shared::record_max`]) of every segment may stay empty
-    /// (with 1 MiB segments, three 256 KiB parts fit and the fourth moves on).
+    /// so up to one part's worth ([`Shared::record_max`]) of every segment may stay empty.
     fn stall_limit(&self) -> u64 {
         let seg = self.log.superblock().segment_size;
         let packed = (seg - self.record_max()) as f64 / seg as f64;
@@ -1233,7 +1264,7 @@ impl VolCache {
     /// write also counts a segment more, for the part of a segment its pins keep from eviction.
     async fn admit(&self, len: u64) -> Result<Reservation<'_>, Error> {
         let limit = self.shared.stall_limit();
-        let parts = len.div_ceil(self.shared.record_max()).max(1);
+        let parts = self.shared.parts(true, len).len() as u64;
         let mut need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
         if parts > 1 {
             need += self.shared.log.superblock().segment_size;
@@ -1291,7 +1322,7 @@ impl VolCache {
         (ser, gen)
     }
 
-    /// Appends the records of one write (parts of at most [`RECORD_MAX`] bytes), making room
+    /// Appends the records of one write (parts as [`split`] cuts it), making room
     /// in the volume's share first. The records come back pinned (see `Log::append`): the
     /// caller releases them with [`VolCache::unpin_all`] once it has referenced them.
     async fn append_write(
@@ -1303,19 +1334,10 @@ impl VolCache {
         len: u64,
         data: Option<&Bytes>,
     ) -> Result<Vec<Part>, Error> {
-        let record_max = self.shared.record_max();
-        let parts = if kind.has_payload() {
-            len.div_ceil(record_max).max(1)
-        } else {
-            1
-        };
-        let mut out = Vec::with_capacity(parts as usize);
-        for i in 0..parts {
-            let (poff, plen) = if kind.has_payload() {
-                (i * record_max, (len - i * record_max).min(record_max))
-            } else {
-                (0, len)
-            };
+        let split = self.shared.parts(kind.has_payload(), len);
+        let parts = split.len() as u64;
+        let mut out = Vec::with_capacity(split.len());
+        for (i, (poff, plen)) in (0u64..).zip(split) {
             let e = Entry {
                 kind,
                 volume: self.id,
@@ -2545,6 +2567,83 @@ impl VolCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_write_is_split_into_as_few_parts_as_equal_as_pages_allow() {
+        let page = cachelog::format::PAGE;
+        let sizes = (0..=40u64)
+            .flat_map(|p| {
+                [
+                    p * page,
+                    (p * page).saturating_sub(1),
+                    p * page + 1,
+                    p * page + 512,
+                ]
+            })
+            .chain([1 << 20, 768 << 10, (1 << 20) + 4096, 4 << 20]);
+        for max in [page, 3 * page, 63 * page, 64 * page] {
+            for len in sizes.clone() {
+                let parts = split(len, max);
+                let why = format!("len {len}, max {max}: {parts:?}");
+                assert_eq!(parts.len() as u64, len.div_ceil(max).max(1), "{why}");
+                let mut at = 0;
+                for (i, (off, l)) in parts.iter().copied().enumerate() {
+                    assert_eq!(off, at, "contiguous from the start: {why}");
+                    assert!(l <= max, "{why}");
+                    assert!(l > 0 || len == 0, "no empty part: {why}");
+                    if i + 1 < parts.len() {
+                        assert!(l.is_multiple_of(page), "whole pages but the last: {why}");
+                        assert_eq!(l, parts[0].1, "equal but the last: {why}");
+                    }
+                    at += l;
+                }
+                assert_eq!(at, len, "{why}");
+                // Equal: the last part is at most a page per part shorter than the others.
+                let last = parts.last().expect("a part").1;
+                assert!(parts[0].1 - last < page * parts.len() as u64, "{why}");
+            }
+        }
+    }
+
+    #[test]
+    fn large_writes_fill_four_fifths_of_the_log() {
+        // Appends 1 MiB writes, cut as the write path cuts them, until the log is out of
+        // segments. Cut into 256 KiB parts, three fit a 1 MiB segment and the fourth takes
+        // a quarter of the next: only 75 % of the log would hold data.
+        let seg = SEGMENT_DEFAULT;
+        let dev = Arc::new(cachelog::SimDevice::new((1 << 20) + 64 * seg));
+        let host = CacheHost::open(dev, seg).expect("open");
+        let log = host.shared.log.clone();
+        let usable = (log.free_segments() - log.meta_reserve()) as u64 * seg;
+        let vol = Uuid::new_v4();
+        let data = vec![7u8; 1 << 20];
+        let mut held = 0u64;
+        'fill: for ser in 1.. {
+            let parts = host.shared.parts(true, data.len() as u64);
+            for (i, (off, len)) in (0u64..).zip(parts.iter().copied()) {
+                let e = Entry {
+                    kind: Kind::Data,
+                    volume: vol,
+                    ser,
+                    gen: 1,
+                    offset: (ser - 1) * (1 << 20) + off,
+                    len,
+                    arg: ((parts.len() as u64) << 32) | i,
+                };
+                match log.append(&e, &data[off as usize..(off + len) as usize]) {
+                    Ok(_) => held += len, // stays pinned: dirty data
+                    Err(LogError::NoSpace) => break 'fill,
+                    Err(e) => panic!("append: {e}"),
+                }
+            }
+        }
+        let fill = held as f64 / usable as f64;
+        assert!(
+            fill >= 0.79,
+            "1 MiB writes filled {:.1} % of the log",
+            fill * 100.0
+        );
+    }
 
     #[test]
     fn the_buffer_pool_reuses_only_buffers_nothing_else_holds() {

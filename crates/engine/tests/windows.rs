@@ -15,7 +15,8 @@ use engine::cache::CacheHost;
 use engine::Volume;
 use uuid::Uuid;
 
-/// The engine's default segment: records of 256 KiB, so a 768 KiB write has three parts.
+/// The engine's default segment: records of at most 252 KiB, so a 768 KiB write has four parts
+/// of 192 KiB.
 const SEG: u64 = 1 << 20;
 
 struct Rig {
@@ -121,7 +122,7 @@ fn pattern(i: usize, len: u64) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
-    // 220 writes of 768 KiB (three records each), 640 KiB apart: each overwrites the first
+    // 220 writes of 768 KiB (four records each), 640 KiB apart: each overwrites the first
     // 128 KiB of the last record of the one before, so pieces are whole and partial records.
     // 165 MiB in all, over the 128 MiB a window carries, and 128 MiB is no whole number of
     // writes: the cap falls inside a write.

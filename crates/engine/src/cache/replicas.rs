@@ -253,13 +253,9 @@ impl CacheHost {
         } else {
             Kind::ReplicaZero
         };
-        let record_max = self.shared.record_max();
-        let parts = if data.is_some() {
-            len.div_ceil(record_max).max(1)
-        } else {
-            1
-        };
-        let mut out: Vec<Scanned> = Vec::with_capacity(parts as usize);
+        let split = self.shared.parts(data.is_some(), len);
+        let parts = split.len() as u64;
+        let mut out: Vec<Scanned> = Vec::with_capacity(split.len());
         let log = &self.shared.log;
         let fail = |out: &[Scanned], why: String| {
             for s in out {
@@ -267,12 +263,7 @@ impl CacheHost {
             }
             ReplicaRefusal::Failed(why)
         };
-        for i in 0..parts {
-            let (poff, plen) = if data.is_some() {
-                (i * record_max, (len - i * record_max).min(record_max))
-            } else {
-                (0, len)
-            };
+        for (i, (poff, plen)) in (0u64..).zip(split) {
             let e = Entry {
                 kind,
                 volume,
