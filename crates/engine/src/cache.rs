@@ -51,7 +51,7 @@ use cachelog::index::{ExtentMap, Piece as IndexPiece};
 use cachelog::log::{Entry, Loc, Log, LogError, Scanned};
 use cachelog::CacheDevice;
 use cluster::Policy;
-use datastore::device::{blocking, BatchWrite};
+use datastore::device::{blocking, on_pool, BatchWrite};
 use datastore::Extent;
 
 use crate::flow::{self, Ewma, Signals, Triggers};
@@ -272,6 +272,23 @@ impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         lock(&self.v.st).reserved_log_bytes -= self.bytes;
         self.v.changed.notify_waiters();
+    }
+}
+
+/// Someone waits for the destager (a write for space, a FLUSH in `wbp` for its window): while
+/// it lives, the volume's windows are due at once, whatever their hold time.
+struct Urgent<'a>(&'a VolCache);
+
+impl<'a> Urgent<'a> {
+    fn new(v: &'a VolCache) -> Self {
+        lock(&v.st).urgent += 1;
+        Urgent(v)
+    }
+}
+
+impl Drop for Urgent<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.st).urgent -= 1;
     }
 }
 
@@ -651,17 +668,22 @@ impl CacheHost {
                 );
                 return true;
             }
-            if r.writes.is_empty() {
-                return false;
+            if keep.contains(id) {
+                return false; // clean: its segments are freed as its records are
             }
-            warn!(
-                "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
-                 dropping them",
-                r.writes.len()
-            );
+            if !r.writes.is_empty() {
+                warn!(
+                    "cache log holds {} dirty write(s) of volume {id}, which no longer exists; \
+                     dropping them",
+                    r.writes.len()
+                );
+            }
             for s in r.writes.iter().flatten() {
                 self.shared.log.unpin(&s.loc);
             }
+            // The log gave it a segment with copies of its checkpoint and policy at recovery;
+            // nobody will ever release that one but this.
+            self.shared.log.forget(*id);
             false
         });
         Ok(())
@@ -1262,14 +1284,24 @@ impl VolCache {
     /// writes cannot be destaged before it. Enough of them at once (64 writes of 1 MiB on a
     /// 64 MiB cache) would fill the log with pins and wait for each other forever. Such a
     /// write also counts a segment more, for the part of a segment its pins keep from eviction.
-    async fn admit(&self, len: u64) -> Result<Reservation<'_>, Error> {
+    ///
+    /// A stalled write makes the volume's windows due at once ([`Urgent`]): with writes in
+    /// flight counted, a held volume can stall before its dirty data alone is enough flow
+    /// control pressure to send a held window, and would wait out the hold time.
+    async fn admit(&self, kind: Kind, len: u64) -> Result<Reservation<'_>, Error> {
         let limit = self.shared.stall_limit();
-        let parts = self.shared.parts(true, len).len() as u64;
-        let mut need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
-        if parts > 1 {
-            need += self.shared.log.superblock().segment_size;
-        }
-        let mut stalled = false;
+        let need = if kind.has_payload() {
+            let parts = self.shared.parts(true, len).len() as u64;
+            let mut need = len.next_multiple_of(512) + parts * cachelog::format::HEADER_LEN as u64;
+            if parts > 1 {
+                need += self.shared.log.superblock().segment_size;
+            }
+            need
+        } else {
+            // One header whatever the length: a large TRIM takes no more room than a small one.
+            cachelog::format::log_bytes(false, len)
+        };
+        let mut stalled: Option<Urgent<'_>> = None;
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -1291,9 +1323,10 @@ impl VolCache {
                         bytes: need,
                     });
                 }
-                if full && !stalled {
-                    stalled = true;
+                if full && stalled.is_none() {
                     self.counters.stalls.fetch_add(1, Ordering::Relaxed);
+                    drop(st);
+                    stalled = Some(Urgent::new(self));
                 }
             }
             self.shared.wake.notify_one();
@@ -1379,9 +1412,10 @@ impl VolCache {
                     }
                     Err(LogError::NoSpace) => {
                         // Segments evicted or released since the last sync are reusable after
-                        // one: take them at once rather than wait for someone else's sync.
+                        // one: take them at once rather than wait for someone else's sync. A
+                        // sync, so on the pool, never on a connection's thread.
                         let log = self.shared.log.clone();
-                        if let Ok(Ok(true)) = blocking(move || Ok(log.sync_freed())).await {
+                        if let Ok(Ok(true)) = on_pool(move || Ok(log.sync_freed())).await {
                             continue;
                         }
                         // Wait for the destager (or another volume's eviction) to free space.
@@ -1390,7 +1424,7 @@ impl VolCache {
                         let space = self.shared.space.notified();
                         let _ = tokio::time::timeout(Duration::from_millis(50), space).await;
                         let log = self.shared.log.clone();
-                        let _ = blocking(move || {
+                        let _ = on_pool(move || {
                             log.sync().map_err(|e| std::io::Error::other(e.to_string()))
                         })
                         .await;
@@ -1479,7 +1513,7 @@ impl VolCache {
         fua: bool,
     ) -> Result<(), Error> {
         let started = Instant::now();
-        let reservation = self.admit(len).await?;
+        let reservation = self.admit(kind, len).await?;
         let (ser, gen) = self.gatekeep(offset, len).await;
         let done = Completion { v: self, ser };
         let (mode, peers) = {
@@ -1658,17 +1692,15 @@ impl VolCache {
     /// Makes every completed write durable on the cache device (group commit).
     pub async fn sync(&self) -> Result<(), Error> {
         let log = self.shared.log.clone();
-        datastore::device::on_pool(move || {
-            log.sync().map_err(|e| std::io::Error::other(e.to_string()))
-        })
-        .await
-        .map_err(|e| Error::Cache(e.to_string()))
+        on_pool(move || log.sync().map_err(|e| std::io::Error::other(e.to_string())))
+            .await
+            .map_err(|e| Error::Cache(e.to_string()))
     }
 
     /// Makes the first `ticket` completed appends durable (nothing to do if they are).
     async fn sync_through(&self, ticket: u64) -> Result<(), Error> {
         let log = self.shared.log.clone();
-        datastore::device::on_pool(move || {
+        on_pool(move || {
             log.sync_through(ticket)
                 .map_err(|e| std::io::Error::other(e.to_string()))
         })
@@ -1733,14 +1765,7 @@ impl VolCache {
     /// Waits until the datastore holds every write up to `ser` (a checkpoint at or above it).
     /// Held windows are not held meanwhile.
     async fn wait_destaged(&self, ser: u64) -> Result<(), Error> {
-        struct Urgent<'a>(&'a VolCache);
-        impl Drop for Urgent<'_> {
-            fn drop(&mut self) {
-                lock(&self.0.st).urgent -= 1;
-            }
-        }
-        lock(&self.st).urgent += 1;
-        let _urgent = Urgent(self);
+        let _urgent = Urgent::new(self);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -2075,7 +2100,7 @@ impl VolCache {
                 // to make (every writer waiting for space, or none writing).
                 self.shared.evict_elsewhere(None);
                 let log = self.shared.log.clone();
-                let _ = blocking(move || Ok(log.sync_freed())).await;
+                let _ = on_pool(move || Ok(log.sync_freed())).await;
                 lock(&self.st).destage.retry_at = Some(Instant::now() + Duration::from_millis(100));
                 return false;
             }

@@ -365,3 +365,169 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     .expect("a replica write after the checkpoint");
     destager.abort();
 }
+
+/// A `wb` volume of [`VOL`] bytes on `store` (queue depth 4), cached on `host`.
+fn wb_volume(host: &Arc<CacheHost>, store: &Arc<MemDevice>, tuning: Tuning) -> Arc<Volume> {
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    Arc::new(
+        Volume::open(
+            Uuid::new_v4(),
+            "v".into(),
+            Policy::Wb,
+            tuning,
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap(),
+    )
+}
+
+/// A held volume whose writers stall for room sends its held window at once. A write large
+/// against the volume's share stalls while the dirty data alone is still under the
+/// flow-control trigger that releases a held window (admission counts the log space the
+/// write itself will take, and a segment more for its parts): such writes waited out the
+/// whole hold time (here 600 s) before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_writers_release_a_held_window() {
+    // 64 segments: a 4 MiB share, stalling at about 2.8 MiB of dirty and reserved log, and
+    // a held window due by pressure at 2 MiB of dirty data. A 1.5 MiB write reserves about
+    // 1.6 MiB, so the second one stalls with 1.5 MiB dirty.
+    let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let held = Tuning {
+        hold_s: Some(600.0),
+        max_dirty_age_s: Some(600.0),
+        rpo_s: None,
+    };
+    let v = wb_volume(&host, &store, held);
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    const W: u64 = 1536 << 10;
+    const WRITERS: u64 = 2;
+    const ROUNDS: u64 = 3;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let v = v.clone();
+            tokio::spawn(async move {
+                for round in 0..ROUNDS {
+                    let data = Bytes::from(vec![(round * WRITERS + w + 1) as u8; W as usize]);
+                    v.write(w * W, data, false).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        for t in writers {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect("stalled writers waited for the hold time");
+    let c = v.cache().unwrap();
+    assert!(c.report().stalls > 0, "the writes never stalled: no test");
+    let got = v.read(0, (WRITERS * W) as u32).await.unwrap();
+    for w in 0..WRITERS {
+        let r = (w * W) as usize..((w + 1) * W) as usize;
+        let last = ((ROUNDS - 1) * WRITERS + w + 1) as u8;
+        assert!(
+            got[r].iter().all(|b| *b == last),
+            "writer {w} reads back wrong"
+        );
+    }
+    destager.abort();
+}
+
+/// A TRIM of the whole volume, far more than the volume's share of the log, is admitted
+/// while small writes keep coming: it takes one record, and is admitted as one. (It was
+/// counted as its length in data and waited until nothing at all was dirty or in flight.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_trim_is_admitted_among_steady_writes() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 12 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    store.set_write_delay(Some(Duration::from_millis(1)));
+    let v = wb_volume(&host, &store, Tuning::default());
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let (v, stop) = (v.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let block = (i * 4 + w) % (VOL / 4096);
+                    v.write(block * 4096, Bytes::from(vec![w as u8 + 1; 4096]), false)
+                        .await
+                        .unwrap();
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let trimmed =
+        tokio::time::timeout(Duration::from_secs(20), v.write_zeroes(0, VOL, true, false)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for t in writers {
+        t.await.unwrap();
+    }
+    trimmed
+        .expect("the TRIM was never admitted while writes went on")
+        .unwrap();
+    // Whatever the order, the datastore ends equal to the volume.
+    let c = v.cache().unwrap();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while !c.clean() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the destager never caught up");
+    let got = v.read(0, VOL as u32).await.unwrap();
+    assert!(
+        got[..] == store.image()[..],
+        "the datastore differs from the volume"
+    );
+    destager.abort();
+}
+
+/// Recovery frees everything of a volume deleted while its records were in the log: the
+/// segment the log opened at recovery to carry its checkpoint and policy was kept forever
+/// before, one more for every deleted volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_frees_the_segments_of_a_deleted_volume() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 12 * SEG));
+    let (id, free_before) = {
+        let host = CacheHost::open(cache.clone(), SEG).unwrap();
+        let free = host.log().free_segments();
+        let store = Arc::new(MemDevice::new(VOL));
+        let v = wb_volume(&host, &store, Tuning::default());
+        host.finish_recovery(&[]).unwrap();
+        for i in 0..8u64 {
+            v.write(i * 4096, Bytes::from(vec![9u8; 4096]), true)
+                .await
+                .unwrap();
+        }
+        (v.id(), free)
+        // The host stops here without detaching the volume (a crash); the volume is then
+        // deleted while the host is down.
+    };
+    for restart in 0..2 {
+        let host = CacheHost::open(cache.clone(), SEG).unwrap();
+        host.finish_recovery(&[]).unwrap();
+        assert_eq!(
+            host.log().segments_of(id),
+            0,
+            "restart {restart}: the deleted volume still holds segments"
+        );
+        assert_eq!(host.log().free_segments(), free_before, "restart {restart}");
+    }
+}
