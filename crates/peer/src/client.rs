@@ -14,9 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::wire::{self, Body, Msg, Status, HEADER_LEN};
@@ -54,9 +55,54 @@ struct Inner {
     pending: Mutex<HashMap<u64, Waiter>>,
     broken: Mutex<Option<String>>,
     next: AtomicU64,
-    tx: mpsc::UnboundedSender<([u8; HEADER_LEN], Body)>,
+    out: Arc<Out>,
     budget: Semaphore,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The sending half of the connection. A request with no other in flight goes onto the
+/// socket from its sender's own thread (no task to wake: a hop less on a lone write's round
+/// trip); the others, and whatever the socket does not take at once, wait in `queue` for
+/// [`flush_loop`], which writes all that is queued at once, in vectored writes.
+struct Out {
+    wr: OwnedWriteHalf,
+    /// Frame bytes not on the socket yet, in request order. Written only under this lock, so
+    /// frames leave in the order they were queued.
+    queue: Mutex<std::collections::VecDeque<Bytes>>,
+    /// Wakes [`flush_loop`] when the queue has something the socket did not take.
+    kick: Notify,
+}
+
+impl Out {
+    /// Writes as much of `q` as the socket takes without waiting.
+    fn write_now(&self, q: &mut std::collections::VecDeque<Bytes>) -> std::io::Result<()> {
+        use bytes::Buf;
+        while !q.is_empty() {
+            let slices: Vec<std::io::IoSlice<'_>> = q
+                .iter()
+                .take(GATHER)
+                .map(|c| std::io::IoSlice::new(c))
+                .collect();
+            let mut n = match self.wr.try_write_vectored(&slices) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            drop(slices);
+            while n > 0 {
+                let front = q.front_mut().expect("wrote no more than queued");
+                if front.len() <= n {
+                    n -= front.len();
+                    q.pop_front();
+                } else {
+                    front.advance(n);
+                    n = 0;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Inner {
@@ -121,18 +167,22 @@ impl Link {
         s.set_nodelay(true)
             .map_err(|e| unreachable(e.to_string()))?;
         let (rd, wr) = s.into_split();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let out = Arc::new(Out {
+            wr,
+            queue: Mutex::new(Default::default()),
+            kick: Notify::new(),
+        });
         let inner = Arc::new(Inner {
             peer: peer.to_owned(),
             pending: Mutex::new(HashMap::new()),
             broken: Mutex::new(None),
             next: AtomicU64::new(1),
-            tx,
+            out: out.clone(),
             budget: Semaphore::new(IN_FLIGHT_BYTES / BUDGET_UNIT),
             tasks: Mutex::new(Vec::new()),
         });
         let weak = Arc::downgrade(&inner);
-        let writer = tokio::spawn(write_loop(wr, rx, weak.clone()));
+        let writer = tokio::spawn(flush_loop(out, weak.clone()));
         let reader = tokio::spawn(read_loop(rd, weak));
         inner.tasks.lock().expect("lock").extend([writer, reader]);
         let link = Link { inner };
@@ -187,7 +237,7 @@ impl Link {
             .await
             .map_err(|_| broken("closed".into()))?;
         let (tx, rx) = oneshot::channel();
-        {
+        let sent = {
             // Numbered and queued under one lock, so frames leave in the order requests
             // were made.
             let mut pending = inner.pending.lock().expect("lock");
@@ -197,11 +247,27 @@ impl Link {
             let seq = inner.next.fetch_add(1, Ordering::SeqCst);
             let fatal = matches!(body.kind(), wire::Kind::Write | wire::Kind::Flush);
             pending.insert(seq, (tx, fatal));
-            if inner.tx.send((body.header(seq), body)).is_err() {
-                pending.remove(&seq);
-                drop(pending);
-                return Err(broken("connection closed".into()));
+            // Alone, the request goes out at once from here; with others in flight, the
+            // flush loop gathers it with them into fewer, larger socket writes.
+            let alone = pending.len() == 1;
+            let out = &inner.out;
+            let mut q = out.queue.lock().expect("lock");
+            let direct = alone && q.is_empty();
+            q.push_back(Bytes::copy_from_slice(&body.header(seq)));
+            q.extend(body.parts.into_iter().filter(|p| !p.is_empty()));
+            let sent = if direct {
+                out.write_now(&mut q)
+            } else {
+                Ok(())
+            };
+            if sent.is_ok() && !q.is_empty() {
+                out.kick.notify_one();
             }
+            sent
+        };
+        if let Err(e) = sent {
+            // Fails every request in flight, this one too.
+            inner.fail(format!("send: {e}"));
         }
         match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
             Ok(Ok(r)) => r,
@@ -265,63 +331,30 @@ impl Link {
 /// Most frame parts gathered into one vectored write.
 const GATHER: usize = 64;
 
-/// Sends frames as they are queued: everything queued at the moment goes out together, in
-/// vectored writes, with no copy of the data.
-async fn write_loop(
-    mut wr: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<([u8; HEADER_LEN], Body)>,
-    link: std::sync::Weak<Inner>,
-) {
-    use bytes::Buf;
-    let mut chunks: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
-    let push = |chunks: &mut std::collections::VecDeque<Bytes>,
-                (head, body): ([u8; HEADER_LEN], Body)| {
-        chunks.push_back(Bytes::copy_from_slice(&head));
-        for p in body.parts {
-            if !p.is_empty() {
-                chunks.push_back(p);
-            }
+/// Writes what the senders left queued (the socket did not take it at once), waiting for the
+/// socket to take more, until the queue is empty again.
+async fn flush_loop(out: Arc<Out>, link: std::sync::Weak<Inner>) {
+    let fail = |e: std::io::Error| {
+        if let Some(l) = link.upgrade() {
+            l.fail(format!("send: {e}"));
         }
     };
-    while let Some(frame) = rx.recv().await {
-        push(&mut chunks, frame);
-        while let Ok(f) = rx.try_recv() {
-            push(&mut chunks, f);
-        }
-        while !chunks.is_empty() {
-            let slices: Vec<std::io::IoSlice<'_>> = chunks
-                .iter()
-                .take(GATHER)
-                .map(|c| std::io::IoSlice::new(c))
-                .collect();
-            let r = wr.write_vectored(&slices).await;
-            drop(slices);
-            let mut n = match r {
-                Ok(0) => Err(std::io::Error::from(std::io::ErrorKind::WriteZero)),
-                other => other,
-            }
-            .unwrap_or_else(|e| {
-                if let Some(l) = link.upgrade() {
-                    l.fail(format!("send: {e}"));
+    loop {
+        out.kick.notified().await;
+        loop {
+            let left = {
+                let mut q = out.queue.lock().expect("lock");
+                if let Err(e) = out.write_now(&mut q) {
+                    drop(q);
+                    return fail(e);
                 }
-                usize::MAX
-            });
-            if n == usize::MAX {
-                return;
+                !q.is_empty()
+            };
+            if !left {
+                break;
             }
-            while n > 0 {
-                let front = chunks.front_mut().expect("wrote no more than queued");
-                if front.len() <= n {
-                    n -= front.len();
-                    chunks.pop_front();
-                } else {
-                    front.advance(n);
-                    n = 0;
-                }
-            }
-            // Frames queued meanwhile join the next write.
-            while let Ok(f) = rx.try_recv() {
-                push(&mut chunks, f);
+            if let Err(e) = out.wr.writable().await {
+                return fail(e);
             }
         }
     }
