@@ -10,14 +10,16 @@
 //! - initial placement picks the datastore with the lowest predicted load and says why;
 //! - `vesta calibrate` runs its fio sweep, stores constants, and the models use them;
 //! - a relocation that fails halfway leaves the volume, its bytes and its datastore as they
-//!   were, and a volume with dirty data is not relocated.
+//!   were, and a volume with dirty data is not relocated;
+//! - hosts sharing a LUN (one etcd) model it from their outstanding reads together, and each
+//!   host's models hold the other's volumes.
 
 use std::fs;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use vesta_tests::{qemu_io, run_ok, wait_for, Nbdkit, Scratch, Vestad};
+use vesta_tests::{qemu_io, run_ok, wait_for, Etcd, Nbdkit, Scratch, Vestad, VestadOpts};
 
 const DELAY: &str = "2ms";
 
@@ -506,4 +508,125 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
         .contains("stale copy from an interrupted relocation"));
     assert_eq!(v.vesta_json(&["volume", "show", "k"])["datastore"], "dst");
     assert!(before == contents(&url, &dir, "after-retry"));
+}
+
+/// Steady random 8 KiB reads at `depth` for `secs`.
+fn fio_reads(dir: &Scratch, tag: &str, uri: &str, depth: u32, secs: u32) -> Child {
+    Command::new("fio")
+        .args([
+            &format!("--name={tag}"),
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randread",
+            "--bs=8k",
+            &format!("--iodepth={depth}"),
+            "--time_based",
+            &format!("--runtime={secs}"),
+            "--randrepeat=0",
+            &format!("--output={}", dir.join(&format!("{tag}.out")).display()),
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn fio")
+}
+
+/// BASIL §6.1: the device model of a datastore is fitted to what every host that uses it sees
+/// together. Two hosts on one etcd read steadily from one LUN, 4 outstanding reads from a and
+/// 8 from b: on either host the datastore's intervals hold about 12 (each alone sees 4 or 8),
+/// and each host's models list the other's volume with the model its host published. When the
+/// host that combines the statistics dies, the other takes that over and its history goes on.
+#[test]
+fn hosts_sharing_a_lun_model_it_from_their_reads_together() {
+    let etcd = Etcd::start();
+    let lun = spindles(4);
+    let dir = Scratch::new("balance-hosts");
+    let host = |name: &str, ip: &str| {
+        Vestad::start_with(VestadOpts {
+            config: Some(format!(
+                "{}\n{}",
+                etcd.cluster_config(name, "rack1", 3),
+                config(&[("san", &lun)])
+            )),
+            ip: Some(ip.into()),
+            ..Default::default()
+        })
+    };
+    let mut hosts = [host("a", "127.0.0.2"), host("b", "127.0.0.3")];
+    hosts[0].vesta_ok(&[
+        "volume",
+        "create",
+        "va",
+        "--size",
+        "256M",
+        "--datastore",
+        "san",
+    ]);
+    hosts[1].vesta_ok(&[
+        "volume",
+        "create",
+        "vb",
+        "--size",
+        "256M",
+        "--datastore",
+        "san",
+    ]);
+    wait_all(vec![
+        fio_reads(&dir, "a", &hosts[0].url("va"), 4, 16),
+        fio_reads(&dir, "b", &hosts[1].url("vb"), 8, 16),
+    ]);
+    // Two more intervals, for the last one to go round.
+    std::thread::sleep(Duration::from_secs(4));
+    for (v, other, theirs) in [(&hosts[0], "b", "vb"), (&hosts[1], "a", "va")] {
+        let m = v.vesta_json(&["stats", "--models"]);
+        let san = by_name(&m["datastores"], "san");
+        assert_eq!(san["hosts"], serde_json::json!(["a", "b"]), "{m:#}");
+        let oio = san["read_oio_median"].as_f64().expect("usable intervals");
+        eprintln!("LUN median outstanding reads, as one host sees the pod: {oio:.1}");
+        assert!(
+            (9.5..13.0).contains(&oio),
+            "the LUN's intervals should hold both hosts' reads (4 + 8): median OIO {oio}\n{m:#}"
+        );
+        // The other host's volume, with its model (published every few intervals).
+        let w = wait_for(
+            Duration::from_secs(15),
+            "the other host's volume model",
+            || {
+                let m = v.vesta_json(&["stats", "--models"]);
+                let w = by_name(&m["volumes"], theirs).clone();
+                (w["samples"].as_u64().unwrap_or(0) > 0).then_some(w)
+            },
+        );
+        assert_eq!(w["host"], other, "{w}");
+        assert!(w["load"].as_f64().unwrap() > 0.0, "{w}");
+        let read = w["p90"]["read_pct"].as_f64().unwrap();
+        assert!(read > 99.0, "{theirs} only reads: {w}");
+    }
+
+    // The aggregator dies; the survivor's intervals go on, now its own alone.
+    let out = etcd.etcdctl(&["get", "--print-value-only", "/vesta/stats/aggregator"]);
+    let aggregator = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (dead, survivor, vol) = match aggregator.as_str() {
+        "a" => (0, 1, "vb"),
+        "b" => (1, 0, "va"),
+        other => panic!("no statistics aggregator in etcd: {other:?}"),
+    };
+    hosts[dead].kill9();
+    let samples = |v: &Vestad| {
+        by_name(&v.vesta_json(&["stats", "--models"])["datastores"], "san")["samples"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = samples(&hosts[survivor]);
+    let url = hosts[survivor].url(vol);
+    wait_all(vec![fio_reads(&dir, "alone", &url, 4, 12)]);
+    std::thread::sleep(Duration::from_secs(4));
+    let m = hosts[survivor].vesta_json(&["stats", "--models"]);
+    let san = by_name(&m["datastores"], "san");
+    let after = san["samples"].as_u64().unwrap();
+    assert!(
+        after >= before + 3,
+        "the survivor's history stopped with the aggregator: {before} -> {after}\n{m:#}"
+    );
+    let name = ["a", "b"][survivor];
+    assert_eq!(san["hosts"], serde_json::json!([name]), "{m:#}");
 }

@@ -291,6 +291,10 @@ pub struct ModelsReport {
 pub struct VolumeModel {
     pub name: String,
     pub datastore: String,
+    /// The host that serves it, when that is another host (its model is the one that host
+    /// published).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Intervals with IO in the history.
     pub samples: usize,
     /// OIO, IO size, read % and random % at their 90th percentiles; `None` before the
@@ -306,10 +310,16 @@ pub struct VolumeModel {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DatastoreModel {
     pub name: String,
+    /// The hosts whose IO its latest intervals hold (summed: BASIL's aggregation).
+    #[serde(default)]
+    pub hosts: Vec<String>,
     /// Intervals in the history in which it served reads.
     pub samples: usize,
     /// Those that pass the filters (reads ≤ 32 KiB, sequentiality ≤ 90 %).
     pub usable: usize,
+    /// The median outstanding reads of those intervals: the load the model was fitted at.
+    #[serde(default)]
+    pub read_oio_median: Option<f64>,
     /// `P = 1/slope` of read latency against outstanding reads, with its fit; `None` until
     /// enough usable intervals with spread in load exist.
     pub model: Option<balance::DeviceModel>,

@@ -14,7 +14,8 @@
 //! (outstanding reads and read latency), and only intervals whose average IO is at most
 //! [`IO_SIZE_KIB_MAX`] and whose sequentiality is at most [`SEQUENTIAL_PCT_MAX`]. Hosts that
 //! share a datastore are combined by [`aggregate`] before fitting: outstanding IOs add up,
-//! latency is averaged weighted by IOPS (§6.1).
+//! latency is averaged weighted by IOPS (§6.1). [`combine`] does it for series of intervals
+//! that hosts publish at their own pace, taking each interval once all of them have it.
 //!
 //! A datastore without enough usable points, or whose line does not rise, has no model
 //! (`None`). The planner then treats it as new: it receives at most one workload until the
@@ -92,6 +93,72 @@ pub fn aggregate(per_host: &[DeviceSample]) -> Option<DeviceSample> {
         io_size_kib: weighted(|s| s.io_size_kib),
         sequential_pct: weighted(|s| s.sequential_pct),
     })
+}
+
+/// One host's recent intervals of one datastore, as it publishes them for the others.
+/// Intervals are numbered by wall-clock time (`floor(unix seconds / interval)`), so every
+/// host's interval `t` covers the same seconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostSeries {
+    pub host: String,
+    /// The last interval the host has sampled: it read nothing in the intervals up to here
+    /// for which it has no sample.
+    pub through: u64,
+    /// `(interval, sample)` for the intervals in which it read, oldest first.
+    pub samples: Vec<(u64, DeviceSample)>,
+}
+
+/// A datastore's intervals as all the hosts that use it saw them together ([`combine`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct PodSeries {
+    /// Every interval up to here is complete: each host counted has published past it.
+    pub through: u64,
+    /// `(interval, aggregated sample)` for the complete intervals with reads, oldest first.
+    pub samples: Vec<(u64, DeviceSample)>,
+    /// The hosts whose samples are in it.
+    pub hosts: Vec<String>,
+}
+
+/// Combines hosts' series of one datastore interval by interval ([`aggregate`]).
+///
+/// An interval is complete once every host counted has published through it: taking it
+/// before a host has reported would understate the outstanding IOs, and an interval is
+/// taken once only. A host more than `max_lag` intervals behind the newest is not counted:
+/// it has stopped (its published series goes when its lease expires), and must not hold
+/// the others back. Its samples still count where they exist.
+pub fn combine(series: &[HostSeries], max_lag: u64) -> PodSeries {
+    let Some(newest) = series.iter().map(|s| s.through).max() else {
+        return PodSeries::default();
+    };
+    let through = series
+        .iter()
+        .map(|s| s.through)
+        .filter(|t| *t + max_lag >= newest)
+        .min()
+        .unwrap_or(newest);
+    let mut by_t: std::collections::BTreeMap<u64, Vec<DeviceSample>> = Default::default();
+    let mut hosts = Vec::new();
+    for s in series {
+        let mut any = false;
+        for (t, x) in &s.samples {
+            if *t <= through && *t <= s.through {
+                by_t.entry(*t).or_default().push(*x);
+                any = true;
+            }
+        }
+        if any {
+            hosts.push(s.host.clone());
+        }
+    }
+    hosts.sort();
+    PodSeries {
+        through,
+        samples: by_t
+            .into_iter()
+            .filter_map(|(t, xs)| aggregate(&xs).map(|a| (t, a)))
+            .collect(),
+        hosts,
+    }
 }
 
 /// A datastore's performance model.
@@ -265,6 +332,102 @@ mod tests {
         assert!((s.io_size_kib - 7.0).abs() < 1e-12);
         assert!((s.sequential_pct - 30.0).abs() < 1e-12);
         assert_eq!(aggregate(&[idle]), None);
+    }
+
+    fn series(host: &str, through: u64, samples: &[(u64, f64)]) -> HostSeries {
+        HostSeries {
+            host: host.into(),
+            through,
+            samples: samples
+                .iter()
+                .map(|(t, oio)| (*t, sample(*oio, 2.0 * oio + 1.0)))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn one_host_is_its_own_pod() {
+        let a = series("a", 9, &[(5, 1.0), (7, 3.0), (9, 2.0)]);
+        let p = combine(std::slice::from_ref(&a), 4);
+        assert_eq!(p.through, 9);
+        assert_eq!(p.samples, a.samples);
+        assert_eq!(p.hosts, vec!["a".to_string()]);
+        assert_eq!(combine(&[], 4), PodSeries::default());
+    }
+
+    #[test]
+    fn intervals_wait_for_every_live_host_and_not_for_a_stopped_one() {
+        let a = series("a", 10, &[(8, 1.0), (9, 1.0), (10, 1.0)]);
+        let b = series("b", 9, &[(8, 2.0), (9, 2.0)]);
+        // b has not published interval 10 yet: it is not taken with a's alone.
+        let p = combine(&[a.clone(), b.clone()], 4);
+        assert_eq!(p.through, 9);
+        let oio: Vec<(u64, f64)> = p.samples.iter().map(|(t, s)| (*t, s.read_oio)).collect();
+        assert_eq!(oio, vec![(8, 3.0), (9, 3.0)]);
+        assert_eq!(p.hosts, vec!["a".to_string(), "b".to_string()]);
+        // b stopped at 9 long ago: a's intervals go on without it, b's samples still count.
+        let a = series("a", 20, &[(9, 1.0), (15, 1.0), (20, 1.0)]);
+        let p = combine(&[a, b], 4);
+        assert_eq!(p.through, 20);
+        let oio: Vec<(u64, f64)> = p.samples.iter().map(|(t, s)| (*t, s.read_oio)).collect();
+        assert_eq!(oio, vec![(8, 2.0), (9, 3.0), (15, 1.0), (20, 1.0)]);
+    }
+
+    proptest! {
+        /// However the hosts' series fall, every interval combined is complete for every
+        /// live host, holds exactly the sum of the outstanding reads reported for it, and
+        /// nothing past `through` is taken.
+        #[test]
+        fn combined_intervals_are_complete_sums(
+            hosts in proptest::collection::vec(
+                (0u64..40, proptest::collection::btree_map(0u64..40, 1u32..50, 0..20)),
+                1..5,
+            ),
+            max_lag in 0u64..10,
+        ) {
+            let series: Vec<HostSeries> = hosts
+                .iter()
+                .enumerate()
+                .map(|(i, (through, m))| HostSeries {
+                    host: format!("h{i}"),
+                    through: *through,
+                    samples: m
+                        .iter()
+                        .filter(|(t, _)| **t <= *through)
+                        .map(|(t, oio)| (*t, sample(f64::from(*oio), 1.0)))
+                        .collect(),
+                })
+                .collect();
+            let p = combine(&series, max_lag);
+            let newest = series.iter().map(|s| s.through).max().unwrap();
+            for s in &series {
+                if s.through + max_lag >= newest {
+                    prop_assert!(p.through <= s.through, "interval {} taken before {} had it", p.through, s.host);
+                }
+            }
+            prop_assert!(p.through + max_lag >= newest);
+            let mut last = None;
+            for (t, x) in &p.samples {
+                prop_assert!(*t <= p.through);
+                prop_assert!(last.is_none_or(|l| l < *t), "intervals in order, once each");
+                last = Some(*t);
+                let want: f64 = series
+                    .iter()
+                    .flat_map(|s| s.samples.iter())
+                    .filter(|(u, _)| u == t)
+                    .map(|(_, s)| s.read_oio)
+                    .sum();
+                prop_assert!((x.read_oio - want).abs() < 1e-9);
+            }
+            // Every reported interval up to `through` is there.
+            for s in &series {
+                for (t, _) in &s.samples {
+                    if *t <= p.through {
+                        prop_assert!(p.samples.iter().any(|(u, _)| u == t));
+                    }
+                }
+            }
+        }
     }
 
     proptest! {

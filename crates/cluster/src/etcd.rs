@@ -11,6 +11,14 @@
 //! | `{p}/vault-locks/{volume id}` | the holder's host name | the holder's |
 //! | `{p}/vaults/{volume id}` | `Vault` (JSON) | none |
 //! | `{p}/ds-locks/{datastore}` | etcd's lock service, for metadata changes | the locker's |
+//! | `{p}/stats/devices/{host}`, `{p}/stats/volumes/{host}` | the host's balancing statistics (opaque) | the host's |
+//! | `{p}/stats/aggregator` | the name of the host that combines them | the aggregator's |
+//! | `{p}/stats/pod` | the combined statistics (opaque) | the aggregator's |
+//!
+//! **Statistics** (DESIGN §8, §11): every host puts its own documents; one host at a time,
+//! the aggregator, reads them all and puts the pod's, which every host reads. So each host
+//! reads one document per round, not one per host: the traffic grows with hosts, not with
+//! their square.
 //!
 //! **One lease per host** (DESIGN §11): the host key and every vault lock the host holds are
 //! bound to it, so renewals grow with hosts, not volumes, and a dead host's locks all go free
@@ -50,7 +58,7 @@ use datastore::fence::Fence;
 use datastore::DatastoreSpec;
 
 use crate::record::{HostRecord, HostStatus, State, Vault, VolumeRecord};
-use crate::{Coordinator, DatastoreLock, Error, Result};
+use crate::{Coordinator, DatastoreLock, Error, Result, StatsDoc};
 
 /// How to reach etcd and who this host is.
 #[derive(Debug, Clone)]
@@ -729,6 +737,114 @@ impl Coordinator for EtcdCoordinator {
             .await
             .map_err(|e| self.unavailable(e))?;
         Ok(())
+    }
+
+    async fn put_stats(&self, kind: StatsDoc, doc: Vec<u8>) -> Result<()> {
+        let key = format!("{}/stats/{}/{}", self.prefix, kind.name(), self.name);
+        let mut kv = self.client.kv_client();
+        kv.put(key, doc, Some(PutOptions::new().with_lease(self.lease())))
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(())
+    }
+
+    async fn stats(&self, kind: StatsDoc) -> Result<Vec<(String, Vec<u8>)>> {
+        let prefix = format!("{}/stats/{}/", self.prefix, kind.name());
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(r.kvs()
+            .iter()
+            .map(|x| {
+                let key = String::from_utf8_lossy(x.key());
+                let host = key.strip_prefix(&prefix).unwrap_or(&key).to_string();
+                (host, x.value().to_vec())
+            })
+            .collect())
+    }
+
+    async fn stats_aggregator(&self) -> Result<bool> {
+        let key = self.key("stats", "aggregator");
+        let lease = self.lease();
+        let mut kv = self.client.kv_client();
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                self.name.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        if r.succeeded() {
+            return Ok(true);
+        }
+        let Some(cur) = first_get(&r.op_responses()) else {
+            return Ok(false); // gone between the compare and the get: the next round
+        };
+        if cur.value() != self.name.as_bytes() {
+            return Ok(false);
+        }
+        if cur.lease() == lease {
+            return Ok(true);
+        }
+        // An earlier incarnation of this host (or this one before a lost lease): adopt it.
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                cur.mod_revision(),
+            )])
+            .and_then([TxnOp::put(
+                key,
+                self.name.as_str(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        Ok(kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded())
+    }
+
+    async fn put_pod_stats(&self, doc: Vec<u8>) -> Result<()> {
+        let lease = self.lease();
+        let txn = Txn::new()
+            .when([Compare::lease(
+                self.key("stats", "aggregator"),
+                CompareOp::Equal,
+                lease,
+            )])
+            .and_then([TxnOp::put(
+                self.key("stats", "pod"),
+                doc,
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let mut kv = self.client.kv_client();
+        if kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded()
+        {
+            Ok(())
+        } else {
+            Err(Error::NotHeld(format!(
+                "host {:?} is not the statistics aggregator",
+                self.name
+            )))
+        }
+    }
+
+    async fn pod_stats(&self) -> Result<Option<Vec<u8>>> {
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(self.key("stats", "pod"), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(r.kvs().first().map(|x| x.value().to_vec()))
     }
 
     async fn shutdown(&self) {

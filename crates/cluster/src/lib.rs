@@ -94,8 +94,43 @@ pub trait Coordinator: Send + Sync + 'static {
     async fn lock_datastore(&self, name: &str) -> Result<DatastoreLock>;
     async fn unlock_datastore(&self, lock: DatastoreLock) -> Result<()>;
 
+    /// Publishes this host's balancing statistics of one kind (DESIGN §8), replacing its
+    /// last document of that kind. The coordinator carries the document without reading it;
+    /// it goes away with the host (its lease).
+    async fn put_stats(&self, kind: StatsDoc, doc: Vec<u8>) -> Result<()>;
+    /// Every live host's latest document of that kind, by host name.
+    async fn stats(&self, kind: StatsDoc) -> Result<Vec<(String, Vec<u8>)>>;
+    /// Takes, or keeps, the pod's one statistics aggregator role: true while this host has
+    /// it. The role is bound to the host's lease, so another host takes it over when this
+    /// one is gone.
+    async fn stats_aggregator(&self) -> Result<bool>;
+    /// Publishes the pod's combined statistics; fails with [`Error::NotHeld`] unless this
+    /// host is the aggregator at this moment.
+    async fn put_pod_stats(&self, doc: Vec<u8>) -> Result<()>;
+    /// The pod's combined statistics, if an aggregator has published them.
+    async fn pod_stats(&self) -> Result<Option<Vec<u8>>>;
+
     /// Leaves the cluster at a clean stop (this host shows as down at once).
     async fn shutdown(&self) {}
+}
+
+/// The kinds of statistics documents hosts publish ([`Coordinator::put_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StatsDoc {
+    /// The host's recent intervals of each datastore it uses, every interval.
+    Devices,
+    /// The workload models of the volumes the host serves, now and then.
+    Volumes,
+}
+
+impl StatsDoc {
+    /// Its name in keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            StatsDoc::Devices => "devices",
+            StatsDoc::Volumes => "volumes",
+        }
+    }
 }
 
 /// A held datastore metadata lock ([`Coordinator::lock_datastore`]).

@@ -17,7 +17,7 @@ use datastore::fence::Fence;
 use datastore::DatastoreSpec;
 
 use crate::record::{HostRecord, HostStatus, State, Vault, VolumeRecord};
-use crate::{Coordinator, DatastoreLock, Error, Result};
+use crate::{Coordinator, DatastoreLock, Error, Result, StatsDoc};
 
 const FILE: &str = "state.json";
 /// Version of the state file layout; bumped on incompatible changes.
@@ -40,6 +40,9 @@ pub struct LocalCoordinator {
     /// Never closes: with no lease there is nothing to lose, and the data directory's lock
     /// already keeps a second daemon away.
     fence: Arc<Fence>,
+    /// Statistics documents live as long as the process, like a lease-bound key.
+    stats: std::sync::Mutex<std::collections::HashMap<StatsDoc, Vec<u8>>>,
+    pod_stats: std::sync::Mutex<Option<Vec<u8>>>,
 }
 
 impl LocalCoordinator {
@@ -93,6 +96,8 @@ impl LocalCoordinator {
                 ..HostRecord::default()
             }),
             fence: Arc::new(Fence::open()),
+            stats: Default::default(),
+            pod_stats: Default::default(),
         })
     }
 
@@ -269,6 +274,34 @@ impl Coordinator for LocalCoordinator {
 
     async fn unlock_datastore(&self, _lock: DatastoreLock) -> Result<()> {
         Ok(())
+    }
+
+    async fn put_stats(&self, kind: StatsDoc, doc: Vec<u8>) -> Result<()> {
+        self.stats.lock().expect("lock").insert(kind, doc);
+        Ok(())
+    }
+
+    async fn stats(&self, kind: StatsDoc) -> Result<Vec<(String, Vec<u8>)>> {
+        Ok(self
+            .stats
+            .lock()
+            .expect("lock")
+            .get(&kind)
+            .map(|d| vec![(self.name.clone(), d.clone())])
+            .unwrap_or_default())
+    }
+
+    async fn stats_aggregator(&self) -> Result<bool> {
+        Ok(true) // the only host
+    }
+
+    async fn put_pod_stats(&self, doc: Vec<u8>) -> Result<()> {
+        *self.pod_stats.lock().expect("lock") = Some(doc);
+        Ok(())
+    }
+
+    async fn pod_stats(&self) -> Result<Option<Vec<u8>>> {
+        Ok(self.pod_stats.lock().expect("lock").clone())
     }
 }
 

@@ -34,6 +34,7 @@ pub fn print_models(r: &api::ModelsReport) {
         &[
             "VOLUME",
             "DATASTORE",
+            "HOST",
             "SAMPLES",
             "OIO",
             "KiB",
@@ -51,6 +52,7 @@ pub fn print_models(r: &api::ModelsReport) {
                 vec![
                     v.name.clone(),
                     v.datastore.clone(),
+                    v.host.clone().unwrap_or_else(|| "(this)".into()),
                     v.samples.to_string(),
                     c(|p| p.oio, 1),
                     c(|p| p.io_size_kib, 1),
@@ -66,8 +68,10 @@ pub fn print_models(r: &api::ModelsReport) {
     table(
         &[
             "DATASTORE",
+            "HOSTS",
             "SAMPLES",
             "USABLE",
+            "OIO",
             "P",
             "SLOPE-ms/OIO",
             "FIT-R2",
@@ -85,8 +89,16 @@ pub fn print_models(r: &api::ModelsReport) {
                 };
                 vec![
                     d.name.clone(),
+                    if d.hosts.is_empty() {
+                        "-".into()
+                    } else {
+                        d.hosts.join(",")
+                    },
                     d.samples.to_string(),
                     d.usable.to_string(),
+                    d.read_oio_median
+                        .map(|o| num(o, 1))
+                        .unwrap_or_else(|| "-".into()),
                     m(|m| m.performance, 3),
                     m(|m| m.slope_ms_per_oio, 3),
                     m(|m| m.r_squared, 2),

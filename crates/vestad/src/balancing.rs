@@ -5,9 +5,11 @@
 //! - A volume's load `L` comes from the 90th percentiles of its intervals with IO; a volume
 //!   that has done no IO in the history has `L = 0`.
 //! - A datastore's `P` comes from its ⟨outstanding reads, read latency⟩ intervals that pass
-//!   the paper's filters. With one host the host's samples are the datastore's; with several
-//!   they are to be summed through the coordinator first (`balance::device::aggregate`), which
-//!   waits for the etcd coordinator.
+//!   the paper's filters, as every host that uses it saw them together (summed through the
+//!   coordinator: `crate::stats`).
+//! - In a cluster the pod holds every host's volumes: this host's with their models from its
+//!   own history, the others' with the models their hosts publish (`stats::VolumesDoc`). A
+//!   plan may move any of them; a move is carried out on the host that serves the volume.
 //! - The pod holds the datastores that are `ok`; no plan is made while one is not (nothing
 //!   moves while a datastore is degraded).
 
@@ -17,6 +19,8 @@ use balance::{workload, Constants, Pod, RecentMove};
 use vesta_api as api;
 
 use crate::daemon::{Daemon, OpError, OpResult};
+use crate::stats::{PublishedVolume, VolumesDoc};
+use cluster::StatsDoc;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -92,28 +96,141 @@ fn median(v: Vec<f64>) -> f64 {
     balance::stats::median(&v).unwrap_or(0.0)
 }
 
-/// Builds the models and the pod from the sampler's history.
+/// The workload models of the volumes this host serves, from its own history.
+pub fn own_volumes(d: &Daemon) -> Vec<PublishedVolume> {
+    let entries = d.entries();
+    let sampler = d.sampler.lock().expect("lock");
+    entries
+        .iter()
+        .map(|e| {
+            let hist = sampler.volume_history(&e.record.name);
+            let chars: Vec<_> = hist.iter().map(|s| s.chars).collect();
+            PublishedVolume {
+                name: e.record.name.clone(),
+                datastore: e.record.datastore.clone(),
+                size: e.record.size,
+                samples: hist.len(),
+                p90: workload::characterize(&chars),
+                iops: median(hist.iter().map(|s| s.iops).collect()),
+            }
+        })
+        .collect()
+}
+
+/// A volume another host serves, as the pod knows it.
+struct Foreign {
+    model: PublishedVolume,
+    /// The host that serves it, if any.
+    host: Option<String>,
+    /// Why it may not move (its host is down, or has published no model of it yet).
+    stuck: Option<String>,
+}
+
+/// The volumes other hosts serve: their records from the coordinator, their models from
+/// what their hosts published. Empty with the `local` coordinator.
+async fn foreign_volumes(d: &Daemon, notes: &mut Vec<String>) -> Vec<Foreign> {
+    if d.coord.kind() == "local" {
+        return Vec::new();
+    }
+    let mine: std::collections::HashSet<uuid::Uuid> =
+        d.entries().iter().map(|e| e.record.id).collect();
+    let records = match d.coord.state().await {
+        Ok(s) => s.volumes,
+        Err(e) => {
+            notes.push(format!(
+                "the other hosts' volumes are left out: the coordinator cannot list them ({e})"
+            ));
+            return Vec::new();
+        }
+    };
+    let alive: std::collections::HashSet<String> = d
+        .coord
+        .hosts()
+        .await
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|h| h.alive)
+        .map(|h| h.record.name)
+        .collect();
+    let mut published: std::collections::HashMap<String, PublishedVolume> = Default::default();
+    match d.coord.stats(StatsDoc::Volumes).await {
+        Ok(docs) => {
+            for (host, raw) in docs {
+                if host == d.coord.host() {
+                    continue;
+                }
+                match serde_json::from_slice::<VolumesDoc>(&raw) {
+                    Ok(doc) => {
+                        for v in doc.volumes {
+                            published.insert(format!("{host}/{}", v.name), v);
+                        }
+                    }
+                    Err(e) => notes.push(format!(
+                        "host {host}'s volume models do not parse ({e}); its volumes count \
+                         as idle"
+                    )),
+                }
+            }
+        }
+        Err(e) => notes.push(format!(
+            "the other hosts' volume models cannot be read ({e}); their volumes count as idle"
+        )),
+    }
+    records
+        .into_iter()
+        .filter(|r| !mine.contains(&r.id))
+        .map(|r| {
+            let host = r.owner.clone();
+            let model = host
+                .as_ref()
+                .and_then(|h| published.remove(&format!("{h}/{}", r.name)))
+                .filter(|m| m.datastore == r.datastore);
+            let stuck = match (&host, &model) {
+                (Some(h), _) if !alive.contains(h) => Some(format!("its host {h} is down")),
+                (None, _) => Some("no host serves it".to_string()),
+                (Some(h), None) => Some(format!("host {h} has not published its model yet")),
+                _ => None,
+            };
+            Foreign {
+                model: model.unwrap_or(PublishedVolume {
+                    name: r.name.clone(),
+                    datastore: r.datastore.clone(),
+                    size: r.size,
+                    samples: 0,
+                    p90: None,
+                    iops: 0.0,
+                }),
+                host,
+                stuck,
+            }
+        })
+        .collect()
+}
+
+/// Builds the models and the pod from the statistics: this host's history, the pod's
+/// combined datastore intervals and the other hosts' published volume models.
 pub async fn inputs(d: &Daemon) -> Inputs {
     let infos = d.datastore_infos().await;
     let (k, constants_from) = constants(d);
     let entries = d.entries();
-    let sampler = d.sampler.lock().expect("lock");
     let mut notes = Vec::new();
-
-    let mut volumes = Vec::with_capacity(entries.len());
-    for e in &entries {
-        let hist = sampler.volume_history(&e.record.name);
-        let chars: Vec<_> = hist.iter().map(|s| s.chars).collect();
-        let p90 = workload::characterize(&chars);
-        volumes.push(api::VolumeModel {
-            name: e.record.name.clone(),
-            datastore: e.record.datastore.clone(),
-            samples: hist.len(),
-            p90,
-            load: p90.map(|c| k.load(&c)).unwrap_or(0.0),
-            iops: median(hist.iter().map(|s| s.iops).collect()),
-        });
-    }
+    let own = own_volumes(d);
+    let foreign = foreign_volumes(d, &mut notes).await;
+    let model = |v: &PublishedVolume, host: Option<String>| api::VolumeModel {
+        name: v.name.clone(),
+        datastore: v.datastore.clone(),
+        host,
+        samples: v.samples,
+        p90: v.p90,
+        load: v.p90.map(|c| k.load(&c)).unwrap_or(0.0),
+        iops: v.iops,
+    };
+    let volumes: Vec<api::VolumeModel> = own
+        .iter()
+        .map(|v| model(v, None))
+        .chain(foreign.iter().map(|f| model(&f.model, f.host.clone())))
+        .collect();
+    let sampler = d.sampler.lock().expect("lock");
 
     let mut datastores = Vec::with_capacity(infos.len());
     let mut pod = Pod::default();
@@ -128,21 +245,30 @@ pub async fn inputs(d: &Daemon) -> Inputs {
             .sum();
         datastores.push(api::DatastoreModel {
             name: info.name.clone(),
+            hosts: sampler.datastore_hosts(&info.name),
             samples: hist.len(),
             usable: hist
                 .iter()
                 .filter(|s| balance::device::is_usable(s))
                 .count(),
+            read_oio_median: balance::stats::median(
+                &hist
+                    .iter()
+                    .filter(|s| balance::device::is_usable(s))
+                    .map(|s| s.read_oio)
+                    .collect::<Vec<_>>(),
+            ),
             model,
             load,
             normalized_load: model.map(|m| balance::normalized_load(load, m.performance)),
         });
         match (info.status.as_str(), info.total_bytes, info.free_bytes) {
             ("ok", Some(total), Some(free)) => {
-                let sized: u64 = entries
+                let sized: u64 = own
                     .iter()
-                    .filter(|e| e.record.datastore == info.name)
-                    .map(|e| e.record.size)
+                    .chain(foreign.iter().map(|f| &f.model))
+                    .filter(|v| v.datastore == info.name)
+                    .map(|v| v.size)
                     .sum();
                 // Sparse volumes use less than their size; the planner counts them whole,
                 // since that is what they may grow to and what a move copies.
@@ -169,13 +295,21 @@ pub async fn inputs(d: &Daemon) -> Inputs {
             (status, _, _) => unavailable.push((info.name.clone(), status.to_string())),
         }
     }
-    for (e, v) in entries.iter().zip(&volumes) {
+    // Own volumes first (as `volumes` lists them), then the other hosts'.
+    let open: Vec<Option<String>> = entries
+        .iter()
+        .map(|e| e.volume.is_err().then(|| "it is not open".to_string()))
+        .chain(foreign.iter().map(|f| f.stuck.clone()))
+        .collect();
+    for (v, stuck) in volumes.iter().zip(&open) {
         if !pod.datastores.iter().any(|ds| ds.id == v.datastore) {
             continue;
         }
-        if e.volume.is_err() {
+        if let Some(why) = stuck {
+            notes.push(format!("volume {} stays where it is: {why}", v.name));
+        } else if let Some(h) = &v.host {
             notes.push(format!(
-                "volume {} is not open; it stays where it is",
+                "volume {} is served by host {h}: a move of it is carried out there",
                 v.name
             ));
         }
@@ -185,15 +319,21 @@ pub async fn inputs(d: &Daemon) -> Inputs {
                 v.name
             ));
         }
+        let size = own
+            .iter()
+            .chain(foreign.iter().map(|f| &f.model))
+            .find(|p| p.name == v.name)
+            .map(|p| p.size)
+            .unwrap_or(0);
         pod.workloads.push(balance::Workload {
             id: v.name.clone(),
             datastore: v.datastore.clone(),
             load: v.load,
-            size_gib: e.record.size as f64 / GIB,
+            size_gib: size as f64 / GIB,
             iops: v.iops,
             reliability: None,
-            // An unopened volume cannot be copied: it may only stay where it is.
-            affinity: if e.volume.is_err() {
+            // A volume nobody can copy now (not open, its host down) may only stay.
+            affinity: if stuck.is_some() {
                 vec![v.datastore.clone()]
             } else {
                 Vec::new()

@@ -196,7 +196,7 @@ impl Daemon {
         cache: Option<Arc<CacheHost>>,
     ) -> anyhow::Result<Daemon> {
         let d = Daemon {
-            sampler: Mutex::new(Sampler::new(config.stats.history)),
+            sampler: Mutex::new(Sampler::new(config.stats.history, config.stats.interval_s)),
             recent_moves: Mutex::new(Vec::new()),
             busy: Mutex::new(HashMap::new()),
             config,

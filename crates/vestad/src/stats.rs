@@ -8,15 +8,91 @@
 //! datastore, each interval with reads as a ⟨outstanding reads, read latency⟩ sample with the
 //! reads' size and sequentiality, which the device model filters. Volume histories follow the
 //! volume's name, not its datastore: a workload's characteristics are its own.
+//!
+//! **Several hosts share a datastore** (BASIL §6.1: the device model is fitted to what all
+//! of them see together). Intervals are numbered by the wall clock (`floor(unix seconds /
+//! interval)`, the sampler ticks on those boundaries), so interval `t` is the same seconds
+//! on every host. After each interval, [`exchange`] runs a round through the coordinator:
+//!
+//! 1. the host publishes its last [`PUBLISH_WINDOW`] intervals of every datastore it has
+//!    ([`DevicesDoc`]), and now and then its volumes' workload models ([`VolumesDoc`]);
+//! 2. the pod's one aggregator (a role bound to its lease) reads every host's document and
+//!    combines them interval by interval (`balance::device::combine`: outstanding IOs
+//!    summed, latency weighted by IOPS, an interval taken once every live host has
+//!    published it) into the pod's document ([`PodDoc`]);
+//! 3. the host reads the pod's document and appends the intervals it has not seen to each
+//!    datastore's history, which is what the device models are fitted to.
+//!
+//! With the `local` coordinator the host is the whole pod and its own aggregator: the round
+//! gives back its own intervals at once.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
+use balance::device::{HostSeries, PodSeries};
 use balance::{Characteristics, DeviceSample};
+use cluster::StatsDoc;
 use datastore::stats::{Interval, Snapshot};
+use serde::{Deserialize, Serialize};
 use vesta_api as api;
 
 use crate::daemon::Daemon;
+
+/// Intervals of each datastore a host publishes every round. The pod's document carries the
+/// same span, so a host whose rounds fail for a while (up to about this many intervals)
+/// still finds every interval it has not merged yet.
+pub const PUBLISH_WINDOW: u64 = 16;
+/// A host this many intervals behind the newest is taken as stopped by the aggregator: it
+/// no longer holds the other hosts' intervals back.
+const MAX_LAG: u64 = 4;
+/// Volume models are published every this many rounds: they are 90th percentiles over the
+/// whole history and change slowly, and each is a few hundred bytes per volume.
+const VOLUMES_EVERY: u64 = 5;
+/// Layout of the documents below; a document of another version is skipped.
+const DOC_VERSION: u32 = 1;
+
+/// What a host publishes of its datastores every round.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DevicesDoc {
+    pub version: u32,
+    pub interval_s: f64,
+    /// The last interval sampled.
+    pub through: u64,
+    /// Every datastore the host has, with its intervals with reads in the window (none
+    /// is a host that uses the datastore and read nothing: the aggregator waits for it all
+    /// the same).
+    pub datastores: BTreeMap<String, Vec<(u64, DeviceSample)>>,
+}
+
+/// The pod's combined intervals, one series per datastore, written by the aggregator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PodDoc {
+    pub version: u32,
+    pub interval_s: f64,
+    pub aggregator: String,
+    pub datastores: BTreeMap<String, PodSeries>,
+}
+
+/// A volume's workload model as its host publishes it for the others' planners.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PublishedVolume {
+    pub name: String,
+    pub datastore: String,
+    pub size: u64,
+    /// Intervals with IO in the history.
+    pub samples: usize,
+    pub p90: Option<Characteristics>,
+    pub iops: f64,
+}
+
+/// What a host publishes of the volumes it serves.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VolumesDoc {
+    pub version: u32,
+    pub volumes: Vec<PublishedVolume>,
+}
 
 /// One interval of a volume, as the workload model sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -29,10 +105,22 @@ pub struct Sampler {
     prev: HashMap<(Which, String), Snapshot>,
     latest: HashMap<(Which, String), Interval>,
     pub interval_s: f64,
+    /// `stats.interval_s`: the length every host of the pod must use.
+    configured_interval_s: f64,
     /// Intervals kept per volume and datastore.
     pub history: usize,
     volumes: HashMap<String, VecDeque<VolumeSample>>,
-    datastores: HashMap<String, VecDeque<DeviceSample>>,
+    /// The last interval sampled (wall-clock numbered).
+    through: u64,
+    /// The datastores this host has, as of the last sample.
+    known: BTreeSet<String>,
+    /// This host's own intervals of each datastore, the last [`PUBLISH_WINDOW`] of them:
+    /// what it publishes.
+    own: HashMap<String, VecDeque<(u64, DeviceSample)>>,
+    /// Each datastore's history as the whole pod saw it: what the device models use.
+    datastores: HashMap<String, VecDeque<(u64, DeviceSample)>>,
+    /// The hosts whose IO each datastore's latest combined intervals hold.
+    datastore_hosts: HashMap<String, Vec<String>>,
 }
 
 /// What a volume interval tells the workload model; `None` if the volume did no IO.
@@ -74,28 +162,39 @@ pub enum Which {
 }
 
 impl Sampler {
-    pub fn new(history: usize) -> Sampler {
+    pub fn new(history: usize, interval_s: f64) -> Sampler {
         Sampler {
             prev: HashMap::new(),
             latest: HashMap::new(),
             interval_s: 0.0,
+            configured_interval_s: interval_s,
             history,
             volumes: HashMap::new(),
+            through: 0,
+            known: BTreeSet::new(),
+            own: HashMap::new(),
             datastores: HashMap::new(),
+            datastore_hosts: HashMap::new(),
         }
     }
 
-    /// Takes one sample of everything listed; forgets what is no longer listed.
-    pub fn sample(&mut self, items: Vec<(Which, String, Snapshot)>) {
+    /// Takes one sample of everything listed, as interval `t`; forgets what is no longer
+    /// listed.
+    pub fn sample(&mut self, t: u64, items: Vec<(Which, String, Snapshot)>) {
         let mut prev = HashMap::with_capacity(items.len());
         let mut latest = HashMap::with_capacity(items.len());
         let mut longest: f64 = 0.0;
+        self.through = t;
+        self.known.clear();
         for (w, name, snap) in items {
             let key = (w, name);
+            if w == Which::Datastore {
+                self.known.insert(key.1.clone());
+            }
             if let Some(p) = self.prev.get(&key) {
                 let i = snap.since(p);
                 longest = longest.max(i.seconds);
-                self.remember(w, &key.1, &i);
+                self.remember(w, t, &key.1, &i);
                 latest.insert(key.clone(), i);
             }
             prev.insert(key, snap);
@@ -107,7 +206,7 @@ impl Sampler {
         self.interval_s = longest;
     }
 
-    fn remember(&mut self, w: Which, name: &str, i: &Interval) {
+    fn remember(&mut self, w: Which, t: u64, name: &str, i: &Interval) {
         let cap = self.history;
         match w {
             Which::Volume => {
@@ -118,11 +217,56 @@ impl Sampler {
             }
             Which::Datastore => {
                 if let Some(s) = device_sample(i) {
-                    let q = self.datastores.entry(name.to_owned()).or_default();
-                    push_bounded(q, s, cap);
+                    let q = self.own.entry(name.to_owned()).or_default();
+                    push_bounded(q, (t, s), PUBLISH_WINDOW as usize);
                 }
             }
         }
+    }
+
+    /// This host's document for the others: its window of every datastore it has.
+    pub fn devices_doc(&self) -> DevicesDoc {
+        let from = self.through.saturating_sub(PUBLISH_WINDOW - 1);
+        DevicesDoc {
+            version: DOC_VERSION,
+            interval_s: self.configured_interval_s,
+            through: self.through,
+            datastores: self
+                .known
+                .iter()
+                .map(|ds| {
+                    let samples = self
+                        .own
+                        .get(ds)
+                        .map(|q| q.iter().filter(|(t, _)| *t >= from).copied().collect())
+                        .unwrap_or_default();
+                    (ds.clone(), samples)
+                })
+                .collect(),
+        }
+    }
+
+    /// Appends the pod's intervals not seen yet to each datastore's history.
+    pub fn merge_pod(&mut self, pod: &PodDoc) {
+        let cap = self.history;
+        for (ds, series) in &pod.datastores {
+            let q = self.datastores.entry(ds.clone()).or_default();
+            let last = q.back().map(|(t, _)| *t);
+            for (t, s) in &series.samples {
+                if last.is_none_or(|l| *t > l) {
+                    push_bounded(q, (*t, *s), cap);
+                }
+            }
+            if !series.hosts.is_empty() {
+                self.datastore_hosts
+                    .insert(ds.clone(), series.hosts.clone());
+            }
+        }
+    }
+
+    /// The hosts whose IO a datastore's history holds (its latest combined intervals).
+    pub fn datastore_hosts(&self, name: &str) -> Vec<String> {
+        self.datastore_hosts.get(name).cloned().unwrap_or_default()
     }
 
     /// Drops a deleted volume's history.
@@ -138,11 +282,11 @@ impl Sampler {
             .unwrap_or_default()
     }
 
-    /// A datastore's history, oldest first.
+    /// A datastore's history as the pod saw it, oldest first.
     pub fn datastore_history(&self, name: &str) -> Vec<DeviceSample> {
         self.datastores
             .get(name)
-            .map(|q| q.iter().copied().collect())
+            .map(|q| q.iter().map(|(_, s)| *s).collect())
             .unwrap_or_default()
     }
 
@@ -186,18 +330,158 @@ fn snapshot_all(d: &Daemon) -> Vec<(Which, String, Snapshot)> {
     items
 }
 
-/// Runs the sampler until the daemon goes away.
+/// The next interval boundary on the wall clock: how long until it, and its number.
+fn next_boundary(every: Duration) -> (Duration, u64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let every_ms = every.as_millis().max(1);
+    let t = now.as_millis() / every_ms + 1;
+    let at = Duration::from_millis((t * every_ms) as u64);
+    (at.saturating_sub(now), t as u64)
+}
+
+/// Runs the sampler until the daemon goes away: a sample on every interval boundary, then a
+/// round of [`exchange`] (on its own task; a round still running makes the next one wait for
+/// the interval after, so a slow coordinator never delays a sample).
 pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
     let every = d.config.stats_interval();
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let busy = Arc::new(AtomicBool::new(false));
+    let mut round = 0u64;
     loop {
+        let (wait, t) = next_boundary(every);
         tokio::select! {
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = stop.wait() => return,
         }
         let items = snapshot_all(&d);
-        d.sampler.lock().expect("lock").sample(items);
+        d.sampler.lock().expect("lock").sample(t, items);
+        if !busy.swap(true, Ordering::AcqRel) {
+            /// Frees the next round however this one ends.
+            struct Done(Arc<AtomicBool>);
+            impl Drop for Done {
+                fn drop(&mut self) {
+                    self.0.store(false, Ordering::Release);
+                }
+            }
+            let (d, done) = (d.clone(), Done(busy.clone()));
+            let volumes = round.is_multiple_of(VOLUMES_EVERY);
+            tokio::spawn(async move {
+                let _done = done;
+                exchange(&d, volumes).await;
+            });
+        }
+        round += 1;
+    }
+}
+
+/// One round of statistics through the coordinator (the module docs): publish this host's
+/// intervals (and its volumes' models if `volumes`), combine everyone's if this host is the
+/// aggregator, and merge the pod's combined intervals. A failure is logged when it starts
+/// and when it ends, not every round.
+pub async fn exchange(d: &Daemon, volumes: bool) {
+    static FAILING: AtomicBool = AtomicBool::new(false);
+    match exchange_round(d, volumes).await {
+        Ok(()) => {
+            if FAILING.swap(false, Ordering::Relaxed) {
+                tracing::info!("statistics exchange through the coordinator works again");
+            }
+        }
+        Err(e) => {
+            if !FAILING.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "statistics exchange through the coordinator failed: {e}; device models \
+                     miss the other hosts' IO until it works again"
+                );
+            }
+        }
+    }
+}
+
+async fn exchange_round(d: &Daemon, volumes: bool) -> anyhow::Result<()> {
+    let coord = &d.coord;
+    let doc = d.sampler.lock().expect("lock").devices_doc();
+    let interval_s = doc.interval_s;
+    coord
+        .put_stats(StatsDoc::Devices, serde_json::to_vec(&doc)?)
+        .await?;
+    if volumes {
+        let doc = VolumesDoc {
+            version: DOC_VERSION,
+            volumes: crate::balancing::own_volumes(d),
+        };
+        coord
+            .put_stats(StatsDoc::Volumes, serde_json::to_vec(&doc)?)
+            .await?;
+    }
+    if coord.stats_aggregator().await? {
+        let docs = coord.stats(StatsDoc::Devices).await?;
+        let pod = combine(coord.host(), interval_s, &docs);
+        match coord.put_pod_stats(serde_json::to_vec(&pod)?).await {
+            Ok(()) | Err(cluster::Error::NotHeld(_)) => {} // lost the role meanwhile
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if let Some(raw) = coord.pod_stats().await? {
+        match serde_json::from_slice::<PodDoc>(&raw) {
+            Ok(pod) if pod.version == DOC_VERSION && pod.interval_s == interval_s => {
+                d.sampler.lock().expect("lock").merge_pod(&pod)
+            }
+            Ok(pod) => anyhow::bail!(
+                "the pod's statistics (from host {}) are of version {} with {} s intervals; \
+                 this host reads version {DOC_VERSION} with {interval_s} s: give every host \
+                 the same [stats] interval_s",
+                pod.aggregator,
+                pod.version,
+                pod.interval_s
+            ),
+            Err(e) => anyhow::bail!("the pod's statistics do not parse: {e}"),
+        }
+    }
+    Ok(())
+}
+
+/// The pod's document from every host's: each datastore's series combined. Documents of
+/// another version or interval length are left out (and said once).
+fn combine(aggregator: &str, interval_s: f64, docs: &[(String, Vec<u8>)]) -> PodDoc {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    let mut per_ds: BTreeMap<String, Vec<HostSeries>> = BTreeMap::new();
+    for (host, raw) in docs {
+        let doc = match serde_json::from_slice::<DevicesDoc>(raw) {
+            Ok(doc) if doc.version == DOC_VERSION && doc.interval_s == interval_s => doc,
+            other => {
+                if !SAID.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "statistics of host {host} left out of the pod's: {}",
+                        match other {
+                            Ok(doc) => format!(
+                                "version {} with {} s intervals, this host uses version \
+                                 {DOC_VERSION} with {interval_s} s",
+                                doc.version, doc.interval_s
+                            ),
+                            Err(e) => format!("they do not parse ({e})"),
+                        }
+                    );
+                }
+                continue;
+            }
+        };
+        for (ds, samples) in doc.datastores {
+            per_ds.entry(ds).or_default().push(HostSeries {
+                host: host.clone(),
+                through: doc.through,
+                samples,
+            });
+        }
+    }
+    PodDoc {
+        version: DOC_VERSION,
+        interval_s,
+        aggregator: aggregator.to_string(),
+        datastores: per_ds
+            .into_iter()
+            .map(|(ds, series)| (ds, balance::device::combine(&series, MAX_LAG)))
+            .collect(),
     }
 }
 
@@ -250,16 +534,99 @@ mod tests {
         st.finish(t, op, len, true);
     }
 
+    /// One host's round of the exchange, as with the `local` coordinator.
+    fn alone(s: &mut Sampler) {
+        let doc = serde_json::to_vec(&s.devices_doc()).unwrap();
+        s.merge_pod(&combine("h", 2.0, &[("h".into(), doc)]));
+    }
+
+    /// A datastore sample with `oio` outstanding reads.
+    fn busy(oio: f64) -> DeviceSample {
+        DeviceSample {
+            read_oio: oio,
+            read_latency_ms: 1.0 + oio,
+            read_iops: 100.0,
+            io_size_kib: 8.0,
+            sequential_pct: 0.0,
+        }
+    }
+
+    /// A host that has sampled `through`, with datastore `d`'s reads in the intervals
+    /// `reads` (its document as it would publish it).
+    fn doc(through: u64, reads: &[(u64, f64)]) -> Vec<u8> {
+        serde_json::to_vec(&DevicesDoc {
+            version: DOC_VERSION,
+            interval_s: 2.0,
+            through,
+            datastores: [(
+                "d".to_string(),
+                reads.iter().map(|(t, oio)| (*t, busy(*oio))).collect(),
+            )]
+            .into(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_datastore_history_sums_every_hosts_outstanding_reads() {
+        let mut s = Sampler::new(100, 2.0);
+        // Round 1: b has not published interval 11 yet.
+        let docs = vec![
+            ("a".to_string(), doc(11, &[(10, 1.0), (11, 1.0)])),
+            ("b".to_string(), doc(10, &[(10, 3.0)])),
+        ];
+        let pod = combine("a", 2.0, &docs);
+        s.merge_pod(&pod);
+        assert_eq!(
+            s.datastore_history("d")
+                .iter()
+                .map(|x| x.read_oio)
+                .collect::<Vec<_>>(),
+            [4.0]
+        );
+        assert_eq!(s.datastore_hosts("d"), ["a", "b"]);
+        // Round 2: both have 11 and 12; interval 10 comes again in the windows and is not
+        // taken twice.
+        let docs = vec![
+            ("a".to_string(), doc(12, &[(10, 1.0), (11, 1.0), (12, 2.0)])),
+            ("b".to_string(), doc(12, &[(10, 3.0), (11, 5.0), (12, 2.0)])),
+        ];
+        s.merge_pod(&combine("a", 2.0, &docs));
+        assert_eq!(
+            s.datastore_history("d")
+                .iter()
+                .map(|x| x.read_oio)
+                .collect::<Vec<_>>(),
+            [4.0, 6.0, 4.0]
+        );
+        // A host on other intervals is left out, not mixed in.
+        let mut odd: DevicesDoc = serde_json::from_slice(&doc(13, &[(13, 50.0)])).unwrap();
+        odd.interval_s = 5.0;
+        let docs = vec![
+            ("a".to_string(), doc(13, &[(13, 1.0)])),
+            ("c".to_string(), serde_json::to_vec(&odd).unwrap()),
+        ];
+        let pod = combine("a", 2.0, &docs);
+        assert_eq!(pod.datastores["d"].hosts, ["a"]);
+        assert_eq!(pod.datastores["d"].samples[0].1.read_oio, 1.0);
+    }
+
     #[test]
     fn history_keeps_busy_intervals_only_and_is_bounded() {
         let vol = IoStats::default();
         let ds = IoStats::default();
-        let mut s = Sampler::new(3);
-        let tick = |s: &mut Sampler| {
-            s.sample(vec![
-                (Which::Volume, "v".into(), vol.snapshot()),
-                (Which::Datastore, "d".into(), ds.snapshot()),
-            ])
+        let mut s = Sampler::new(3, 2.0);
+        let mut t = 100;
+        let mut tick = |s: &mut Sampler| {
+            t += 1;
+            s.sample(
+                t,
+                vec![
+                    (Which::Volume, "v".into(), vol.snapshot()),
+                    (Which::Datastore, "d".into(), ds.snapshot()),
+                ],
+            );
+            alone(s);
         };
         tick(&mut s); // the first snapshot only sets the baseline
         tick(&mut s); // idle: no sample
@@ -289,7 +656,7 @@ mod tests {
             .iter()
             .all(|x| x.io_size_kib == 8.0 && x.sequential_pct == 0.0));
         // A volume out of service for a while keeps its history; a deleted one loses it.
-        s.sample(vec![]);
+        s.sample(200, vec![]);
         assert_eq!(s.volume_history("v").len(), 3);
         s.forget_volume("v");
         assert!(s.volume_history("v").is_empty());
