@@ -307,11 +307,6 @@ pub async fn inputs(d: &Daemon) -> Inputs {
         }
         if let Some(why) = stuck {
             notes.push(format!("volume {} stays where it is: {why}", v.name));
-        } else if let Some(h) = &v.host {
-            notes.push(format!(
-                "volume {} is served by host {h}: a move of it is carried out there",
-                v.name
-            ));
         }
         if v.samples == 0 {
             notes.push(format!(
@@ -371,10 +366,25 @@ pub async fn plan(d: &Daemon, policy: &balance::Policy) -> OpResult<api::Balance
     let recent: Vec<RecentMove> = d.recent_moves();
     let plan = balance::plan(&inputs.pod, &recent, policy)
         .map_err(|e| OpError::Internal(format!("the planner rejected the pod: {e}")))?;
+    let mut notes = inputs.notes;
+    for m in &plan.moves {
+        let host = inputs
+            .report
+            .volumes
+            .iter()
+            .find(|v| v.name == m.workload)
+            .and_then(|v| v.host.as_ref());
+        if let Some(h) = host {
+            notes.push(format!(
+                "volume {} is served by host {h}: carry its move out there",
+                m.workload
+            ));
+        }
+    }
     Ok(api::BalancePlan {
         plan,
         constants_from: inputs.report.constants_from,
-        notes: inputs.notes,
+        notes,
     })
 }
 
