@@ -95,6 +95,10 @@ fn hosts_register_and_each_volume_is_served_by_its_owner() {
         x["status"].as_str().unwrap().contains("served by host a"),
         "{x}"
     );
+    // The shared LUN holds it, whichever host lists the datastores.
+    let ds = b.vesta_json(&["datastore", "list"]);
+    assert_eq!(ds[0]["name"], "san");
+    assert_eq!(ds[0]["volumes"], 1, "{ds}");
     assert!(
         x["urls"][0].as_str().unwrap().contains(&a.nbd_tcp),
         "{x} should point at a's NBD address {}",

@@ -676,7 +676,7 @@ impl Daemon {
             .values()
             .map(|e| (e.spec.clone(), e.store.clone()))
             .collect();
-        let counts = {
+        let mut counts = {
             let v = self.volumes.read().expect("lock");
             let mut m: BTreeMap<String, usize> = BTreeMap::new();
             for e in v.values() {
@@ -684,6 +684,10 @@ impl Daemon {
             }
             m
         };
+        // In a cluster, the other hosts' volumes live on the same datastores.
+        for v in self.foreign_volumes().await {
+            *counts.entry(v.datastore).or_default() += 1;
+        }
         let mut out = Vec::with_capacity(list.len());
         for (spec, store) in list {
             let (status, cap) = match &store {
