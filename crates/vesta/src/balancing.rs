@@ -89,10 +89,10 @@ pub fn print_models(r: &api::ModelsReport) {
                 };
                 vec![
                     d.name.clone(),
-                    if d.hosts.is_empty() {
-                        "-".into()
-                    } else {
-                        d.hosts.join(",")
+                    match d.hosts.len() {
+                        0 => "-".into(),
+                        1..=3 => d.hosts.join(","),
+                        n => format!("{n} hosts"),
                     },
                     d.samples.to_string(),
                     d.usable.to_string(),
