@@ -266,12 +266,34 @@ fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
 struct Reservation<'a> {
     v: &'a VolCache,
     bytes: u64,
+    /// Whether the bytes were taken from the host-wide budget too.
+    host: bool,
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         lock(&self.v.st).reserved_log_bytes -= self.bytes;
         self.v.changed.notify_waiters();
+        if self.host {
+            lock(&self.v.shared.admission).reserved -= self.bytes;
+            self.v.shared.admitted.notify_waiters();
+        }
+    }
+}
+
+/// A write's place in the host-wide admission queue while it waits; gives it up if the
+/// write is dropped meanwhile.
+struct Ticket<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut a = lock(&self.shared.admission);
+        a.waiting.retain(|t| *t != self.id);
+        drop(a);
+        self.shared.admitted.notify_waiters();
     }
 }
 
@@ -427,6 +449,26 @@ struct Shared {
     replica_sets: AtomicU64,
     /// Buffers for the destager's datastore writes, used again and again.
     bufs: Arc<BufPool>,
+    /// Log space of the writes in flight on all volumes ([`VolCache::admit`]).
+    admission: Mutex<HostAdmission>,
+    /// Signalled when writes in flight give log space back.
+    admitted: Notify,
+}
+
+/// Host-wide admission of writes, in arrival order. Each volume keeps its own writes in
+/// flight within its share; but shares are floored at two segments (so they can add up to
+/// more than the log), and a write larger than its volume's stall limit is admitted alone
+/// on its volume. Writes of several volumes at once could then together need more of the
+/// log than it has, each append parts and wait, with them pinned, for space only the
+/// others could free: forever. So every write also takes its log space from a host-wide
+/// budget, first come first served, which the writes in flight can always have at once.
+#[derive(Default)]
+struct HostAdmission {
+    /// Log bytes the admitted writes may still take.
+    reserved: u64,
+    /// Tickets of the writes waiting, oldest first.
+    waiting: VecDeque<u64>,
+    next_ticket: u64,
 }
 
 impl Shared {
@@ -447,6 +489,23 @@ impl Shared {
         } else {
             vec![(0, len)]
         }
+    }
+
+    /// Log bytes the writes in flight on all volumes may take together: every segment but
+    /// the metadata reserve and one current segment per cached volume and replica set (a
+    /// current segment is never freed while its owner is attached). `others` counts the
+    /// owners whose current segments are out of reach: all of them for writes admitted
+    /// together, all but the writer's own for a write alone.
+    fn log_budget(&self, others: u64) -> u64 {
+        let sb = self.log.superblock();
+        (sb.segment_count)
+            .saturating_sub(self.log.meta_reserve() as u64)
+            .saturating_sub(others)
+            * sb.segment_size
+    }
+
+    fn owners(&self) -> u64 {
+        self.cached_volumes.load(Ordering::SeqCst) + self.replica_sets.load(Ordering::SeqCst)
     }
 
     /// A fair share of the log: for each cached volume, and for each volume this host holds
@@ -571,6 +630,8 @@ impl CacheHost {
                 cached_volumes: AtomicU64::new(0),
                 replica_sets,
                 bufs: Arc::new(BufPool::default()),
+                admission: Mutex::new(HostAdmission::default()),
+                admitted: Notify::new(),
             }),
             vols: Mutex::new(Vec::new()),
             recovered: Mutex::new(recovered),
@@ -1306,8 +1367,8 @@ impl VolCache {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            {
-                let st = lock(&self.st);
+            let admitted = {
+                let mut st = lock(&self.st);
                 if let Some(why) = &st.degraded {
                     if st.mode == Mode::Wb && self.shared.log.is_failed() {
                         return Err(Error::Cache(why.clone()));
@@ -1316,22 +1377,82 @@ impl VolCache {
                 let taken = st.dirty_log_bytes + st.reserved_log_bytes;
                 let full = st.mode == Mode::Wb && taken > 0 && taken + need > limit;
                 if !st.replaying && !full {
-                    let mut st = st;
                     st.reserved_log_bytes += need;
-                    return Ok(Reservation {
-                        v: self,
-                        bytes: need,
-                    });
+                    true
+                } else {
+                    if full && stalled.is_none() {
+                        self.counters.stalls.fetch_add(1, Ordering::Relaxed);
+                        drop(st);
+                        stalled = Some(Urgent::new(self));
+                    }
+                    false
                 }
-                if full && stalled.is_none() {
-                    self.counters.stalls.fetch_add(1, Ordering::Relaxed);
-                    drop(st);
-                    stalled = Some(Urgent::new(self));
-                }
+            };
+            if admitted {
+                // The volume's part is taken; the host's next, released with it on failure.
+                let mut r = Reservation {
+                    v: self,
+                    bytes: need,
+                    host: false,
+                };
+                self.admit_host(len, need).await?;
+                r.host = true;
+                return Ok(r);
             }
             self.shared.wake.notify_one();
             tokio::select! {
                 _ = changed => {}
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    }
+
+    /// Host-wide admission of a write of `len` bytes that may take `need` bytes of the log
+    /// ([`HostAdmission`]): in arrival order, once the writes in flight leave room for it,
+    /// or at once when none is in flight. A write that would not fit even alone fails.
+    async fn admit_host(&self, len: u64, need: u64) -> Result<(), Error> {
+        let sh = &*self.shared;
+        let mut ticket: Option<Ticket<'_>> = None;
+        loop {
+            let admitted = sh.admitted.notified();
+            tokio::pin!(admitted);
+            admitted.as_mut().enable();
+            {
+                let mut a = lock(&sh.admission);
+                let owners = sh.owners();
+                let first = match &ticket {
+                    None => a.waiting.is_empty(),
+                    Some(t) => a.waiting.front() == Some(&t.id),
+                };
+                if first && a.reserved == 0 && need > sh.log_budget(owners.saturating_sub(1)) {
+                    let sb = sh.log.superblock();
+                    return Err(Error::Cache(format!(
+                        "a write of {len} bytes needs more of the cache log than it can ever \
+                         give one write ({} of {} segments of {} bytes, with {owners} volumes \
+                         cached); make the cache larger",
+                        sh.log_budget(owners.saturating_sub(1)) / sb.segment_size,
+                        sb.segment_count,
+                        sb.segment_size
+                    )));
+                }
+                if first && (a.reserved == 0 || a.reserved + need <= sh.log_budget(owners)) {
+                    a.reserved += need;
+                    if ticket.is_some() {
+                        a.waiting.pop_front();
+                    }
+                    drop(a);
+                    drop(ticket); // wakes the next in line
+                    return Ok(());
+                }
+                if ticket.is_none() {
+                    let id = a.next_ticket;
+                    a.next_ticket += 1;
+                    a.waiting.push_back(id);
+                    ticket = Some(Ticket { shared: sh, id });
+                }
+            }
+            tokio::select! {
+                _ = admitted => {}
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
         }

@@ -531,3 +531,155 @@ async fn recovery_frees_the_segments_of_a_deleted_volume() {
         assert_eq!(host.log().free_segments(), free_before, "restart {restart}");
     }
 }
+
+/// Many volumes, each writing writes of several segments at once: every volume's share is
+/// floored at two segments, and a write larger than its volume's stall limit is admitted
+/// alone on its volume, so together the writes in flight need more of the log than it has.
+/// They take turns for it instead of each appending some parts and waiting, with them
+/// pinned, for space only the others could free (six volumes' writes of about seven
+/// segments each, on a log of 24, hung every writer before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_volumes_writing_large_writes_on_a_small_log_never_deadlock() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 24 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    const VOLS: usize = 6;
+    const W: u64 = 6 * SEG;
+    let stores: Vec<Arc<MemDevice>> = (0..VOLS).map(|_| Arc::new(MemDevice::new(VOL))).collect();
+    let vols: Vec<Arc<Volume>> = stores
+        .iter()
+        .map(|s| wb_volume(&host, s, Tuning::default()))
+        .collect();
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let writers: Vec<_> = vols
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let v = v.clone();
+            tokio::spawn(async move {
+                for round in 0..6u64 {
+                    let data = Bytes::from(vec![(round * 16 + i as u64 + 1) as u8; W as usize]);
+                    v.write((round % 2) * W, data, false).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for t in writers {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect("writes of many volumes deadlocked on a small log");
+    for (i, (v, store)) in vols.iter().zip(&stores).enumerate() {
+        let got = v.read(0, (2 * W) as u32).await.unwrap();
+        assert!(got[..W as usize]
+            .iter()
+            .all(|b| *b == (4 * 16 + i + 1) as u8));
+        assert!(got[W as usize..]
+            .iter()
+            .all(|b| *b == (5 * 16 + i + 1) as u8));
+        let c = v.cache().unwrap();
+        tokio::time::timeout(Duration::from_secs(30), async {
+            while !c.clean() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("the destager never caught up");
+        assert!(
+            store.image()[..(2 * W) as usize] == got[..],
+            "volume {i}'s datastore"
+        );
+    }
+    destager.abort();
+}
+
+/// A write that the log could not hold even alone (more volumes than it has room for, each
+/// keeping a segment) fails at once with an error that says so, and small writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_larger_than_the_log_can_give_fails_clearly_and_small_ones_go_on() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 12 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let stores: Vec<Arc<MemDevice>> = (0..10).map(|_| Arc::new(MemDevice::new(VOL))).collect();
+    let vols: Vec<Arc<Volume>> = stores
+        .iter()
+        .map(|s| wb_volume(&host, s, Tuning::default()))
+        .collect();
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let big = tokio::time::timeout(
+        Duration::from_secs(10),
+        vols[0].write(0, Bytes::from(vec![1u8; (2 * SEG) as usize]), false),
+    )
+    .await
+    .expect("a write too large for the log hung");
+    let e = big.expect_err("ten volumes on twelve segments cannot take a 128 KiB write");
+    assert!(e.to_string().contains("make the cache larger"), "{e}");
+    for (i, v) in vols.iter().enumerate() {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            v.write(4096, Bytes::from(vec![i as u8 + 1; 4096]), true),
+        )
+        .await
+        .expect("a small write hung")
+        .unwrap();
+        let got = v.read(0, 8192).await.unwrap();
+        assert!(
+            got[..4096].iter().all(|b| *b == 0),
+            "the failed write left data"
+        );
+        assert!(got[4096..].iter().all(|b| *b == i as u8 + 1));
+    }
+    destager.abort();
+}
+
+/// Two volumes each writing writes of more than half the log: each write alone fits, both at
+/// once do not, and their parts must not wait for each other's space forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_volumes_writing_more_than_half_the_log_at_once_never_deadlock() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 24 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    const W: u64 = 13 * SEG;
+    let stores: Vec<Arc<MemDevice>> = (0..2).map(|_| Arc::new(MemDevice::new(VOL))).collect();
+    let vols: Vec<Arc<Volume>> = stores
+        .iter()
+        .map(|s| wb_volume(&host, s, Tuning::default()))
+        .collect();
+    host.finish_recovery(&[]).unwrap();
+    let destager = {
+        let h = host.clone();
+        tokio::spawn(async move { h.run_destager(|| false).await })
+    };
+    let writers: Vec<_> = vols
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let v = v.clone();
+            tokio::spawn(async move {
+                for round in 0..4u64 {
+                    let data = Bytes::from(vec![(round * 16 + i as u64 + 1) as u8; W as usize]);
+                    v.write(0, data, false).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for t in writers {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect("two volumes' large writes deadlocked");
+    for (i, v) in vols.iter().enumerate() {
+        let got = v.read(0, W as u32).await.unwrap();
+        assert!(got.iter().all(|b| *b == (3 * 16 + i + 1) as u8));
+    }
+    destager.abort();
+}
