@@ -98,6 +98,12 @@ const WINDOW_MAX: usize = 4096;
 /// Most bytes one window carries. A window's records are all in memory while it is sent
 /// (`send_window`), so this bounds the destager's memory whatever a held window would take.
 const WINDOW_BYTES_MAX: u64 = 128 << 20;
+/// A replay's first window carries at most this much; each next one twice the one before, up
+/// to [`WINDOW_BYTES_MAX`]. Every record of a window is read before its first datastore
+/// write, and the next window is read while the one before is written: a small first window
+/// gets the datastore busy after reading 16 MiB, not 128 (a 64 MiB replay took twice as long
+/// as the datastore needed to write it, half of it reading before writing anything).
+const REPLAY_WINDOW_BYTES_FIRST: u64 = 16 << 20;
 /// Most writes, and bytes, in one batch to a device that takes batches
 /// ([`datastore::device::Device::prefers_batches`]): a batch is one blocking call, checked
 /// against the fence once, so it is kept short.
@@ -231,6 +237,8 @@ struct VolState {
     evictions: u64,
     /// Offline replay in progress: writes wait.
     replaying: bool,
+    /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
+    replay_window_bytes: u64,
     /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
     void_upto: u64,
     /// The last `ser` recovered from the log at start-up (the end of the replayed prefix).
@@ -1111,6 +1119,7 @@ impl VolCache {
                 reserved_log_bytes: 0,
                 evictions: 0,
                 replaying,
+                replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
                 degraded: rec.degraded,
@@ -2280,7 +2289,14 @@ impl VolCache {
     /// or [`WINDOW_BYTES_MAX`] bytes, and always at a whole write. Its records are pinned
     /// until read (`read_window`).
     fn compose(&self, after: Option<u64>) -> Option<Window> {
-        let st = lock(&self.st);
+        let mut st = lock(&self.st);
+        let cap = if st.replaying {
+            let cap = st.replay_window_bytes;
+            st.replay_window_bytes = (cap * 2).min(WINDOW_BYTES_MAX);
+            cap
+        } else {
+            WINDOW_BYTES_MAX
+        };
         let opts = *lock(&self.opts);
         let closing = if opts.hold.is_zero() {
             Closing::Batch {
@@ -2301,7 +2317,7 @@ impl VolCache {
             .take(WINDOW_MAX)
             .take_while(|w| {
                 bytes += w.w.len;
-                bytes == w.w.len || bytes <= WINDOW_BYTES_MAX
+                bytes == w.w.len || bytes <= cap
             })
             .map(|w| w.w)
             .collect();

@@ -1,6 +1,6 @@
-//! Destage windows at their limits: a held window larger than the destager's byte cap, many
-//! batch windows each read ahead while the one before is written, and a window with a corrupt
-//! record. At every checkpoint the datastore must equal the volume as of that checkpoint
+//! Destage windows at their limits: a held window larger than the destager's byte cap, a
+//! replay's windows growing from a small first one, many batch windows each read ahead while
+//! the one before is written, and a window with a corrupt record. At every checkpoint the datastore must equal the volume as of that checkpoint
 //! (DESIGN §2), and a window that cannot be read must leave the datastore untouched.
 
 use std::sync::Arc;
@@ -53,6 +53,42 @@ impl Rig {
             host,
             vol,
             writes: Vec::new(),
+        }
+    }
+
+    /// The host stops without destaging (a crash after a flush) and starts again on the same
+    /// cache device, the volume held for `hold_s`: it replays what the log holds.
+    fn restart(self, hold_s: f64) -> Rig {
+        let Rig {
+            cache,
+            store,
+            vol,
+            writes,
+            ..
+        } = self;
+        let (id, size) = (vol.id(), store.image().len() as u64);
+        drop(vol);
+        let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
+        let extent = Extent::new(store.clone(), 0, size, Arc::new(Gate::new(4)));
+        let vol = Volume::open(
+            id,
+            "w".into(),
+            Policy::Wb,
+            Tuning {
+                hold_s: Some(hold_s),
+                ..Tuning::default()
+            },
+            extent,
+            Some(host.clone()),
+        )
+        .expect("open volume");
+        host.finish_recovery(&[id]).expect("finish recovery");
+        Rig {
+            cache,
+            store,
+            host,
+            vol,
+            writes,
         }
     }
 
@@ -143,6 +179,53 @@ async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
             "the datastore holds every write (batches: {batches})"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_starts_with_a_small_window_and_doubles_it() {
+    // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: the first
+    // window carries 16 MiB (ending at a whole write), the next 32, then the rest.
+    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
+    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+    for i in 0..n {
+        r.write(i as u64 * stride, pattern(i, len)).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let r = r.restart(3600.0);
+    let c = r.vol.cache().expect("cached");
+    let mut checkpoints = Vec::new();
+    for turn in 0..10_000 {
+        if c.clean() {
+            break;
+        }
+        let before = r.checkpoint();
+        if r.host.destage_turn(turn).await {
+            let cp = r.checkpoint();
+            assert!(cp > before, "a window moved the checkpoint");
+            assert!(
+                r.store.image() == r.image(cp as usize),
+                "the datastore differs from the volume as of checkpoint {cp}"
+            );
+            checkpoints.push(cp);
+        }
+    }
+    // Each window ends at the first whole write past its cap: 16 MiB is 21⅓ writes of its
+    // bytes, 32 MiB 42⅔ more.
+    let mib = |w: u64| w as f64 * len as f64 / (1 << 20) as f64;
+    assert_eq!(checkpoints.len(), 3, "windows ended at {checkpoints:?}");
+    assert!(
+        mib(checkpoints[0]) < 16.0 + 0.75,
+        "first window {checkpoints:?}"
+    );
+    assert!(
+        mib(checkpoints[1] - checkpoints[0]) < 32.0 + 0.75,
+        "second window {checkpoints:?}"
+    );
+    assert_eq!(*checkpoints.last().unwrap(), n as u64);
+    assert!(
+        r.store.image() == r.image(n),
+        "the datastore holds every write"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
