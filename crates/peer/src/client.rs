@@ -238,8 +238,12 @@ impl Link {
             .map_err(|_| broken("closed".into()))?;
         let (tx, rx) = oneshot::channel();
         let sent = {
-            // Numbered and queued under one lock, so frames leave in the order requests
-            // were made.
+            // Numbered and queued under one lock, so frames leave in the order requests got
+            // their share of the budget. That is the order they were made while they fit in
+            // it; past it, a request made while an earlier one waits may find budget freed in
+            // between and go first. Callers that need an order between two requests wait for
+            // the first (the engine's gatekeeper does, for overlapping writes; a FLUSH or a
+            // checkpoint is sent after the writes it covers were answered).
             let mut pending = inner.pending.lock().expect("lock");
             if let Some(why) = inner.broken() {
                 return Err(broken(why));
