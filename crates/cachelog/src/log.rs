@@ -931,6 +931,18 @@ impl Log {
         lock(&self.inner).owned.get(&owner).copied().unwrap_or(0)
     }
 
+    /// Current segments (appended to, never freed while their owner lasts) of every owner
+    /// but `owner`, and the bytes still unused in `owner`'s own, if it has one.
+    pub fn current_segments(&self, owner: Uuid) -> (usize, Option<u64>) {
+        let inner = lock(&self.inner);
+        let others = inner.current.keys().filter(|o| **o != owner).count();
+        let own = inner.current.get(&owner).map(|s| {
+            let seg = &inner.segs[*s as usize];
+            seg.low.saturating_sub(seg.head)
+        });
+        (others, own)
+    }
+
     /// Segments free or about to be (after the next sync).
     pub fn free_segments(&self) -> usize {
         let inner = lock(&self.inner);

@@ -274,18 +274,28 @@ fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
 struct Reservation<'a> {
     v: &'a VolCache,
     bytes: u64,
-    /// Whether the bytes were taken from the host-wide budget too.
-    host: bool,
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         lock(&self.v.st).reserved_log_bytes -= self.bytes;
         self.v.changed.notify_waiters();
-        if self.host {
-            lock(&self.v.shared.admission).reserved -= self.bytes;
-            self.v.shared.admitted.notify_waiters();
-        }
+    }
+}
+
+/// Log space a `wb` write holds in the host-wide budget ([`HostAdmission`]) from its admission
+/// until every lower `ser` of its volume has completed too. Staged is not enough: a staged
+/// write above a `ser` still in flight cannot be destaged (nor its space freed) before that
+/// one completes, so the budget keeps counting it until then.
+struct HostCharge<'a> {
+    shared: &'a Shared,
+    bytes: u64,
+}
+
+impl Drop for HostCharge<'_> {
+    fn drop(&mut self) {
+        lock(&self.shared.admission).reserved -= self.bytes;
+        self.shared.admitted.notify_waiters();
     }
 }
 
@@ -499,11 +509,10 @@ impl Shared {
         }
     }
 
-    /// Log bytes the writes in flight on all volumes may take together: every segment but
-    /// the metadata reserve and one current segment per cached volume and replica set (a
-    /// current segment is never freed while its owner is attached). `others` counts the
-    /// owners whose current segments are out of reach: all of them for writes admitted
-    /// together, all but the writer's own for a write alone.
+    /// Log bytes the writes in flight may take: every segment but the metadata reserve and
+    /// `others` owners' current segments (never freed while their owner lasts). Writes
+    /// admitted together count one per cached volume and replica set (any may have one by
+    /// the time they append); a write alone counts the current segments other owners hold.
     fn log_budget(&self, others: u64) -> u64 {
         let sb = self.log.superblock();
         (sb.segment_count)
@@ -1358,7 +1367,11 @@ impl VolCache {
     /// A stalled write makes the volume's windows due at once ([`Urgent`]): with writes in
     /// flight counted, a held volume can stall before its dirty data alone is enough flow
     /// control pressure to send a held window, and would wait out the hold time.
-    async fn admit(&self, kind: Kind, len: u64) -> Result<Reservation<'_>, Error> {
+    async fn admit(
+        &self,
+        kind: Kind,
+        len: u64,
+    ) -> Result<(Reservation<'_>, Option<HostCharge<'_>>), Error> {
         let limit = self.shared.stall_limit();
         let need = if kind.has_payload() {
             let parts = self.shared.parts(true, len).len() as u64;
@@ -1387,26 +1400,36 @@ impl VolCache {
                 let full = st.mode == Mode::Wb && taken > 0 && taken + need > limit;
                 if !st.replaying && !full {
                     st.reserved_log_bytes += need;
-                    true
+                    Some(st.mode)
                 } else {
                     if full && stalled.is_none() {
                         self.counters.stalls.fetch_add(1, Ordering::Relaxed);
                         drop(st);
                         stalled = Some(Urgent::new(self));
                     }
-                    false
+                    None
                 }
             };
-            if admitted {
-                // The volume's part is taken; the host's next, released with it on failure.
-                let mut r = Reservation {
+            if let Some(mode) = admitted {
+                let r = Reservation {
                     v: self,
                     bytes: need,
-                    host: false,
                 };
-                self.admit_host(len, need).await?;
-                r.host = true;
-                return Ok(r);
+                // A `wt` write's cache copy gives up when there is no room, and holds nothing
+                // while the datastore writes: it takes no host budget (nor fails for want of
+                // it). A policy change to `wb` between here and the write's `ser` lets it
+                // append uncharged: one write, once.
+                let charge = match mode {
+                    Mode::Wb => {
+                        self.admit_host(len, need).await?;
+                        Some(HostCharge {
+                            shared: &self.shared,
+                            bytes: need,
+                        })
+                    }
+                    Mode::Wt => None,
+                };
+                return Ok((r, charge));
             }
             self.shared.wake.notify_one();
             tokio::select! {
@@ -1433,13 +1456,18 @@ impl VolCache {
                     None => a.waiting.is_empty(),
                     Some(t) => a.waiting.front() == Some(&t.id),
                 };
-                if first && a.reserved == 0 && need > sh.log_budget(owners.saturating_sub(1)) {
+                // Alone, a write has every segment but the reserve and the other owners'
+                // current ones, its own current one included (only its unused bytes count).
+                let (others, own) = sh.log.current_segments(self.id);
+                let alone =
+                    sh.log_budget(others as u64 + u64::from(own.is_some())) + own.unwrap_or(0);
+                if first && a.reserved == 0 && need > alone {
                     let sb = sh.log.superblock();
                     return Err(Error::Cache(format!(
-                        "a write of {len} bytes needs more of the cache log than it can ever \
-                         give one write ({} of {} segments of {} bytes, with {owners} volumes \
-                         cached); make the cache larger",
-                        sh.log_budget(owners.saturating_sub(1)) / sb.segment_size,
+                        "a write of {len} bytes needs more of the cache log than it can give \
+                         one write ({} of {} segments of {} bytes, the rest held by {owners} \
+                         cached volumes); make the cache larger",
+                        alone / sb.segment_size,
                         sb.segment_count,
                         sb.segment_size
                     )));
@@ -1643,7 +1671,8 @@ impl VolCache {
         fua: bool,
     ) -> Result<(), Error> {
         let started = Instant::now();
-        let reservation = self.admit(kind, len).await?;
+        let (reservation, charge) = self.admit(kind, len).await?;
+        let mut reservation = Some(reservation);
         let (ser, gen) = self.gatekeep(offset, len).await;
         let done = Completion { v: self, ser };
         let (mode, peers) = {
@@ -1684,6 +1713,8 @@ impl VolCache {
                         self.stage(&mut st, ser, p.offset, p.len, src, p.loc, p.ticket);
                     }
                 }
+                // Staged: its records count as dirty now.
+                drop(reservation.take());
                 self.unpin_all(&recs);
                 if let (Err(e), Some(p)) = (remote, &peers) {
                     // The write is staged, but it must not complete (nor let a later write
@@ -1698,11 +1729,12 @@ impl VolCache {
                     .await?
             }
         }
-        // Staged: its records count as dirty now.
         drop(reservation);
         drop(done);
         // Complete in ser order: see the module doc.
         self.wait_until(|st| st.done_ser >= ser).await;
+        // Destageable now: the host budget may count it as freeable.
+        drop(charge);
         if through {
             self.wait_destaged(ser).await?;
         }

@@ -614,6 +614,12 @@ async fn a_write_larger_than_the_log_can_give_fails_clearly_and_small_ones_go_on
         let h = host.clone();
         tokio::spawn(async move { h.run_destager(|| false).await })
     };
+    // Each volume writes once, and keeps the segment it wrote to as its current one.
+    for (i, v) in vols.iter().enumerate() {
+        v.write(8192, Bytes::from(vec![i as u8 + 1; 4096]), true)
+            .await
+            .unwrap();
+    }
     let big = tokio::time::timeout(
         Duration::from_secs(10),
         vols[0].write(0, Bytes::from(vec![1u8; (2 * SEG) as usize]), false),
@@ -622,6 +628,26 @@ async fn a_write_larger_than_the_log_can_give_fails_clearly_and_small_ones_go_on
     .expect("a write too large for the log hung");
     let e = big.expect_err("ten volumes on twelve segments cannot take a 128 KiB write");
     assert!(e.to_string().contains("make the cache larger"), "{e}");
+    // In wt the same write goes to the datastore, its cache copy given up for want of room:
+    // write-through never fails on the cache's account.
+    let store = Arc::new(MemDevice::new(VOL));
+    let wt = Volume::open(
+        Uuid::new_v4(),
+        "wt".into(),
+        Policy::Wt,
+        Tuning::default(),
+        Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4))),
+        Some(host.clone()),
+    )
+    .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        wt.write(0, Bytes::from(vec![7u8; (2 * SEG) as usize]), false),
+    )
+    .await
+    .expect("a wt write hung")
+    .expect("a wt write failed for want of cache room");
+    assert!(store.image()[..(2 * SEG) as usize].iter().all(|b| *b == 7));
     for (i, v) in vols.iter().enumerate() {
         tokio::time::timeout(
             Duration::from_secs(10),
@@ -682,4 +708,78 @@ async fn two_volumes_writing_more_than_half_the_log_at_once_never_deadlock() {
         assert!(got.iter().all(|b| *b == (3 * 16 + i + 1) as u8));
     }
     destager.abort();
+}
+
+/// A large write in flight on one volume, small writes of the same volume completing their
+/// appends behind it (staged above its `ser`, so not destageable until it completes), and
+/// another volume's large write, on a log a third volume's slow dirty data fills first: all
+/// complete. The staged small writes keep their host budget until the large write before
+/// them completes; released at staging, the budget could admit the other volume's write into
+/// room they still hold, and both large writes would wait for room forever. (That
+/// interleaving was found by reading the code; this test has not produced it either way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_writes_and_small_ones_staged_behind_them_all_complete_on_a_full_log() {
+    for round in 0..10u64 {
+        let cache = Arc::new(SimDevice::new((1 << 20) + 24 * SEG));
+        let host = CacheHost::open(cache, SEG).unwrap();
+        let stores: Vec<Arc<MemDevice>> = (0..3).map(|_| Arc::new(MemDevice::new(VOL))).collect();
+        stores[2].set_write_delay(Some(Duration::from_millis(20)));
+        let (a, b, c) = (
+            wb_volume(&host, &stores[0], Tuning::default()),
+            wb_volume(&host, &stores[1], Tuning::default()),
+            wb_volume(&host, &stores[2], Tuning::default()),
+        );
+        host.finish_recovery(&[]).unwrap();
+        let destager = {
+            let h = host.clone();
+            tokio::spawn(async move { h.run_destager(|| false).await })
+        };
+        // c: as much dirty data as its share takes, slow to leave.
+        for i in 0..12u64 {
+            c.write(i * 32768, Bytes::from(vec![9u8; 32768]), false)
+                .await
+                .unwrap();
+        }
+        let mut tasks = Vec::new();
+        {
+            let b = b.clone();
+            tasks.push(tokio::spawn(async move {
+                b.write(0, Bytes::from(vec![1u8; (4 * SEG) as usize]), false)
+                    .await
+                    .unwrap();
+            }));
+        }
+        // The small writes get their sers after the large one's.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        for i in 0..40u64 {
+            let b = b.clone();
+            tasks.push(tokio::spawn(async move {
+                let at = (1 << 20) + i * 4096;
+                b.write(at, Bytes::from(vec![2u8; 4096]), false)
+                    .await
+                    .unwrap();
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        {
+            let a = a.clone();
+            tasks.push(tokio::spawn(async move {
+                a.write(0, Bytes::from(vec![3u8; (10 * SEG) as usize]), false)
+                    .await
+                    .unwrap();
+            }));
+        }
+        tokio::time::timeout(Duration::from_secs(30), async {
+            for t in tasks {
+                t.await.unwrap();
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: the writes waited for room forever"));
+        let got = a.read(0, (10 * SEG) as u32).await.unwrap();
+        assert!(got.iter().all(|x| *x == 3));
+        let got = b.read(0, (4 * SEG) as u32).await.unwrap();
+        assert!(got.iter().all(|x| *x == 1));
+        destager.abort();
+    }
 }
