@@ -18,7 +18,9 @@ use std::path::PathBuf;
 use balance::{workload, Constants, Pod, RecentMove};
 use vesta_api as api;
 
-use crate::daemon::{Daemon, OpError, OpResult};
+use std::sync::Arc;
+
+use crate::daemon::{Daemon, OpError, OpResult, VolumeEntry};
 use crate::stats::{PublishedVolume, VolumesDoc};
 use cluster::StatsDoc;
 
@@ -98,7 +100,11 @@ fn median(v: Vec<f64>) -> f64 {
 
 /// The workload models of the volumes this host serves, from its own history.
 pub fn own_volumes(d: &Daemon) -> Vec<PublishedVolume> {
-    let entries = d.entries();
+    volume_models(d, &d.entries())
+}
+
+/// The workload models of `entries`, in their order.
+fn volume_models(d: &Daemon, entries: &[Arc<VolumeEntry>]) -> Vec<PublishedVolume> {
     let sampler = d.sampler.lock().expect("lock");
     entries
         .iter()
@@ -214,7 +220,8 @@ pub async fn inputs(d: &Daemon) -> Inputs {
     let (k, constants_from) = constants(d);
     let entries = d.entries();
     let mut notes = Vec::new();
-    let own = own_volumes(d);
+    // The same entries throughout: `volumes` and `open` below are zipped by position.
+    let own = volume_models(d, &entries);
     let foreign = foreign_volumes(d, &mut notes).await;
     let model = |v: &PublishedVolume, host: Option<String>| api::VolumeModel {
         name: v.name.clone(),

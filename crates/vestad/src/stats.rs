@@ -246,14 +246,17 @@ impl Sampler {
         }
     }
 
-    /// Appends the pod's intervals not seen yet to each datastore's history.
+    /// Appends the pod's intervals not seen yet to each datastore's history. Intervals
+    /// ahead of this host's clock by more than a few are left out: one host whose clock
+    /// jumped ahead must not make every later real interval look old.
     pub fn merge_pod(&mut self, pod: &PodDoc) {
         let cap = self.history;
+        let horizon = self.through + MAX_LAG;
         for (ds, series) in &pod.datastores {
             let q = self.datastores.entry(ds.clone()).or_default();
             let last = q.back().map(|(t, _)| *t);
             for (t, s) in &series.samples {
-                if last.is_none_or(|l| *t > l) {
+                if last.is_none_or(|l| *t > l) && *t <= horizon {
                     push_bounded(q, (*t, *s), cap);
                 }
             }
@@ -416,14 +419,25 @@ async fn exchange_round(d: &Daemon, volumes: bool) -> anyhow::Result<()> {
     }
     if coord.stats_aggregator().await? {
         let docs = coord.stats(StatsDoc::Devices).await?;
-        let pod = combine(coord.host(), interval_s, &docs);
+        let pod = combine(coord.host(), interval_s, doc.through, &docs);
         match coord.put_pod_stats(serde_json::to_vec(&pod)?).await {
             Ok(()) | Err(cluster::Error::NotHeld(_)) => {} // lost the role meanwhile
             Err(e) => return Err(e.into()),
         }
     }
     if let Some(raw) = coord.pod_stats().await? {
-        match serde_json::from_slice::<PodDoc>(&raw) {
+        let pod = serde_json::from_slice::<PodDoc>(&raw);
+        if !matches!(&pod, Ok(p) if p.version == DOC_VERSION && p.interval_s == interval_s) {
+            // This host's own intervals at least, as if it were alone.
+            let own = combine(
+                coord.host(),
+                interval_s,
+                doc.through,
+                &[(coord.host().to_string(), serde_json::to_vec(&doc)?)],
+            );
+            d.sampler.lock().expect("lock").merge_pod(&own);
+        }
+        match pod {
             Ok(pod) if pod.version == DOC_VERSION && pod.interval_s == interval_s => {
                 d.sampler.lock().expect("lock").merge_pod(&pod)
             }
@@ -442,18 +456,29 @@ async fn exchange_round(d: &Daemon, volumes: bool) -> anyhow::Result<()> {
 }
 
 /// The pod's document from every host's: each datastore's series combined. Documents of
-/// another version or interval length are left out (and said once).
-fn combine(aggregator: &str, interval_s: f64, docs: &[(String, Vec<u8>)]) -> PodDoc {
+/// another version or interval length, or ahead of the aggregator's clock (`now`, its last
+/// interval) by more than a few intervals, are left out (and said once).
+fn combine(aggregator: &str, interval_s: f64, now: u64, docs: &[(String, Vec<u8>)]) -> PodDoc {
     static SAID: AtomicBool = AtomicBool::new(false);
     let mut per_ds: BTreeMap<String, Vec<HostSeries>> = BTreeMap::new();
     for (host, raw) in docs {
         let doc = match serde_json::from_slice::<DevicesDoc>(raw) {
-            Ok(doc) if doc.version == DOC_VERSION && doc.interval_s == interval_s => doc,
+            Ok(doc)
+                if doc.version == DOC_VERSION
+                    && doc.interval_s == interval_s
+                    && doc.through <= now + MAX_LAG =>
+            {
+                doc
+            }
             other => {
                 if !SAID.swap(true, Ordering::Relaxed) {
                     tracing::warn!(
                         "statistics of host {host} left out of the pod's: {}",
                         match other {
+                            Ok(doc) if doc.through > now + MAX_LAG => format!(
+                                "its clock is ahead of this host's by {} intervals",
+                                doc.through - now
+                            ),
                             Ok(doc) => format!(
                                 "version {} with {} s intervals, this host uses version \
                                  {DOC_VERSION} with {interval_s} s",
@@ -537,7 +562,8 @@ mod tests {
     /// One host's round of the exchange, as with the `local` coordinator.
     fn alone(s: &mut Sampler) {
         let doc = serde_json::to_vec(&s.devices_doc()).unwrap();
-        s.merge_pod(&combine("h", 2.0, &[("h".into(), doc)]));
+        let now = s.through;
+        s.merge_pod(&combine("h", 2.0, now, &[("h".into(), doc)]));
     }
 
     /// A datastore sample with `oio` outstanding reads.
@@ -575,7 +601,8 @@ mod tests {
             ("a".to_string(), doc(11, &[(10, 1.0), (11, 1.0)])),
             ("b".to_string(), doc(10, &[(10, 3.0)])),
         ];
-        let pod = combine("a", 2.0, &docs);
+        s.through = 11;
+        let pod = combine("a", 2.0, 11, &docs);
         s.merge_pod(&pod);
         assert_eq!(
             s.datastore_history("d")
@@ -591,7 +618,8 @@ mod tests {
             ("a".to_string(), doc(12, &[(10, 1.0), (11, 1.0), (12, 2.0)])),
             ("b".to_string(), doc(12, &[(10, 3.0), (11, 5.0), (12, 2.0)])),
         ];
-        s.merge_pod(&combine("a", 2.0, &docs));
+        s.through = 12;
+        s.merge_pod(&combine("a", 2.0, 12, &docs));
         assert_eq!(
             s.datastore_history("d")
                 .iter()
@@ -606,9 +634,40 @@ mod tests {
             ("a".to_string(), doc(13, &[(13, 1.0)])),
             ("c".to_string(), serde_json::to_vec(&odd).unwrap()),
         ];
-        let pod = combine("a", 2.0, &docs);
+        let pod = combine("a", 2.0, 13, &docs);
         assert_eq!(pod.datastores["d"].hosts, ["a"]);
         assert_eq!(pod.datastores["d"].samples[0].1.read_oio, 1.0);
+        // A host whose clock ran a day ahead is left out by the aggregator, and a pod
+        // document carrying such an interval does not make later real ones look old.
+        let docs = vec![
+            ("a".to_string(), doc(14, &[(14, 1.0)])),
+            ("z".to_string(), doc(14 + 43_200, &[(14 + 43_200, 7.0)])),
+        ];
+        let pod = combine("a", 2.0, 14, &docs);
+        assert_eq!(pod.datastores["d"].hosts, ["a"]);
+        let mut ahead = pod.clone();
+        ahead
+            .datastores
+            .get_mut("d")
+            .unwrap()
+            .samples
+            .push((14 + 43_200, busy(7.0)));
+        s.through = 14;
+        s.merge_pod(&ahead);
+        s.through = 15;
+        s.merge_pod(&combine(
+            "a",
+            2.0,
+            15,
+            &[("a".to_string(), doc(15, &[(15, 2.0)]))],
+        ));
+        assert_eq!(
+            s.datastore_history("d")
+                .iter()
+                .map(|x| x.read_oio)
+                .collect::<Vec<_>>(),
+            [4.0, 6.0, 4.0, 1.0, 2.0]
+        );
     }
 
     #[test]
