@@ -478,8 +478,9 @@ struct Shared {
 /// more than the log), and a write larger than its volume's stall limit is admitted alone
 /// on its volume. Writes of several volumes at once could then together need more of the
 /// log than it has, each append parts and wait, with them pinned, for space only the
-/// others could free: forever. So every write also takes its log space from a host-wide
-/// budget, first come first served, which the writes in flight can always have at once.
+/// others could free: forever. So every `wb` write also takes its log space from a host-wide
+/// budget, first come first served, and keeps it until it can be destaged ([`HostCharge`]):
+/// the writes that cannot be freed yet can always have their room at once.
 #[derive(Default)]
 struct HostAdmission {
     /// Log bytes the admitted writes may still take.
