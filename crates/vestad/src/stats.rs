@@ -393,8 +393,9 @@ pub async fn exchange(d: &Daemon, volumes: bool) {
         Err(e) => {
             if !FAILING.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
-                    "statistics exchange through the coordinator failed: {e}; device models \
-                     miss the other hosts' IO until it works again"
+                    "statistics exchange through the coordinator failed: {e}; the device \
+                     models take no new intervals until it works again (up to {PUBLISH_WINDOW} \
+                     missed ones are caught up then)"
                 );
             }
         }
