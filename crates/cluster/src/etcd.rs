@@ -196,6 +196,16 @@ impl EtcdCoordinator {
         }
     }
 
+    /// Runs a transaction; whether its comparisons held.
+    async fn txn_held(&self, txn: Txn) -> Result<bool> {
+        let mut kv = self.client.kv_client();
+        Ok(kv
+            .txn(txn)
+            .await
+            .map_err(|e| self.unavailable(e))?
+            .succeeded())
+    }
+
     async fn get_json<T: serde::de::DeserializeOwned>(&self, key: String) -> Result<Option<T>> {
         let mut kv = self.client.kv_client();
         let r = kv
@@ -298,6 +308,23 @@ async fn take_lock(
     volume: Uuid,
 ) -> std::result::Result<(), Reg> {
     let key = format!("{prefix}/vault-locks/{volume}");
+    match take_key(client, key, name, lease).await? {
+        None => Ok(()),
+        Some(holder) => Err(Reg::Taken(format!(
+            "volume {volume}'s vault lock is held by host {holder:?}"
+        ))),
+    }
+}
+
+/// Takes `key`, bound to `lease` with this host's `name` as its value, or adopts it from an
+/// earlier incarnation of this host (same name, another lease). `Some(holder)` if another
+/// host holds it.
+async fn take_key(
+    client: &Client,
+    key: String,
+    name: &str,
+    lease: i64,
+) -> std::result::Result<Option<String>, etcd_client::Error> {
     let mut kv = client.kv_client();
     loop {
         let txn = Txn::new()
@@ -310,19 +337,17 @@ async fn take_lock(
             .or_else([TxnOp::get(key.clone(), None)]);
         let r = kv.txn(txn).await?;
         if r.succeeded() {
-            return Ok(());
+            return Ok(None);
         }
         let Some(cur) = first_get(&r.op_responses()) else {
             continue; // released between the compare and the get: try again
         };
         let holder = String::from_utf8_lossy(cur.value()).into_owned();
         if holder != name {
-            return Err(Reg::Taken(format!(
-                "volume {volume}'s vault lock is held by host {holder:?}"
-            )));
+            return Ok(Some(holder));
         }
         if cur.lease() == lease {
-            return Ok(());
+            return Ok(None);
         }
         // An earlier incarnation of this host: adopt, unless it changed meanwhile.
         let txn = Txn::new()
@@ -337,7 +362,7 @@ async fn take_lock(
                 Some(PutOptions::new().with_lease(lease)),
             )]);
         if kv.txn(txn).await?.succeeded() {
-            return Ok(());
+            return Ok(None);
         }
     }
 }
@@ -479,13 +504,7 @@ impl Coordinator for EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, json(&d), None)]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::Exists(format!(
@@ -500,13 +519,7 @@ impl Coordinator for EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Greater, 0)])
             .and_then([TxnOp::put(key, json(&d), None)]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::NotFound(format!("no datastore named {:?}", d.name)))
@@ -518,13 +531,7 @@ impl Coordinator for EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key, json(&v), None)]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::Exists(format!(
@@ -548,13 +555,7 @@ impl Coordinator for EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::value(key.clone(), CompareOp::Equal, json(&cur))])
             .and_then([TxnOp::put(key, json(&v), None)]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::Unavailable(format!(
@@ -578,13 +579,7 @@ impl Coordinator for EtcdCoordinator {
                 TxnOp::delete(self.key("vaults", &id), None),
                 TxnOp::delete(self.key("vault-locks", &id), None),
             ]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             self.session.held.lock().expect("lock").remove(&cur.id);
             Ok(())
         } else {
@@ -685,13 +680,7 @@ impl Coordinator for EtcdCoordinator {
         let txn = Txn::new()
             .when([Compare::lease(lock, CompareOp::Equal, self.lease())])
             .and_then([TxnOp::put(self.key("vaults", &id), json(v), None)]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::NotHeld(format!(
@@ -767,46 +756,10 @@ impl Coordinator for EtcdCoordinator {
 
     async fn stats_aggregator(&self) -> Result<bool> {
         let key = self.key("stats", "aggregator");
-        let lease = self.lease();
-        let mut kv = self.client.kv_client();
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(
-                key.clone(),
-                self.name.as_str(),
-                Some(PutOptions::new().with_lease(lease)),
-            )])
-            .or_else([TxnOp::get(key.clone(), None)]);
-        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
-        if r.succeeded() {
-            return Ok(true);
-        }
-        let Some(cur) = first_get(&r.op_responses()) else {
-            return Ok(false); // gone between the compare and the get: the next round
-        };
-        if cur.value() != self.name.as_bytes() {
-            return Ok(false);
-        }
-        if cur.lease() == lease {
-            return Ok(true);
-        }
-        // An earlier incarnation of this host (or this one before a lost lease): adopt it.
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                key.clone(),
-                CompareOp::Equal,
-                cur.mod_revision(),
-            )])
-            .and_then([TxnOp::put(
-                key,
-                self.name.as_str(),
-                Some(PutOptions::new().with_lease(lease)),
-            )]);
-        Ok(kv
-            .txn(txn)
+        take_key(&self.client, key, &self.name, self.lease())
             .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded())
+            .map(|holder| holder.is_none())
+            .map_err(|e| self.unavailable(e))
     }
 
     async fn put_pod_stats(&self, doc: Vec<u8>) -> Result<()> {
@@ -822,13 +775,7 @@ impl Coordinator for EtcdCoordinator {
                 doc,
                 Some(PutOptions::new().with_lease(lease)),
             )]);
-        let mut kv = self.client.kv_client();
-        if kv
-            .txn(txn)
-            .await
-            .map_err(|e| self.unavailable(e))?
-            .succeeded()
-        {
+        if self.txn_held(txn).await? {
             Ok(())
         } else {
             Err(Error::NotHeld(format!(
