@@ -17,6 +17,34 @@ use uuid::Uuid;
 const SEG: u64 = 64 << 10;
 const VOL: u64 = 4 << 20;
 
+/// The host's destager, running until the test aborts it.
+fn destager(host: &Arc<CacheHost>) -> tokio::task::JoinHandle<()> {
+    let h = host.clone();
+    tokio::spawn(async move { h.run_destager(|| false).await })
+}
+
+/// Waits for `tasks`, failing with `what` if they take longer than `secs`.
+async fn join_within(tasks: Vec<tokio::task::JoinHandle<()>>, secs: u64, what: &str) {
+    tokio::time::timeout(Duration::from_secs(secs), async {
+        for t in tasks {
+            t.await.unwrap();
+        }
+    })
+    .await
+    .expect(what);
+}
+
+/// Waits until the volume has nothing dirty, at most `secs`.
+async fn wait_clean(c: &engine::cache::VolCache, secs: u64) {
+    tokio::time::timeout(Duration::from_secs(secs), async {
+        while !c.clean() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("the destager never caught up");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_cache_throttles_and_evicts_but_never_hangs() {
     // Twelve segments in all: a handful per volume.
@@ -41,10 +69,7 @@ async fn a_full_cache_throttles_and_evicts_but_never_hangs() {
     store_b.set_write_delay(Some(Duration::from_millis(1)));
     let a = open(&store_a, "a");
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     // a fills the cache with read-cache data (fills of everything it reads).
     for off in (0..VOL).step_by(64 << 10) {
         a.read(off, 64 << 10).await.unwrap();
@@ -72,13 +97,7 @@ async fn a_full_cache_throttles_and_evicts_but_never_hangs() {
         .expect("writes hung on a full cache");
     // Everything reaches the datastore, which then equals what b reads.
     let c = b.cache().unwrap();
-    tokio::time::timeout(Duration::from_secs(120), async {
-        while !c.clean() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the destager never caught up");
+    wait_clean(&c, 120).await;
     let got = b.read(0, VOL as u32).await.unwrap();
     assert!(
         got[..] == store_b.image()[..],
@@ -108,10 +127,7 @@ async fn a_log_full_of_clean_data_takes_writes_without_waiting() {
     )
     .unwrap();
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let c = v.cache().unwrap();
     // Each write takes five segments (four segments' worth of data, and headers), so it
     // needs more than the log has free: from the second round of the log on, most segments it
@@ -121,13 +137,7 @@ async fn a_log_full_of_clean_data_takes_writes_without_waiting() {
     for i in 0..N {
         let data = Bytes::from(vec![i as u8 + 1; W as usize]);
         v.write(i * W % VOL, data, false).await.unwrap();
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while !c.clean() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the destager never caught up");
+        wait_clean(&c, 30).await;
     }
     let r = c.report();
     assert_eq!(
@@ -176,10 +186,7 @@ async fn concurrent_large_writes_on_a_full_log_never_wait_on_each_other() {
         .unwrap(),
     );
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let c = v.cache().unwrap();
     const W: u64 = 2 * SEG;
     for round in 0..8u64 {
@@ -199,13 +206,7 @@ async fn concurrent_large_writes_on_a_full_log_never_wait_on_each_other() {
         })
         .await
         .unwrap_or_else(|_| panic!("round {round}: writes hung on a log full of clean data"));
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while !c.clean() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the destager never caught up");
+        wait_clean(&c, 30).await;
     }
     let got = v.read(0, (4 * W) as u32).await.unwrap();
     for w in 0..4u64 {
@@ -239,10 +240,7 @@ async fn more_large_writes_in_flight_than_the_log_holds_never_deadlock() {
         .unwrap(),
     );
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     const W: u64 = 2 * SEG;
     const WRITERS: u64 = 8;
     let writers: Vec<_> = (0..WRITERS)
@@ -256,21 +254,9 @@ async fn more_large_writes_in_flight_than_the_log_holds_never_deadlock() {
             })
         })
         .collect();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        for t in writers {
-            t.await.unwrap();
-        }
-    })
-    .await
-    .expect("large writes deadlocked on a small log");
+    join_within(writers, 60, "large writes deadlocked on a small log").await;
     let c = v.cache().unwrap();
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while !c.clean() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("the destager never caught up");
+    wait_clean(&c, 30).await;
     let got = v.read(0, (WRITERS * W) as u32).await.unwrap();
     let image = store.image();
     for w in 0..WRITERS {
@@ -310,10 +296,7 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     )
     .unwrap();
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let other = Uuid::new_v4();
     host.replica_open("owner", other, 1, 0).unwrap();
     // The owner never checkpoints: its writes come until this host refuses one.
@@ -402,10 +385,7 @@ async fn stalled_writers_release_a_held_window() {
     };
     let v = wb_volume(&host, &store, held);
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     const W: u64 = 1536 << 10;
     const WRITERS: u64 = 2;
     const ROUNDS: u64 = 3;
@@ -420,13 +400,7 @@ async fn stalled_writers_release_a_held_window() {
             })
         })
         .collect();
-    tokio::time::timeout(Duration::from_secs(30), async {
-        for t in writers {
-            t.await.unwrap();
-        }
-    })
-    .await
-    .expect("stalled writers waited for the hold time");
+    join_within(writers, 30, "stalled writers waited for the hold time").await;
     let c = v.cache().unwrap();
     assert!(c.report().stalls > 0, "the writes never stalled: no test");
     let got = v.read(0, (WRITERS * W) as u32).await.unwrap();
@@ -452,10 +426,7 @@ async fn a_large_trim_is_admitted_among_steady_writes() {
     store.set_write_delay(Some(Duration::from_millis(1)));
     let v = wb_volume(&host, &store, Tuning::default());
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writers: Vec<_> = (0..4u64)
         .map(|w| {
@@ -484,13 +455,7 @@ async fn a_large_trim_is_admitted_among_steady_writes() {
         .unwrap();
     // Whatever the order, the datastore ends equal to the volume.
     let c = v.cache().unwrap();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        while !c.clean() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the destager never caught up");
+    wait_clean(&c, 60).await;
     let got = v.read(0, VOL as u32).await.unwrap();
     assert!(
         got[..] == store.image()[..],
@@ -550,10 +515,7 @@ async fn many_volumes_writing_large_writes_on_a_small_log_never_deadlock() {
         .map(|s| wb_volume(&host, s, Tuning::default()))
         .collect();
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let writers: Vec<_> = vols
         .iter()
         .enumerate()
@@ -567,13 +529,12 @@ async fn many_volumes_writing_large_writes_on_a_small_log_never_deadlock() {
             })
         })
         .collect();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        for t in writers {
-            t.await.unwrap();
-        }
-    })
-    .await
-    .expect("writes of many volumes deadlocked on a small log");
+    join_within(
+        writers,
+        60,
+        "writes of many volumes deadlocked on a small log",
+    )
+    .await;
     for (i, (v, store)) in vols.iter().zip(&stores).enumerate() {
         let got = v.read(0, (2 * W) as u32).await.unwrap();
         assert!(got[..W as usize]
@@ -583,13 +544,7 @@ async fn many_volumes_writing_large_writes_on_a_small_log_never_deadlock() {
             .iter()
             .all(|b| *b == (5 * 16 + i + 1) as u8));
         let c = v.cache().unwrap();
-        tokio::time::timeout(Duration::from_secs(30), async {
-            while !c.clean() {
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        })
-        .await
-        .expect("the destager never caught up");
+        wait_clean(&c, 30).await;
         assert!(
             store.image()[..(2 * W) as usize] == got[..],
             "volume {i}'s datastore"
@@ -610,10 +565,7 @@ async fn a_write_larger_than_the_log_can_give_fails_clearly_and_small_ones_go_on
         .map(|s| wb_volume(&host, s, Tuning::default()))
         .collect();
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     // Each volume writes once, and keeps the segment it wrote to as its current one.
     for (i, v) in vols.iter().enumerate() {
         v.write(8192, Bytes::from(vec![i as u8 + 1; 4096]), true)
@@ -679,10 +631,7 @@ async fn two_volumes_writing_more_than_half_the_log_at_once_never_deadlock() {
         .map(|s| wb_volume(&host, s, Tuning::default()))
         .collect();
     host.finish_recovery(&[]).unwrap();
-    let destager = {
-        let h = host.clone();
-        tokio::spawn(async move { h.run_destager(|| false).await })
-    };
+    let destager = destager(&host);
     let writers: Vec<_> = vols
         .iter()
         .enumerate()
@@ -696,13 +645,7 @@ async fn two_volumes_writing_more_than_half_the_log_at_once_never_deadlock() {
             })
         })
         .collect();
-    tokio::time::timeout(Duration::from_secs(60), async {
-        for t in writers {
-            t.await.unwrap();
-        }
-    })
-    .await
-    .expect("two volumes' large writes deadlocked");
+    join_within(writers, 60, "two volumes' large writes deadlocked").await;
     for (i, v) in vols.iter().enumerate() {
         let got = v.read(0, W as u32).await.unwrap();
         assert!(got.iter().all(|b| *b == (3 * 16 + i + 1) as u8));
@@ -730,10 +673,7 @@ async fn large_writes_and_small_ones_staged_behind_them_all_complete_on_a_full_l
             wb_volume(&host, &stores[2], Tuning::default()),
         );
         host.finish_recovery(&[]).unwrap();
-        let destager = {
-            let h = host.clone();
-            tokio::spawn(async move { h.run_destager(|| false).await })
-        };
+        let destager = destager(&host);
         // c: as much dirty data as its share takes, slow to leave.
         for i in 0..12u64 {
             c.write(i * 32768, Bytes::from(vec![9u8; 32768]), false)

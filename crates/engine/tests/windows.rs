@@ -32,44 +32,21 @@ impl Rig {
     fn open(cache_bytes: u64, vol_bytes: u64, depth: u32, hold_s: f64) -> Rig {
         let cache = Arc::new(SimDevice::new(cache_bytes));
         let store = Arc::new(MemDevice::new(vol_bytes));
-        let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
-        let extent = Extent::new(store.clone(), 0, vol_bytes, Arc::new(Gate::new(depth)));
-        let vol = Volume::open(
-            Uuid::new_v4(),
-            "w".into(),
-            Policy::Wb,
-            Tuning {
-                hold_s: Some(hold_s),
-                ..Tuning::default()
-            },
-            extent,
-            Some(host.clone()),
-        )
-        .expect("open volume");
-        host.finish_recovery(&[]).expect("finish recovery");
-        Rig {
-            cache,
-            store,
-            host,
-            vol,
-            writes: Vec::new(),
-        }
+        Rig::start(cache, store, Uuid::new_v4(), depth, hold_s, Vec::new())
     }
 
-    /// The host stops without destaging (a crash after a flush) and starts again on the same
-    /// cache device, the volume held for `hold_s`: it replays what the log holds.
-    fn restart(self, hold_s: f64) -> Rig {
-        let Rig {
-            cache,
-            store,
-            vol,
-            writes,
-            ..
-        } = self;
-        let (id, size) = (vol.id(), store.image().len() as u64);
-        drop(vol);
+    /// A host on `cache` with volume `id` on `store`, held for `hold_s`, recovered.
+    fn start(
+        cache: Arc<SimDevice>,
+        store: Arc<MemDevice>,
+        id: Uuid,
+        depth: u32,
+        hold_s: f64,
+        writes: Vec<(u64, Vec<u8>)>,
+    ) -> Rig {
         let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
-        let extent = Extent::new(store.clone(), 0, size, Arc::new(Gate::new(4)));
+        let size = store.image().len() as u64;
+        let extent = Extent::new(store.clone(), 0, size, Arc::new(Gate::new(depth)));
         let vol = Volume::open(
             id,
             "w".into(),
@@ -90,6 +67,21 @@ impl Rig {
             vol,
             writes,
         }
+    }
+
+    /// The host stops without destaging (a crash after a flush) and starts again on the same
+    /// cache device, the volume held for `hold_s`: it replays what the log holds.
+    fn restart(self, hold_s: f64) -> Rig {
+        let Rig {
+            cache,
+            store,
+            vol,
+            writes,
+            ..
+        } = self;
+        let id = vol.id();
+        drop(vol);
+        Rig::start(cache, store, id, 4, hold_s, writes)
     }
 
     async fn write(&mut self, offset: u64, data: Vec<u8>) {
