@@ -1457,21 +1457,23 @@ impl VolCache {
                     None => a.waiting.is_empty(),
                     Some(t) => a.waiting.front() == Some(&t.id),
                 };
-                // Alone, a write has every segment but the reserve and the other owners'
-                // current ones, its own current one included (only its unused bytes count).
-                let (others, own) = sh.log.current_segments(self.id);
-                let alone =
-                    sh.log_budget(others as u64 + u64::from(own.is_some())) + own.unwrap_or(0);
-                if first && a.reserved == 0 && need > alone {
-                    let sb = sh.log.superblock();
-                    return Err(Error::Cache(format!(
-                        "a write of {len} bytes needs more of the cache log than it can give \
-                         one write ({} of {} segments of {} bytes, the rest held by {owners} \
-                         cached volumes); make the cache larger",
-                        alone / sb.segment_size,
-                        sb.segment_count,
-                        sb.segment_size
-                    )));
+                if first && a.reserved == 0 {
+                    // Alone, a write has every segment but the reserve and the other owners'
+                    // current ones, its own current one included (only its unused bytes).
+                    let (others, own) = sh.log.current_segments(self.id);
+                    let alone =
+                        sh.log_budget(others as u64 + u64::from(own.is_some())) + own.unwrap_or(0);
+                    if need > alone {
+                        let sb = sh.log.superblock();
+                        return Err(Error::Cache(format!(
+                            "a write of {len} bytes needs more of the cache log than it can \
+                             give one write ({} of {} segments of {} bytes, the rest held by \
+                             {owners} cached volumes); make the cache larger",
+                            alone / sb.segment_size,
+                            sb.segment_count,
+                            sb.segment_size
+                        )));
+                    }
                 }
                 if first && (a.reserved == 0 || a.reserved + need <= sh.log_budget(owners)) {
                     a.reserved += need;
