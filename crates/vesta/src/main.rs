@@ -462,8 +462,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 max_dirty_age_s: tuning.max_dirty_age,
                 rpo_s: tuning.rpo,
             };
-            // Leaving write-back drains dirty data first, which can take a while: say so.
-            if !cli.json && req.policy != "wb" && !req.policy.starts_with("wbp") {
+            // Leaving write-back drains dirty data first, which can take a while: say so
+            // (only for the policies that do; a misspelt one is refused at once).
+            if !cli.json && matches!(req.policy.as_str(), "uncached" | "wt") {
                 eprintln!("changing the policy of {name} (dirty data destages first)…");
             }
             let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{name}/policy"), &req)?;
