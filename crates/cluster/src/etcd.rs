@@ -794,6 +794,29 @@ impl Coordinator for EtcdCoordinator {
         Ok(r.kvs().first().map(|x| x.value().to_vec()))
     }
 
+    async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]> {
+        // Not bound to a lease: the key outlives every host. Whoever asks first stores
+        // theirs; everyone reads back what is stored.
+        let key = format!("{}/peer-key", self.prefix);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), fresh.to_vec(), None)]);
+        self.txn_held(txn).await?;
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(key.clone(), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let stored = r.kvs().first().map(|x| x.value()).unwrap_or_default();
+        stored.try_into().map_err(|_| Error::Corrupt {
+            path: format!("etcd key {key}"),
+            msg: format!(
+                "{} bytes, not a 32-byte peer key; delete it and restart every host of the pod",
+                stored.len()
+            ),
+        })
+    }
+
     async fn shutdown(&self) {
         self.leave().await
     }

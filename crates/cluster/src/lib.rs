@@ -110,6 +110,11 @@ pub trait Coordinator: Send + Sync + 'static {
     /// The pod's combined statistics, if an aggregator has published them.
     async fn pod_stats(&self) -> Result<Option<Vec<u8>>>;
 
+    /// The pod's peer key, which hosts prove they know before they take each other's wbp
+    /// writes (DESIGN §4). `fresh` (random bytes) becomes the key if the pod has none yet;
+    /// every host then gets the first one stored.
+    async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]>;
+
     /// Leaves the cluster at a clean stop (this host shows as down at once).
     async fn shutdown(&self) {}
 }

@@ -43,6 +43,8 @@ pub struct LocalCoordinator {
     /// Statistics documents live as long as the process, like a lease-bound key.
     stats: std::sync::Mutex<std::collections::HashMap<StatsDoc, Vec<u8>>>,
     pod_stats: std::sync::Mutex<Option<Vec<u8>>>,
+    /// A single host has no peers; the key only has to stay the same while it runs.
+    peer_key: std::sync::OnceLock<[u8; 32]>,
 }
 
 impl LocalCoordinator {
@@ -98,6 +100,7 @@ impl LocalCoordinator {
             fence: Arc::new(Fence::open()),
             stats: Default::default(),
             pod_stats: Default::default(),
+            peer_key: Default::default(),
         })
     }
 
@@ -302,6 +305,10 @@ impl Coordinator for LocalCoordinator {
 
     async fn pod_stats(&self) -> Result<Option<Vec<u8>>> {
         Ok(self.pod_stats.lock().expect("lock").clone())
+    }
+
+    async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]> {
+        Ok(*self.peer_key.get_or_init(|| fresh))
     }
 }
 

@@ -14,17 +14,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Notify, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::wire::{self, Body, Msg, Status, HEADER_LEN};
+use crate::auth::{self, Exchange, Key, Role, PROOF_LEN};
+use crate::wire::{self, Body, Msg, Status, HANDSHAKE_BODY_MAX, HEADER_LEN};
 
 /// Longest a request may wait for its reply before the link is declared broken.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// Longest a connection attempt may take.
+/// Longest a connection attempt may take, and then its handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Bytes of requests one link keeps in flight at most.
 pub const IN_FLIGHT_BYTES: usize = 64 << 20;
@@ -34,6 +35,13 @@ const BUDGET_UNIT: usize = 4096;
 pub enum PeerError {
     #[error("peer {peer} ({addr}) unreachable: {msg}")]
     Unreachable {
+        peer: String,
+        addr: String,
+        msg: String,
+    },
+    /// The handshake failed: one side does not know the other's pod's peer key.
+    #[error("peer {peer} ({addr}) not authenticated: {msg}")]
+    Unauthenticated {
         peer: String,
         addr: String,
         msg: String,
@@ -152,20 +160,24 @@ impl Drop for Inner {
 }
 
 impl Link {
-    /// Connects to the peer `peer` at `addr` and introduces this host (`me`). Fails if the peer
-    /// cannot be reached, does not answer, or speaks another protocol version.
-    pub async fn connect(peer: &str, addr: &str, me: &str) -> Result<Link, PeerError> {
+    /// Connects to the peer `peer` at `addr` as this host (`me`); each side proves it knows
+    /// the pod's peer `key` ([`crate::auth`]). Fails if the peer cannot be reached, does not
+    /// answer, is another host, speaks another protocol version or does not know the key.
+    pub async fn connect(peer: &str, addr: &str, me: &str, key: &Key) -> Result<Link, PeerError> {
         let unreachable = |msg: String| PeerError::Unreachable {
             peer: peer.to_owned(),
             addr: addr.to_owned(),
             msg,
         };
-        let s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+        let mut s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
             .await
             .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
             .map_err(|e| unreachable(e.to_string()))?;
         s.set_nodelay(true)
             .map_err(|e| unreachable(e.to_string()))?;
+        tokio::time::timeout(CONNECT_TIMEOUT, handshake(&mut s, peer, addr, me, key))
+            .await
+            .map_err(|_| unreachable(format!("no handshake within {CONNECT_TIMEOUT:?}")))??;
         let (rd, wr) = s.into_split();
         let out = Arc::new(Out {
             wr,
@@ -185,23 +197,7 @@ impl Link {
         let writer = tokio::spawn(flush_loop(out, weak.clone()));
         let reader = tokio::spawn(read_loop(rd, weak));
         inner.tasks.lock().expect("lock").extend([writer, reader]);
-        let link = Link { inner };
-        let name = link
-            .request(
-                Msg::Hello {
-                    host: me.to_owned(),
-                },
-                0,
-            )
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        if name != peer {
-            link.inner.fail("wrong host".into());
-            return Err(unreachable(format!(
-                "the host at {addr} is {name:?}, not {peer:?}"
-            )));
-        }
-        Ok(link)
+        Ok(Link { inner })
     }
 
     pub fn peer(&self) -> &str {
@@ -330,6 +326,83 @@ impl Link {
     pub async fn drop_replicas(&self, volume: uuid::Uuid, gen: u64) -> Result<(), PeerError> {
         self.request(Msg::Drop { volume, gen }, 0).await.map(drop)
     }
+}
+
+/// The owner's side of the handshake ([`crate::auth`]) on a new connection to `peer`.
+async fn handshake(
+    s: &mut TcpStream,
+    peer: &str,
+    addr: &str,
+    me: &str,
+    key: &Key,
+) -> Result<(), PeerError> {
+    let unreachable = |msg: String| PeerError::Unreachable {
+        peer: peer.to_owned(),
+        addr: addr.to_owned(),
+        msg,
+    };
+    let refused = |msg: String| PeerError::Unauthenticated {
+        peer: peer.to_owned(),
+        addr: addr.to_owned(),
+        msg,
+    };
+    let owner_nonce = auth::nonce().map_err(|e| unreachable(format!("nonce: {e}")))?;
+    let hello = Msg::Hello {
+        host: me.to_owned(),
+        nonce: owner_nonce,
+        proof: [0; PROOF_LEN],
+    };
+    s.write_all(&wire::encode(0, &hello))
+        .await
+        .map_err(|e| unreachable(format!("send: {e}")))?;
+    let (name, peer_nonce, proof) = match read_small(s).await.map_err(unreachable)? {
+        Msg::Hello { host, nonce, proof } => (host, nonce, proof),
+        Msg::Reply { msg, .. } => return Err(refused(msg)),
+        _ => return Err(unreachable("answered Hello with another frame".into())),
+    };
+    if name != peer {
+        return Err(unreachable(format!(
+            "the host at {addr} is {name:?}, not {peer:?}"
+        )));
+    }
+    let x = Exchange {
+        owner: me,
+        owner_nonce: &owner_nonce,
+        peer: &name,
+        peer_nonce: &peer_nonce,
+    };
+    if !key.verify(Role::Peer, &x, &proof) {
+        return Err(refused(
+            "it did not prove it knows this pod's peer key (is it in another pod?)".into(),
+        ));
+    }
+    s.write_all(&wire::encode(0, &Msg::Proof(key.prove(Role::Owner, &x))))
+        .await
+        .map_err(|e| unreachable(format!("send: {e}")))?;
+    match read_small(s).await.map_err(unreachable)? {
+        Msg::Reply {
+            status: Status::Ok, ..
+        } => Ok(()),
+        Msg::Reply { msg, .. } => Err(refused(msg)),
+        _ => Err(unreachable("answered Proof with another frame".into())),
+    }
+}
+
+/// Reads one handshake frame (small: a stranger's large body is not read).
+async fn read_small(s: &mut TcpStream) -> Result<Msg, String> {
+    let mut head = [0u8; HEADER_LEN];
+    s.read_exact(&mut head)
+        .await
+        .map_err(|e| format!("receive: {e}"))?;
+    let h = wire::decode_head(&head).map_err(|e| e.to_string())?;
+    if h.body_len > HANDSHAKE_BODY_MAX {
+        return Err(wire::WireError::TooLong(h.body_len).to_string());
+    }
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body)
+        .await
+        .map_err(|e| format!("receive: {e}"))?;
+    wire::decode_body(&h, Bytes::from(body)).map_err(|e| e.to_string())
 }
 
 /// Most frame parts gathered into one vectored write.

@@ -4,12 +4,15 @@
 //! cache log and acknowledge; FLUSH is forwarded and completes when every peer has synced;
 //! checkpoints are forwarded so peers drop what the datastore already holds.
 //!
+//! - [`auth`]: the handshake's proofs (pure): owner and peer each show they know the pod's
+//!   peer key before a frame of data is taken.
 //! - [`wire`]: the frames (pure): a checksummed header with the protocol version, a
 //!   checksummed body. Any damage closes the connection.
 //! - [`client`]: the owner's side, a pipelined [`Link`] per peer with a byte budget.
 //! - [`server`]: the peer's side, one thread per connection applying requests in order to a
 //!   [`Sink`] (the daemon's cache log).
 
+pub mod auth;
 pub mod client;
 pub mod server;
 pub mod wire;
@@ -77,8 +80,86 @@ mod tests {
     fn start(sink: Arc<Memory>) -> String {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
-        serve(l, sink).unwrap();
+        serve(l, sink, key()).unwrap();
         addr
+    }
+
+    /// The pod's key in these tests.
+    fn key() -> auth::Key {
+        auth::Key::from_bytes([7; 32])
+    }
+
+    async fn read_msg(s: &mut tokio::net::TcpStream) -> (u64, wire::Msg) {
+        use tokio::io::AsyncReadExt;
+        let mut head = [0u8; wire::HEADER_LEN];
+        s.read_exact(&mut head).await.unwrap();
+        let h = wire::decode_head(&head).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).await.unwrap();
+        (h.seq, wire::decode_body(&h, Bytes::from(body)).unwrap())
+    }
+
+    /// The owner's side of the handshake, by hand, as `me` with `key`: the peer's final reply.
+    async fn owner_handshake(
+        s: &mut tokio::net::TcpStream,
+        me: &str,
+        key: &auth::Key,
+    ) -> wire::Msg {
+        use tokio::io::AsyncWriteExt;
+        let nonce = [1; 16];
+        let hello = wire::Msg::Hello {
+            host: me.into(),
+            nonce,
+            proof: [0; 32],
+        };
+        s.write_all(&wire::encode(0, &hello)).await.unwrap();
+        let wire::Msg::Hello {
+            host,
+            nonce: peer_nonce,
+            ..
+        } = read_msg(s).await.1
+        else {
+            panic!("no Hello back")
+        };
+        let x = auth::Exchange {
+            owner: me,
+            owner_nonce: &nonce,
+            peer: &host,
+            peer_nonce: &peer_nonce,
+        };
+        let proof = wire::Msg::Proof(key.prove(auth::Role::Owner, &x));
+        s.write_all(&wire::encode(0, &proof)).await.unwrap();
+        read_msg(s).await.1
+    }
+
+    /// The peer's side of the handshake, by hand, as `me` with `key`.
+    async fn peer_handshake(s: &mut tokio::net::TcpStream, me: &str, key: &auth::Key) {
+        use tokio::io::AsyncWriteExt;
+        let (seq, wire::Msg::Hello { host, nonce, .. }) = read_msg(s).await else {
+            panic!("no Hello")
+        };
+        let peer_nonce = [2; 16];
+        let x = auth::Exchange {
+            owner: &host,
+            owner_nonce: &nonce,
+            peer: me,
+            peer_nonce: &peer_nonce,
+        };
+        let hello = wire::Msg::Hello {
+            host: me.into(),
+            nonce: peer_nonce,
+            proof: key.prove(auth::Role::Peer, &x),
+        };
+        s.write_all(&wire::encode(seq, &hello)).await.unwrap();
+        let (seq, wire::Msg::Proof(p)) = read_msg(s).await else {
+            panic!("no Proof")
+        };
+        assert!(key.verify(auth::Role::Owner, &x, &p));
+        let ok = wire::Msg::Reply {
+            status: wire::Status::Ok,
+            msg: String::new(),
+        };
+        s.write_all(&wire::encode(seq, &ok)).await.unwrap();
     }
 
     fn w(ser: u64, byte: u8) -> WriteMsg {
@@ -206,8 +287,8 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let sink = Arc::new(Checker::default());
-        serve(l, sink.clone()).unwrap();
-        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        serve(l, sink.clone(), key()).unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
 
         // One task, two volumes' writes issued alternately: 600 in flight at once, their
         // frames interleaved on the socket.
@@ -240,7 +321,7 @@ mod tests {
     async fn pipelined_requests_are_applied_and_answered_in_order() {
         let sink = Arc::new(Memory::default());
         let addr = start(sink.clone());
-        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
         link.open(Uuid::nil(), 3, 0).await.unwrap();
         // Many writes in flight at once, made in ser order.
         let futs: Vec<_> = (1..=200u64).map(|s| link.write(w(s, s as u8))).collect();
@@ -270,7 +351,7 @@ mod tests {
     async fn refusals_come_back_as_errors_naming_the_peer() {
         let sink = Arc::new(Memory::default());
         let addr = start(sink.clone());
-        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
         link.open(Uuid::nil(), 5, 0).await.unwrap();
         let e = link.open(Uuid::nil(), 4, 0).await.unwrap_err();
         assert!(
@@ -297,16 +378,106 @@ mod tests {
     async fn a_wrong_host_or_a_dead_address_is_refused_at_connect() {
         let sink = Arc::new(Memory::default());
         let addr = start(sink);
-        let e = Link::connect("p2", &addr, "owner").await.err().unwrap();
+        let e = Link::connect("p2", &addr, "owner", &key())
+            .await
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("\"p1\", not \"p2\""), "{e}");
         let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dead_addr = dead.local_addr().unwrap().to_string();
         drop(dead);
-        let e = Link::connect("p1", &dead_addr, "owner")
+        let e = Link::connect("p1", &dead_addr, "owner", &key())
             .await
             .err()
             .unwrap();
         assert!(matches!(e, PeerError::Unreachable { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn hosts_that_do_not_know_the_pods_key_are_refused_both_ways() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let other = auth::Key::from_bytes([8; 32]);
+
+        // An owner of another pod: it finds the peer's proof wrong and goes no further.
+        let e = Link::connect("p1", &addr, "owner", &other)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, PeerError::Unauthenticated { peer, .. } if peer == "p1"),
+            "{e}"
+        );
+
+        // An owner that ignores the peer's proof and sends a proof made with another key,
+        // then a write: the peer refuses the proof, applies nothing and closes.
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        match owner_handshake(&mut s, "owner", &other).await {
+            wire::Msg::Reply { status, msg } => {
+                assert_eq!(status, wire::Status::Failed);
+                assert!(msg.contains("peer key"), "{msg}");
+            }
+            m => panic!("{m:?}"),
+        }
+        let _ = s
+            .write_all(&wire::encode(1, &wire::Msg::Write(w(1, 1))))
+            .await;
+        let mut rest = [0u8; 1];
+        assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
+
+        // Frames before the handshake: a write is not applied; a Hello too large to be one
+        // is not even read. Both connections are closed.
+        for first in [
+            wire::encode(0, &wire::Msg::Write(w(2, 2))),
+            wire::encode(
+                0,
+                &wire::Msg::Hello {
+                    host: "x".repeat(wire::HANDSHAKE_BODY_MAX as usize),
+                    nonce: [0; 16],
+                    proof: [0; 32],
+                },
+            ),
+        ] {
+            let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let _ = s.write_all(&first).await;
+            assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
+        }
+        assert!(sink.log.lock().unwrap().is_empty(), "a stranger got in");
+
+        // A peer of another pod: the owner refuses it before it sends anything.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let fake = l.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let (seq, wire::Msg::Hello { host, nonce, .. }) = read_msg(&mut s).await else {
+                panic!("no Hello")
+            };
+            let x = auth::Exchange {
+                owner: &host,
+                owner_nonce: &nonce,
+                peer: "p9",
+                peer_nonce: &[3; 16],
+            };
+            let hello = wire::Msg::Hello {
+                host: "p9".into(),
+                nonce: [3; 16],
+                proof: other.prove(auth::Role::Peer, &x),
+            };
+            s.write_all(&wire::encode(seq, &hello)).await.unwrap();
+            // The owner closes instead of sending its proof.
+            let mut rest = [0u8; 1];
+            assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
+        });
+        let e = Link::connect("p9", &fake, "owner", &key())
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, PeerError::Unauthenticated { msg, .. } if msg.contains("peer key")),
+            "{e}"
+        );
+        server.await.unwrap();
     }
 
     #[tokio::test]
@@ -315,22 +486,14 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let server = tokio::spawn(async move {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            use tokio::io::AsyncReadExt;
             let (mut s, _) = l.accept().await.unwrap();
+            peer_handshake(&mut s, "p1", &key()).await;
             let mut head = [0u8; wire::HEADER_LEN];
-            s.read_exact(&mut head).await.unwrap();
-            let h = wire::decode_head(&head).unwrap();
-            let mut body = vec![0u8; h.body_len as usize];
-            s.read_exact(&mut body).await.unwrap();
-            let reply = wire::Msg::Reply {
-                status: wire::Status::Ok,
-                msg: "p1".into(),
-            };
-            s.write_all(&wire::encode(h.seq, &reply)).await.unwrap();
             s.read_exact(&mut head).await.unwrap();
             // Close with the write unanswered.
         });
-        let link = Link::connect("p1", &addr, "owner").await.unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
         let e = link.write(w(1, 1)).await.unwrap_err();
         assert!(matches!(e, PeerError::Broken { .. }), "{e}");
         assert!(link.broken().is_some());
@@ -341,13 +504,7 @@ mod tests {
     }
 
     async fn reply(s: &mut tokio::net::TcpStream) -> wire::Msg {
-        use tokio::io::AsyncReadExt;
-        let mut head = [0u8; wire::HEADER_LEN];
-        s.read_exact(&mut head).await.unwrap();
-        let h = wire::decode_head(&head).unwrap();
-        let mut body = vec![0u8; h.body_len as usize];
-        s.read_exact(&mut body).await.unwrap();
-        wire::decode_body(&h, Bytes::from(body)).unwrap()
+        read_msg(s).await.1
     }
 
     /// The owner counts nothing after a refused write, so the peer applies nothing after it
@@ -358,11 +515,11 @@ mod tests {
         let sink = Arc::new(Memory::default());
         let addr = start(sink.clone());
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        owner_handshake(&mut s, "x", &key()).await;
         let mut bad = w(1, 1);
         bad.offset = u64::MAX;
         let mut frames = Vec::new();
         for (seq, m) in [
-            wire::Msg::Hello { host: "x".into() },
             wire::Msg::Write(w(1, 1)),
             wire::Msg::Write(bad),
             wire::Msg::Write(w(2, 2)),
@@ -373,7 +530,7 @@ mod tests {
             frames.extend_from_slice(&wire::encode(seq as u64, &m));
         }
         s.write_all(&frames).await.unwrap();
-        for want in [wire::Status::Ok, wire::Status::Ok, wire::Status::Failed] {
+        for want in [wire::Status::Ok, wire::Status::Failed] {
             match reply(&mut s).await {
                 wire::Msg::Reply { status, msg } => assert_eq!(status, want, "{msg}"),
                 other => panic!("{other:?}"),
@@ -394,20 +551,11 @@ mod tests {
         let sink = Arc::new(Memory::default());
         let addr = start(sink.clone());
         let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        s.write_all(&wire::encode(1, &wire::Msg::Hello { host: "x".into() }))
-            .await
-            .unwrap();
+        owner_handshake(&mut s, "x", &key()).await;
         let mut f = wire::encode(2, &wire::Msg::Write(w(1, 7))).to_vec();
         let last = f.len() - 1;
         f[last] ^= 0x40; // payload bit flip
         s.write_all(&f).await.unwrap();
-        assert!(matches!(
-            reply(&mut s).await,
-            wire::Msg::Reply {
-                status: wire::Status::Ok,
-                ..
-            }
-        ));
         match reply(&mut s).await {
             wire::Msg::Reply { status, msg } => {
                 assert_eq!(status, wire::Status::Failed);

@@ -1,5 +1,9 @@
 //! The receiving side: a peer takes other hosts' writes into its cache log.
 //!
+//! A connection is taken only from a host that proves it knows the pod's peer key
+//! ([`crate::auth`]); until then its frames must be the handshake's and small, and a host that
+//! says nothing within [`HANDSHAKE_TIMEOUT`] is dropped.
+//!
 //! Each connection gets one thread that reads frames, hands them to the [`Sink`] in order and
 //! writes the replies; replies are flushed to the socket whenever no further request is
 //! already buffered, so a pipelined sender gets them in batches. Requests of one connection
@@ -8,12 +12,17 @@
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use tracing::{info, warn};
 use uuid::Uuid;
 
-use crate::wire::{self, Msg, Status, WriteMsg, HEADER_LEN};
+use crate::auth::{self, Exchange, Key, Role};
+use crate::wire::{self, Msg, Status, WriteMsg, HANDSHAKE_BODY_MAX, HEADER_LEN};
+
+/// Longest a connecting host may take over each frame of the handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Why a peer did not take a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,15 +46,15 @@ pub trait Sink: Send + Sync + 'static {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
 }
 
-/// Accepts peer connections on `listener` until the process ends.
-pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>) -> std::io::Result<()> {
+/// Accepts peer connections on `listener` until the process ends, from hosts that know `key`.
+pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name("peer-accept".into())
         .spawn(move || {
             for conn in listener.incoming() {
                 match conn {
                     Ok(s) => {
-                        let sink = sink.clone();
+                        let (sink, key) = (sink.clone(), key.clone());
                         let _ =
                             std::thread::Builder::new()
                                 .name("peer-conn".into())
@@ -54,7 +63,7 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>) -> std::io::Result<()> 
                                         .peer_addr()
                                         .map(|a| a.to_string())
                                         .unwrap_or_else(|_| "?".into());
-                                    if let Err(e) = connection(s, sink) {
+                                    if let Err(e) = connection(s, sink, &key) {
                                         warn!("peer connection from {who} closed: {e}");
                                     }
                                 });
@@ -69,7 +78,8 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>) -> std::io::Result<()> 
     Ok(())
 }
 
-fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(wire::Head, Bytes)>> {
+/// Reads one frame whose body may be at most `max` bytes; `None` at a clean end.
+fn read_frame(r: &mut impl Read, max: u32) -> std::io::Result<Option<(wire::Head, Bytes)>> {
     let mut head = [0u8; HEADER_LEN];
     match r.read_exact(&mut head) {
         Ok(()) => {}
@@ -77,6 +87,9 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(wire::Head, Bytes)>>
         Err(e) => return Err(e),
     }
     let h = wire::decode_head(&head).map_err(std::io::Error::other)?;
+    if h.body_len > max {
+        return Err(std::io::Error::other(wire::WireError::TooLong(h.body_len)));
+    }
     let mut body = vec![0u8; h.body_len as usize];
     r.read_exact(&mut body)?;
     Ok(Some((h, Bytes::from(body))))
@@ -127,19 +140,106 @@ fn syncer(sink: Arc<dyn Sink>, w: Writer) -> std::sync::mpsc::Sender<u64> {
     tx
 }
 
-fn connection(s: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<()> {
+/// Sends one frame and flushes it.
+fn send(w: &Writer, seq: u64, msg: &Msg) -> std::io::Result<()> {
+    let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+    w.write_all(&wire::encode(seq, msg))?;
+    w.flush()
+}
+
+/// The peer's side of the handshake ([`crate::auth`]): the connecting host's name once it
+/// has proved it knows `key`; `None` if it left first.
+fn handshake(
+    r: &mut impl Read,
+    w: &Writer,
+    me: &str,
+    key: &Key,
+) -> std::io::Result<Option<String>> {
+    let other = |m: String| std::io::Error::other(m);
+    let Some((h, body)) = read_frame(r, HANDSHAKE_BODY_MAX)? else {
+        return Ok(None);
+    };
+    let (owner, owner_nonce) = match wire::decode_body(&h, body).map_err(other_err)? {
+        Msg::Hello { host, nonce, .. } => (host, nonce),
+        m => {
+            return Err(other(format!(
+                "expected Hello first, got {:?}",
+                kind_of(&m)
+            )))
+        }
+    };
+    let peer_nonce = auth::nonce()?;
+    let x = Exchange {
+        owner: &owner,
+        owner_nonce: &owner_nonce,
+        peer: me,
+        peer_nonce: &peer_nonce,
+    };
+    let hello = Msg::Hello {
+        host: me.to_owned(),
+        nonce: peer_nonce,
+        proof: key.prove(Role::Peer, &x),
+    };
+    send(w, h.seq, &hello)?;
+    let Some((h, body)) = read_frame(r, HANDSHAKE_BODY_MAX)? else {
+        return Ok(None);
+    };
+    let proof = match wire::decode_body(&h, body).map_err(other_err)? {
+        Msg::Proof(p) => p,
+        m => return Err(other(format!("expected Proof, got {:?}", kind_of(&m)))),
+    };
+    if !key.verify(Role::Owner, &x, &proof) {
+        let why = format!("host {owner:?} did not prove it knows this pod's peer key");
+        let reply = Msg::Reply {
+            status: Status::Failed,
+            msg: format!("{me} refused the connection: {why} (is it in another pod?)"),
+        };
+        send(w, h.seq, &reply)?;
+        return Err(other(why));
+    }
+    let ok = Msg::Reply {
+        status: Status::Ok,
+        msg: String::new(),
+    };
+    send(w, h.seq, &ok)?;
+    Ok(Some(owner))
+}
+
+fn other_err(e: wire::WireError) -> std::io::Error {
+    std::io::Error::other(e)
+}
+
+/// A frame's kind, for an error that must not print a stranger's bytes.
+fn kind_of(m: &Msg) -> &'static str {
+    match m {
+        Msg::Hello { .. } => "Hello",
+        Msg::Proof(_) => "Proof",
+        Msg::Open { .. } => "Open",
+        Msg::Write(_) => "Write",
+        Msg::Flush => "Flush",
+        Msg::Checkpoint { .. } => "Checkpoint",
+        Msg::Drop { .. } => "Drop",
+        Msg::Reply { .. } => "Reply",
+    }
+}
+
+fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key) -> std::io::Result<()> {
     s.set_nodelay(true)?;
+    // A host that connects and says nothing does not keep this thread.
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     // Small: headers and small bodies are buffered, a write's data is read straight into
     // its own buffer.
     let mut r = BufReader::with_capacity(16 << 10, s.try_clone()?);
     let w: Writer = Arc::new(std::sync::Mutex::new(BufWriter::with_capacity(64 << 10, s)));
+    let Some(from) = handshake(&mut r, &w, &sink.host(), key)? else {
+        return Ok(());
+    };
+    r.get_ref().set_read_timeout(None)?;
+    info!("peer {from} connected");
     let flushes = syncer(sink.clone(), w.clone());
-    let mut from: Option<String> = None;
     loop {
-        let Some((h, body)) = read_frame(&mut r)? else {
-            if let Some(f) = &from {
-                info!("peer {f} disconnected");
-            }
+        let Some((h, body)) = read_frame(&mut r, wire::BODY_MAX)? else {
+            info!("peer {from} disconnected");
             return Ok(());
         };
         let msg = match wire::decode_body(&h, body) {
@@ -151,32 +251,18 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<()> {
                     status: Status::Failed,
                     msg: format!("damaged frame: {e}"),
                 };
-                let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
-                w.write_all(&wire::encode(h.seq, &reply))?;
-                w.flush()?;
+                send(&w, h.seq, &reply)?;
                 return Err(std::io::Error::other(e));
             }
         };
-        let result = match (&from, msg) {
-            (None, Msg::Hello { host }) => {
-                info!("peer {host} connected");
-                from = Some(host);
-                Ok(sink.host())
-            }
-            (None, other) => {
-                return Err(std::io::Error::other(format!(
-                    "expected Hello first, got {other:?}"
-                )))
-            }
-            (
-                Some(f),
-                Msg::Open {
-                    volume,
-                    gen,
-                    checkpoint,
-                },
-            ) => sink.open(f, volume, gen, checkpoint).map(|_| String::new()),
-            (Some(f), Msg::Write(m)) => {
+        let f = &from;
+        let result = match msg {
+            Msg::Open {
+                volume,
+                gen,
+                checkpoint,
+            } => sink.open(f, volume, gen, checkpoint).map(|_| String::new()),
+            Msg::Write(m) => {
                 let volume = m.volume;
                 match sink.write(f, m) {
                     Ok(()) => Ok(String::new()),
@@ -186,27 +272,26 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>) -> std::io::Result<()> {
                         // for room again), the connection ends here.
                         let (Refusal::Failed(why) | Refusal::Stale(why)) = &e;
                         warn!("refused a write of volume {volume} from peer {f}: {why}");
-                        let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
-                        w.write_all(&wire::encode(h.seq, &reply_of(Err(e))))?;
-                        w.flush()?;
+                        send(&w, h.seq, &reply_of(Err(e)))?;
                         return Ok(());
                     }
                 }
             }
-            (Some(_), Msg::Flush) => {
+            Msg::Flush => {
                 flushes
                     .send(h.seq)
                     .map_err(|_| std::io::Error::other("flush thread gone"))?;
                 continue;
             }
-            (Some(_), Msg::Checkpoint { volume, gen, ser }) => {
+            Msg::Checkpoint { volume, gen, ser } => {
                 sink.checkpoint(volume, gen, ser).map(|_| String::new())
             }
-            (Some(_), Msg::Drop { volume, gen }) => {
-                sink.drop_replicas(volume, gen).map(|_| String::new())
-            }
-            (Some(_), other) => {
-                return Err(std::io::Error::other(format!("unexpected frame {other:?}")))
+            Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
+            other => {
+                return Err(std::io::Error::other(format!(
+                    "unexpected {} frame",
+                    kind_of(&other)
+                )))
             }
         };
         let reply = reply_of(result);

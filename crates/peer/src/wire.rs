@@ -16,7 +16,9 @@
 //!
 //! All integers are little endian. Bodies:
 //!
-//! - `Hello`: the sender's host name (UTF-8). Answered with the receiver's host name.
+//! - `Hello`: nonce (16), proof (32; zero from the connecting side), then the sender's host
+//!   name (UTF-8). The peer answers the owner's `Hello` with its own (see [`crate::auth`]).
+//! - `Proof`: the connecting side's proof (32). Answered with a `Reply`.
 //! - `Open`: volume UUID (16), gen (8), checkpoint (8). The owner starts replicating the
 //!   volume's generation `gen` to this peer; every write above `checkpoint` will follow.
 //! - `Write`: volume (16), gen (8), ser (8), offset (8), length (8), then the data (absent for
@@ -25,18 +27,26 @@
 //! - `Checkpoint`: volume (16), gen (8), ser (8). The datastore holds the volume's writes up to
 //!   `ser`; the peer may drop its copies of them.
 //! - `Drop`: volume (16), gen (8). The peer drops every copy of the volume of a gen ≤ this.
-//! - `Reply`: status (1: [`Status`]), then a UTF-8 message (the host name for `Hello`).
+//! - `Reply`: status (1: [`Status`]), then a UTF-8 message.
+//!
+//! Until the handshake is done, a frame must be the handshake's next one and carry a body of
+//! at most [`HANDSHAKE_BODY_MAX`] bytes.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use uuid::Uuid;
 
+use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
+
 pub const MAGIC: [u8; 4] = *b"VSPR";
-/// The protocol version this build speaks. A peer that speaks another refuses the `Hello`
-/// and names both.
-pub const VERSION: u8 = 1;
+/// The protocol version this build speaks. A host that speaks another closes the connection
+/// at the first frame; the other side logs both versions if it can read them.
+/// Version 2: authenticated handshake.
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 32;
 /// Largest body: a 32 MiB write (the largest NBD request Vesta takes) and its fields.
 pub const BODY_MAX: u32 = (32 << 20) + 64;
+/// Largest body before the handshake is done: nothing big is read from a stranger.
+pub const HANDSHAKE_BODY_MAX: u32 = 1024;
 const FLAG_ZERO: u16 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +58,7 @@ pub enum Kind {
     Checkpoint,
     Drop,
     Reply,
+    Proof,
 }
 
 impl Kind {
@@ -60,6 +71,7 @@ impl Kind {
             Kind::Checkpoint => 5,
             Kind::Drop => 6,
             Kind::Reply => 7,
+            Kind::Proof => 8,
         }
     }
 
@@ -72,6 +84,7 @@ impl Kind {
             5 => Kind::Checkpoint,
             6 => Kind::Drop,
             7 => Kind::Reply,
+            8 => Kind::Proof,
             _ => return None,
         })
     }
@@ -123,7 +136,10 @@ pub struct WriteMsg {
 pub enum Msg {
     Hello {
         host: String,
+        nonce: Nonce,
+        proof: Proof,
     },
+    Proof(Proof),
     Open {
         volume: Uuid,
         gen: u64,
@@ -193,9 +209,15 @@ impl Body {
         let mut flags = 0u16;
         let mut data = Bytes::new();
         let kind = match msg {
-            Msg::Hello { host } => {
+            Msg::Hello { host, nonce, proof } => {
+                b.put_slice(nonce);
+                b.put_slice(proof);
                 b.put_slice(host.as_bytes());
                 Kind::Hello
+            }
+            Msg::Proof(proof) => {
+                b.put_slice(proof);
+                Kind::Proof
             }
             Msg::Open {
                 volume,
@@ -332,7 +354,26 @@ pub fn decode_body(h: &Head, mut b: Bytes) -> Result<Msg, WireError> {
     let need = |b: &Bytes, n: usize| if b.len() >= n { Ok(()) } else { Err(bad()) };
     let text = |b: Bytes| String::from_utf8(b.to_vec()).map_err(|_| bad());
     Ok(match h.kind {
-        Kind::Hello => Msg::Hello { host: text(b)? },
+        Kind::Hello => {
+            need(&b, NONCE_LEN + PROOF_LEN)?;
+            let mut nonce = [0u8; NONCE_LEN];
+            let mut proof = [0u8; PROOF_LEN];
+            b.copy_to_slice(&mut nonce);
+            b.copy_to_slice(&mut proof);
+            Msg::Hello {
+                host: text(b)?,
+                nonce,
+                proof,
+            }
+        }
+        Kind::Proof => {
+            if b.len() != PROOF_LEN {
+                return Err(bad());
+            }
+            let mut proof = [0u8; PROOF_LEN];
+            b.copy_to_slice(&mut proof);
+            Msg::Proof(proof)
+        }
         Kind::Open => {
             need(&b, 32)?;
             Msg::Open {
@@ -413,7 +454,9 @@ mod tests {
     fn msg() -> impl Strategy<Value = Msg> {
         let id = any::<u128>().prop_map(Uuid::from_u128);
         prop_oneof![
-            "[a-z0-9.-]{0,20}".prop_map(|host| Msg::Hello { host }),
+            ("[a-z0-9.-]{0,20}", any::<[u8; 16]>(), any::<[u8; 32]>())
+                .prop_map(|(host, nonce, proof)| Msg::Hello { host, nonce, proof }),
+            any::<[u8; 32]>().prop_map(Msg::Proof),
             (id.clone(), any::<u64>(), any::<u64>()).prop_map(|(volume, gen, checkpoint)| {
                 Msg::Open {
                     volume,
@@ -490,7 +533,7 @@ mod tests {
         let head: [u8; HEADER_LEN] = f[..HEADER_LEN].try_into().unwrap();
         let e = decode_head(&head).unwrap_err();
         assert_eq!(e, WireError::Version(9));
-        assert!(e.to_string().contains("version 9") && e.to_string().contains("speaks 1"));
+        assert!(e.to_string().contains("version 9") && e.to_string().contains("speaks 2"));
     }
 
     #[test]

@@ -260,7 +260,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let stop_destager = StopHandle::new();
+    // Loaded before anything can pick peers or take a peer's connection.
+    let peer_key = peer::auth::Key::from_bytes(
+        coord
+            .peer_key(peer::auth::Key::random_bytes().context("random peer key")?)
+            .await
+            .context("the pod's peer key")?,
+    );
     let daemon = Arc::new(Daemon::start(config.clone(), coord, cache.clone()).await?);
+    let _ = daemon.peers.key.set(peer_key.clone());
     if let Some(host) = &cache {
         host.finish_recovery(&daemon.volume_ids())
             .map_err(|e| anyhow!("cache recovery: {e}"))?;
@@ -280,6 +288,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 host: daemon.coord.host().to_owned(),
                 cache: host.clone(),
             }),
+            peer_key,
         )?;
         info!("taking peers' writes on {bound}");
         let advertised = match config.cluster.peer_advertise.as_str() {

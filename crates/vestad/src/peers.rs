@@ -392,6 +392,8 @@ impl Replicator for PeerSet {
 pub struct PeerState {
     /// This host's peer listener (`ip:port`), once bound.
     pub addr: std::sync::OnceLock<String>,
+    /// The pod's peer key (from the coordinator), which links prove they know.
+    pub key: std::sync::OnceLock<peer::auth::Key>,
     /// Peers that failed recently, and when.
     failed: Arc<Mutex<HashMap<String, Instant>>>,
     /// The last problem reported per volume, so a round repeats no warning.
@@ -440,6 +442,9 @@ pub async fn establish(
              least {n} other host(s)"
         ));
     }
+    let Some(key) = d.peers.key.get() else {
+        return Err("this host has not loaded the pod's peer key yet".into());
+    };
     let me = d.coord.host().to_owned();
     let my_domain = d.config.cluster.fault_domain.clone();
     let hosts = d.coord.hosts().await.map_err(|e| e.to_string())?;
@@ -472,7 +477,7 @@ pub async fn establish(
             break;
         }
         let addr = h.record.peer.clone().unwrap_or_default();
-        match Link::connect(&h.record.name, &addr, &me).await {
+        match Link::connect(&h.record.name, &addr, &me, key).await {
             Ok(l) => links.push(l),
             Err(e) => {
                 warn!(
