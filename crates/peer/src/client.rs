@@ -391,9 +391,21 @@ async fn handshake(
 /// Reads one handshake frame (small: a stranger's large body is not read).
 async fn read_small(s: &mut TcpStream) -> Result<Msg, String> {
     let mut head = [0u8; HEADER_LEN];
-    s.read_exact(&mut head)
-        .await
-        .map_err(|e| format!("receive: {e}"))?;
+    s.read_exact(&mut head).await.map_err(|e| {
+        use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+        if matches!(e.kind(), UnexpectedEof | ConnectionReset) {
+            // A peer closes at once on a frame of another protocol version (a reset when it
+            // leaves the frame's body unread).
+            format!(
+                "closed the connection during the handshake (a host running another Vesta \
+                 version, speaking other than peer protocol version {}, or not a Vesta peer \
+                 port; its log says which)",
+                wire::VERSION
+            )
+        } else {
+            format!("receive: {e}")
+        }
+    })?;
     let h = wire::decode_head(&head).map_err(|e| e.to_string())?;
     if h.body_len > HANDSHAKE_BODY_MAX {
         return Err(wire::WireError::TooLong(h.body_len).to_string());

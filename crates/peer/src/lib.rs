@@ -481,6 +481,29 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_host_of_another_protocol_version_is_named_as_such() {
+        // What a host of another version does with this one's Hello: it cannot decode the
+        // header, logs why and closes.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            use tokio::io::AsyncReadExt;
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut head = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+        });
+        let e = Link::connect("p1", &addr, "owner", &key())
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(&e, PeerError::Unreachable { msg, .. } if msg.contains("another Vesta version")),
+            "{e}"
+        );
+        server.await.unwrap();
+    }
+
+    #[tokio::test]
     async fn a_peer_that_goes_away_breaks_the_link_and_fails_waiting_requests() {
         // A "peer" that answers Hello, then reads requests without answering, then closes.
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
