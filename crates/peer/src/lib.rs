@@ -26,6 +26,7 @@ mod tests {
     use super::*;
     use bytes::Bytes;
     use std::sync::{Arc, Mutex};
+    use std::time::Duration;
     use uuid::Uuid;
 
     /// A sink that records what it was given, and refuses stale generations like a real peer.
@@ -478,6 +479,63 @@ mod tests {
             "{e}"
         );
         server.await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn strangers_cannot_hold_the_peer_port() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        // A host that trickles its Hello, a byte every 100 ms: the frame would be whole after
+        // about 8 s, past the handshake's deadline, so it is never answered.
+        let hello = wire::encode(
+            0,
+            &wire::Msg::Hello {
+                host: "slow".into(),
+                nonce: [0; 16],
+                proof: [0; 32],
+            },
+        );
+        let trickler = {
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+                for b in hello.iter() {
+                    if s.write_all(&[*b]).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let mut rest = [0u8; 1];
+                matches!(s.read(&mut rest).await, Ok(n) if n > 0)
+            })
+        };
+        // Silent connections fill every handshake place; the next one is closed at once,
+        // before the silent ones time out.
+        let mut silent = Vec::new();
+        for _ in 0..server::HANDSHAKES_MAX {
+            silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+        }
+        let closed_at_once = async {
+            loop {
+                let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+                let mut rest = [0u8; 1];
+                match tokio::time::timeout(Duration::from_millis(500), s.read(&mut rest)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return,
+                    // The trickler's slot may not be taken yet: that connection was let in.
+                    _ => continue,
+                }
+            }
+        };
+        tokio::time::timeout(server::HANDSHAKE_TIMEOUT / 2, closed_at_once)
+            .await
+            .expect("a connection beyond the handshake places was not closed");
+        assert!(!trickler.await.unwrap(), "a trickled Hello was answered");
+        // Once they timed out, a host of the pod gets in.
+        drop(silent);
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        link.open(Uuid::nil(), 1, 0).await.unwrap();
+        assert_eq!(sink.log.lock().unwrap().clone(), vec!["open owner 1 0"]);
     }
 
     #[tokio::test]

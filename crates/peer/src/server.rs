@@ -2,7 +2,8 @@
 //!
 //! A connection is taken only from a host that proves it knows the pod's peer key
 //! ([`crate::auth`]); until then its frames must be the handshake's and small, and a host that
-//! says nothing within [`HANDSHAKE_TIMEOUT`] is dropped.
+//! has not finished it within [`HANDSHAKE_TIMEOUT`] is dropped, as is any connection beyond
+//! [`HANDSHAKES_MAX`] handshakes at once.
 //!
 //! Each connection gets one thread that reads frames, hands them to the [`Sink`] in order and
 //! writes the replies; replies are flushed to the socket whenever no further request is
@@ -11,8 +12,9 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tracing::{info, warn};
@@ -23,6 +25,8 @@ use crate::wire::{self, Msg, Status, WriteMsg, HANDSHAKE_BODY_MAX, HEADER_LEN};
 
 /// Longest a connecting host may take over each frame of the handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most connections in their handshake at once; more are closed as they come.
+pub const HANDSHAKES_MAX: usize = 64;
 
 /// Why a peer did not take a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,9 +55,19 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::R
     std::thread::Builder::new()
         .name("peer-accept".into())
         .spawn(move || {
+            let handshaking = Arc::new(AtomicUsize::new(0));
             for conn in listener.incoming() {
                 match conn {
                     Ok(s) => {
+                        let Some(slot) = Slot::take(&handshaking) else {
+                            let who = s.peer_addr().map(|a| a.to_string());
+                            warn!(
+                                "peer connection from {} closed: {HANDSHAKES_MAX} others are \
+                                 in their handshake",
+                                who.unwrap_or_else(|_| "?".into())
+                            );
+                            continue;
+                        };
                         let (sink, key) = (sink.clone(), key.clone());
                         let _ =
                             std::thread::Builder::new()
@@ -63,7 +77,7 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::R
                                         .peer_addr()
                                         .map(|a| a.to_string())
                                         .unwrap_or_else(|_| "?".into());
-                                    if let Err(e) = connection(s, sink, &key) {
+                                    if let Err(e) = connection(s, sink, &key, slot) {
                                         warn!("peer connection from {who} closed: {e}");
                                     }
                                 });
@@ -76,6 +90,47 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::R
             }
         })?;
     Ok(())
+}
+
+/// A place among the [`HANDSHAKES_MAX`] connections in their handshake, given back on drop.
+struct Slot(Arc<AtomicUsize>);
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
+        count
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < HANDSHAKES_MAX).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Slot(count.clone()))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Reads from a socket until a deadline: each read waits at most for what is left, so a
+/// host that trickles bytes cannot stretch a handshake past it.
+struct Until<'a> {
+    s: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no handshake within {HANDSHAKE_TIMEOUT:?}"),
+            ));
+        }
+        self.s.set_read_timeout(Some(left))?;
+        (&mut &*self.s).read(buf)
+    }
 }
 
 /// Reads one frame whose body may be at most `max` bytes; `None` at a clean end.
@@ -223,19 +278,24 @@ fn kind_of(m: &Msg) -> &'static str {
     }
 }
 
-fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key) -> std::io::Result<()> {
+fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    // A host that connects and says nothing does not keep this thread.
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    // Small: headers and small bodies are buffered, a write's data is read straight into
-    // its own buffer.
-    let mut r = BufReader::with_capacity(16 << 10, s.try_clone()?);
+    let rd = s.try_clone()?;
     let w: Writer = Arc::new(std::sync::Mutex::new(BufWriter::with_capacity(64 << 10, s)));
-    let Some(from) = handshake(&mut r, &w, &sink.host(), key)? else {
+    // Unbuffered: the owner sends nothing past its proof until it is answered.
+    let mut until = Until {
+        s: &rd,
+        deadline: Instant::now() + HANDSHAKE_TIMEOUT,
+    };
+    let Some(from) = handshake(&mut until, &w, &sink.host(), key)? else {
         return Ok(());
     };
-    r.get_ref().set_read_timeout(None)?;
+    drop(slot);
+    rd.set_read_timeout(None)?;
     info!("peer {from} connected");
+    // Small: headers and small bodies are buffered, a write's data is read straight into
+    // its own buffer.
+    let mut r = BufReader::with_capacity(16 << 10, rd);
     let flushes = syncer(sink.clone(), w.clone());
     loop {
         let Some((h, body)) = read_frame(&mut r, wire::BODY_MAX)? else {
