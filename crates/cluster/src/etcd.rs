@@ -14,6 +14,7 @@
 //! | `{p}/stats/devices/{host}`, `{p}/stats/volumes/{host}` | the host's balancing statistics (opaque) | the host's |
 //! | `{p}/stats/aggregator` | the name of the host that combines them | the aggregator's |
 //! | `{p}/stats/pod` | the combined statistics (opaque) | the aggregator's |
+//! | `{p}/peer-key` | 32 random bytes hosts prove they know before taking each other's `wbp` writes | none |
 //!
 //! **Statistics** (DESIGN §8, §11): every host puts its own documents; one host at a time,
 //! the aggregator, reads them all and puts the pod's, which every host reads. So each host
@@ -796,22 +797,24 @@ impl Coordinator for EtcdCoordinator {
 
     async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]> {
         // Not bound to a lease: the key outlives every host. Whoever asks first stores
-        // theirs; everyone reads back what is stored.
+        // theirs; one transaction, so everyone gets back what is stored.
         let key = format!("{}/peer-key", self.prefix);
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), fresh.to_vec(), None)]);
-        self.txn_held(txn).await?;
+            .and_then([TxnOp::put(key.clone(), fresh.to_vec(), None)])
+            .or_else([TxnOp::get(key.clone(), None)]);
         let mut kv = self.client.kv_client();
-        let r = kv
-            .get(key.clone(), None)
-            .await
-            .map_err(|e| self.unavailable(e))?;
-        let stored = r.kvs().first().map(|x| x.value()).unwrap_or_default();
-        stored.try_into().map_err(|_| Error::Corrupt {
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        if r.succeeded() {
+            return Ok(fresh);
+        }
+        let stored = first_get(&r.op_responses()).map(|kv| kv.value().to_vec());
+        let stored = stored.unwrap_or_default();
+        stored.as_slice().try_into().map_err(|_| Error::Corrupt {
             path: format!("etcd key {key}"),
             msg: format!(
-                "{} bytes, not a 32-byte peer key; delete it and restart every host of the pod",
+                "{} bytes, not a 32-byte peer key; stop every host of the pod, delete the key \
+                 and start them again",
                 stored.len()
             ),
         })

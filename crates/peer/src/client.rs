@@ -357,7 +357,8 @@ async fn handshake(
         .map_err(|e| unreachable(format!("send: {e}")))?;
     let (name, peer_nonce, proof) = match read_small(s).await.map_err(unreachable)? {
         Msg::Hello { host, nonce, proof } => (host, nonce, proof),
-        Msg::Reply { msg, .. } => return Err(refused(msg)),
+        // Before it checked anything (busy, say): not a matter of keys.
+        Msg::Reply { msg, .. } => return Err(unreachable(quoted(&msg))),
         _ => return Err(unreachable("answered Hello with another frame".into())),
     };
     if name != peer {
@@ -383,9 +384,16 @@ async fn handshake(
         Msg::Reply {
             status: Status::Ok, ..
         } => Ok(()),
-        Msg::Reply { msg, .. } => Err(refused(msg)),
+        Msg::Reply { msg, .. } => Err(refused(quoted(&msg))),
         _ => Err(unreachable("answered Proof with another frame".into())),
     }
+}
+
+/// What a host that has not proved itself said, fit for a log line: quoted, at most 200
+/// characters.
+fn quoted(msg: &str) -> String {
+    let short: String = msg.chars().take(200).collect();
+    format!("{short:?}")
 }
 
 /// Reads one handshake frame (small: a stranger's large body is not read).

@@ -427,9 +427,19 @@ mod tests {
         let mut rest = [0u8; 1];
         assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
 
-        // Frames before the handshake: a write is not applied; a Hello too large to be one
-        // is not even read. Both connections are closed.
+        // Frames before the handshake: an open, a flush, a proof or a write is not applied; a
+        // Hello too large to be one is not even read. Every such connection is closed.
         for first in [
+            wire::encode(
+                0,
+                &wire::Msg::Open {
+                    volume: Uuid::nil(),
+                    gen: 9,
+                    checkpoint: 0,
+                },
+            ),
+            wire::encode(0, &wire::Msg::Flush),
+            wire::encode(0, &wire::Msg::Proof([0; 32])),
             wire::encode(0, &wire::Msg::Write(w(2, 2))),
             wire::encode(
                 0,
@@ -444,6 +454,28 @@ mod tests {
             let _ = s.write_all(&first).await;
             assert!(!matches!(s.read(&mut rest).await, Ok(n) if n > 0));
         }
+
+        // A stranger that sends the peer its own proof back: refused (the roles differ).
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let hello = wire::Msg::Hello {
+            host: "owner".into(),
+            nonce: [1; 16],
+            proof: [0; 32],
+        };
+        s.write_all(&wire::encode(0, &hello)).await.unwrap();
+        let (_, wire::Msg::Hello { proof, .. }) = read_msg(&mut s).await else {
+            panic!("no Hello back")
+        };
+        s.write_all(&wire::encode(0, &wire::Msg::Proof(proof)))
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_msg(&mut s).await.1,
+            wire::Msg::Reply {
+                status: wire::Status::Failed,
+                ..
+            }
+        ));
         assert!(sink.log.lock().unwrap().is_empty(), "a stranger got in");
 
         // A peer of another pod: the owner refuses it before it sends anything.
@@ -481,11 +513,63 @@ mod tests {
         server.await.unwrap();
     }
 
+    /// A connection to `addr` from the local address `src`.
+    async fn connect_from(src: &str, addr: &str) -> tokio::net::TcpStream {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{src}:0").parse().unwrap()).unwrap();
+        sock.connect(addr.parse().unwrap()).await.unwrap()
+    }
+
+    /// What a peer that had no place for the connection `s` said before closing it.
+    async fn busy_reply(s: &mut tokio::net::TcpStream) -> String {
+        let r = tokio::time::timeout(Duration::from_secs(2), read_msg(s)).await;
+        match r.expect("the connection was let in") {
+            (
+                0,
+                wire::Msg::Reply {
+                    status: wire::Status::Failed,
+                    msg,
+                },
+            ) => msg,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn strangers_cannot_hold_the_peer_port() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let sink = Arc::new(Memory::default());
         let addr = start(sink.clone());
+
+        // One address holds at most HANDSHAKES_PER_SOURCE places; others still get in.
+        let mut silent = Vec::new();
+        for _ in 0..server::HANDSHAKES_PER_SOURCE {
+            silent.push(connect_from("127.0.0.5", &addr).await);
+        }
+        let mut s = connect_from("127.0.0.5", &addr).await;
+        let why = busy_reply(&mut s).await;
+        assert!(why.contains("from 127.0.0.5"), "{why}");
+        let mut s = connect_from("127.0.0.6", &addr).await;
+        assert!(matches!(
+            owner_handshake(&mut s, "owner", &key()).await,
+            wire::Msg::Reply {
+                status: wire::Status::Ok,
+                ..
+            }
+        ));
+        drop(s);
+
+        // Silent connections from many addresses fill every place; the next is closed at once.
+        for i in 1..server::HANDSHAKES_MAX / server::HANDSHAKES_PER_SOURCE {
+            for _ in 0..server::HANDSHAKES_PER_SOURCE {
+                silent.push(connect_from(&format!("127.0.1.{i}"), &addr).await);
+            }
+        }
+        let mut s = connect_from("127.0.2.1", &addr).await;
+        let why = busy_reply(&mut s).await;
+        assert!(why.contains("64 connections"), "{why}");
+        drop(silent);
+
         // A host that trickles its Hello, a byte every 100 ms: the frame would be whole after
         // about 8 s, past the handshake's deadline, so it is never answered.
         let hello = wire::encode(
@@ -496,43 +580,29 @@ mod tests {
                 proof: [0; 32],
             },
         );
-        let trickler = {
-            let addr = addr.clone();
-            tokio::spawn(async move {
-                let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-                for b in hello.iter() {
-                    if s.write_all(&[*b]).await.is_err() {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                let mut rest = [0u8; 1];
-                matches!(s.read(&mut rest).await, Ok(n) if n > 0)
-            })
-        };
-        // Silent connections fill every handshake place; the next one is closed at once,
-        // before the silent ones time out.
-        let mut silent = Vec::new();
-        for _ in 0..server::HANDSHAKES_MAX {
-            silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
-        }
-        let closed_at_once = async {
-            loop {
-                let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
-                let mut rest = [0u8; 1];
-                match tokio::time::timeout(Duration::from_millis(500), s.read(&mut rest)).await {
-                    Ok(Ok(0)) | Ok(Err(_)) => return,
-                    // The trickler's slot may not be taken yet: that connection was let in.
-                    _ => continue,
-                }
+        let mut s = loop {
+            // Until the places of the silent connections are free again.
+            let mut s = connect_from("127.0.0.7", &addr).await;
+            s.write_all(&hello[..1]).await.unwrap();
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_millis(200), s.read(&mut b)).await {
+                Err(_) => break s,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         };
-        tokio::time::timeout(server::HANDSHAKE_TIMEOUT / 2, closed_at_once)
-            .await
-            .expect("a connection beyond the handshake places was not closed");
-        assert!(!trickler.await.unwrap(), "a trickled Hello was answered");
-        // Once they timed out, a host of the pod gets in.
-        drop(silent);
+        for b in hello[1..].iter() {
+            if s.write_all(&[*b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut rest = [0u8; 1];
+        assert!(
+            !matches!(s.read(&mut rest).await, Ok(n) if n > 0),
+            "a trickled Hello was answered"
+        );
+
+        // A host of the pod gets in, and only it reached the sink.
         let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
         link.open(Uuid::nil(), 1, 0).await.unwrap();
         assert_eq!(sink.log.lock().unwrap().clone(), vec!["open owner 1 0"]);

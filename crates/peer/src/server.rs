@@ -10,10 +10,11 @@
 //! already buffered, so a pipelined sender gets them in batches. Requests of one connection
 //! are applied in the order they were sent, which is the order of their acknowledgements.
 
+use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::IpAddr;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -23,10 +24,15 @@ use uuid::Uuid;
 use crate::auth::{self, Exchange, Key, Role};
 use crate::wire::{self, Msg, Status, WriteMsg, HANDSHAKE_BODY_MAX, HEADER_LEN};
 
-/// Longest a connecting host may take over each frame of the handshake.
+/// Longest a connecting host may take over the whole handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Most connections in their handshake at once; more are closed as they come.
 pub const HANDSHAKES_MAX: usize = 64;
+/// Most connections from one address in their handshake at once, so that one stranger cannot
+/// take every place (a host of the pod needs one, for a few milliseconds).
+pub const HANDSHAKES_PER_SOURCE: usize = 4;
+/// Connections closed for want of a place are logged at most this often.
+const BUSY_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Why a peer did not take a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,18 +61,28 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::R
     std::thread::Builder::new()
         .name("peer-accept".into())
         .spawn(move || {
-            let handshaking = Arc::new(AtomicUsize::new(0));
+            let handshaking = Arc::new(Mutex::new(Handshaking::default()));
+            let mut busy = Busy::default();
             for conn in listener.incoming() {
                 match conn {
                     Ok(s) => {
-                        let Some(slot) = Slot::take(&handshaking) else {
-                            let who = s.peer_addr().map(|a| a.to_string());
-                            warn!(
-                                "peer connection from {} closed: {HANDSHAKES_MAX} others are \
-                                 in their handshake",
-                                who.unwrap_or_else(|_| "?".into())
-                            );
-                            continue;
+                        let slot = s
+                            .peer_addr()
+                            .map_err(|e| e.to_string())
+                            .and_then(|a| Slot::take(&handshaking, a.ip()));
+                        let slot = match slot {
+                            Ok(slot) => slot,
+                            Err(why) => {
+                                busy.refused(&why);
+                                // Say why, if the socket takes it at once, and close.
+                                let reply = Msg::Reply {
+                                    status: Status::Failed,
+                                    msg: format!("peer busy: {why}"),
+                                };
+                                let _ = s.set_nonblocking(true);
+                                let _ = (&s).write_all(&wire::encode(0, &reply));
+                                continue;
+                            }
                         };
                         let (sink, key) = (sink.clone(), key.clone());
                         let _ =
@@ -92,23 +108,75 @@ pub fn serve(listener: TcpListener, sink: Arc<dyn Sink>, key: Key) -> std::io::R
     Ok(())
 }
 
-/// A place among the [`HANDSHAKES_MAX`] connections in their handshake, given back on drop.
-struct Slot(Arc<AtomicUsize>);
+/// Connections in their handshake, in all and by source address.
+#[derive(Default)]
+struct Handshaking {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+}
+
+/// A place among the connections in their handshake ([`HANDSHAKES_MAX`],
+/// [`HANDSHAKES_PER_SOURCE`]), given back on drop.
+struct Slot {
+    shared: Arc<Mutex<Handshaking>>,
+    source: IpAddr,
+}
 
 impl Slot {
-    fn take(count: &Arc<AtomicUsize>) -> Option<Slot> {
-        count
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < HANDSHAKES_MAX).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Slot(count.clone()))
+    fn take(shared: &Arc<Mutex<Handshaking>>, source: IpAddr) -> Result<Slot, String> {
+        let mut h = shared.lock().unwrap_or_else(|e| e.into_inner());
+        if h.total >= HANDSHAKES_MAX {
+            return Err(format!(
+                "{HANDSHAKES_MAX} connections are in their handshake"
+            ));
+        }
+        let n = h.by_source.entry(source).or_default();
+        if *n >= HANDSHAKES_PER_SOURCE {
+            return Err(format!(
+                "{HANDSHAKES_PER_SOURCE} connections from {source} are in their handshake"
+            ));
+        }
+        *n += 1;
+        h.total += 1;
+        Ok(Slot {
+            shared: shared.clone(),
+            source,
+        })
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        let mut h = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        h.total -= 1;
+        if let Some(n) = h.by_source.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                h.by_source.remove(&self.source);
+            }
+        }
+    }
+}
+
+/// Logs connections closed for want of a place, at most once per [`BUSY_LOG_EVERY`]: a
+/// stranger must not be able to flood the log.
+#[derive(Default)]
+struct Busy {
+    last: Option<Instant>,
+    since: u64,
+}
+
+impl Busy {
+    fn refused(&mut self, why: &str) {
+        self.since += 1;
+        if self.last.is_none_or(|t| t.elapsed() >= BUSY_LOG_EVERY) {
+            warn!(
+                "peer listener: closed {} connection(s) at once, the latest because {why}",
+                self.since
+            );
+            self.last = Some(Instant::now());
+            self.since = 0;
+        }
     }
 }
 
@@ -121,15 +189,22 @@ struct Until<'a> {
 
 impl Read for Until<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
+        let late = || {
+            std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!("no handshake within {HANDSHAKE_TIMEOUT:?}"),
-            ));
+            )
+        };
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
         }
         self.s.set_read_timeout(Some(left))?;
-        (&mut &*self.s).read(buf)
+        match (&mut &*self.s).read(buf) {
+            // What a read timeout looks like on Linux.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Err(late()),
+            r => r,
+        }
     }
 }
 
