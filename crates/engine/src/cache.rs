@@ -1703,7 +1703,10 @@ impl VolCache {
                         None => Ok(()),
                     }
                 };
-                let (recs, remote) = tokio::join!(local, remote);
+                // The peers' send first: polled first, it is on its way (or on the socket)
+                // before the local append, which may block this thread, runs. The two then
+                // overlap instead of adding up.
+                let (remote, recs) = tokio::join!(remote, local);
                 let recs = recs?;
                 {
                     let mut st = lock(&self.st);
