@@ -158,6 +158,13 @@ pub struct CacheInfo {
     pub throttled_writes: u64,
     pub throttle_delay_us_total: u64,
     pub stalls: u64,
+    /// `wb` writes flow control held past its bound (4x the datastore write latency plus
+    /// 1 ms): none, unless something is wrong.
+    #[serde(default)]
+    pub throttled_past_bound: u64,
+    /// The longest a `wb` write took inside vestad, from its arrival to its completion.
+    #[serde(default)]
+    pub longest_write_us: u64,
     /// Writes that waited for the cache log to free a segment.
     #[serde(default)]
     pub space_waits: u64,

@@ -342,6 +342,8 @@ struct Counters {
     throttled_writes: AtomicU64,
     throttle_us: AtomicU64,
     stalls: AtomicU64,
+    throttled_past_bound: AtomicU64,
+    longest_write_us: AtomicU64,
     evicted_segments: AtomicU64,
     space_waits: AtomicU64,
 }
@@ -400,6 +402,12 @@ pub struct CacheReport {
     pub throttled_writes: u64,
     pub throttle_delay_us_total: u64,
     pub stalls: u64,
+    /// `wb` writes that flow control held past [`flow::hold_bound`] (by the delay it asked
+    /// for, not by how late the timer that released them fired): none, unless its math is
+    /// wrong.
+    pub throttled_past_bound: u64,
+    /// The longest a `wb` write took from its arrival to its completion, timers included.
+    pub longest_write_us: u64,
     /// Appends that found the log out of free segments and had to wait for the destager or
     /// another volume to free some.
     pub space_waits: u64,
@@ -1835,6 +1843,8 @@ impl VolCache {
     /// Flow control: holds a write's completion in proportion to the pressure. The delay is
     /// the time the write should take in all: what it already spent (appending, waiting its
     /// turn) counts, so a throttled write never waits more than the delay plus timer slack.
+    /// Also keeps the counts of how long writes were held (`throttled_past_bound`,
+    /// `longest_write_us`).
     async fn throttle(&self, started: Instant) {
         let (signals, draining) = {
             let st = lock(&self.st);
@@ -1845,16 +1855,28 @@ impl VolCache {
             // A policy change is draining: hold writes as if under full pressure.
             d = d.max(signals.write_latency.mul_f64(flow::MAX_MULTIPLE));
         }
+        // What the write spent already (admission, its turn, the append, its FUA sync) counts
+        // toward the delay. The hold flow control asks for is checked against its bound, not
+        // how late the timer fires.
+        let spent = started.elapsed();
+        let rest = d.saturating_sub(spent);
+        if !rest.is_zero() && spent + rest > flow::hold_bound(signals.write_latency) {
+            self.counters
+                .throttled_past_bound
+                .fetch_add(1, Ordering::Relaxed);
+        }
         if !d.is_zero() {
             self.counters
                 .throttled_writes
                 .fetch_add(1, Ordering::Relaxed);
-            let rest = d.saturating_sub(started.elapsed());
             self.counters
                 .throttle_us
                 .fetch_add(rest.as_micros() as u64, Ordering::Relaxed);
             tokio::time::sleep(rest).await;
         }
+        self.counters
+            .longest_write_us
+            .fetch_max(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     }
 
     /// Makes every completed write durable on the cache device (group commit).
@@ -2746,6 +2768,8 @@ impl VolCache {
             throttled_writes: self.counters.throttled_writes.load(Ordering::Relaxed),
             throttle_delay_us_total: self.counters.throttle_us.load(Ordering::Relaxed),
             stalls: self.counters.stalls.load(Ordering::Relaxed),
+            throttled_past_bound: self.counters.throttled_past_bound.load(Ordering::Relaxed),
+            longest_write_us: self.counters.longest_write_us.load(Ordering::Relaxed),
             space_waits: self.counters.space_waits.load(Ordering::Relaxed),
             replaying: st.replaying,
             degraded: st.degraded.clone().or_else(|| {

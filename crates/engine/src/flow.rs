@@ -95,6 +95,18 @@ pub fn delay(s: &Signals, t: &Triggers) -> Duration {
     s.write_latency.mul_f64(multiple(pressure(s, t)))
 }
 
+/// What a write may take besides flow control's delay: its own trip through the cache.
+pub const HOLD_SLACK: Duration = Duration::from_millis(1);
+
+/// The longest flow control may hold a write, from its arrival to its completion, at a
+/// datastore write latency: the largest delay plus [`HOLD_SLACK`]. The delay counts the time a
+/// write has spent already, so a throttled write is held longer only by the timer that
+/// releases it firing late. (A stall, the volume's share full of dirty data, is not a delay
+/// and may hold a write longer.)
+pub fn hold_bound(write_latency: Duration) -> Duration {
+    write_latency.mul_f64(MAX_MULTIPLE) + HOLD_SLACK
+}
+
 /// An exponentially weighted moving average.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Ewma {
@@ -186,7 +198,17 @@ mod tests {
             s.destage_bytes_per_s = bps;
             let t = Triggers::for_share(64 << 20, Some(1.0));
             prop_assert!(delay(&s, &t) <= s.write_latency.mul_f64(MAX_MULTIPLE));
+            prop_assert!(delay(&s, &t) + HOLD_SLACK <= hold_bound(s.write_latency));
         }
+    }
+
+    #[test]
+    fn the_hold_bound_is_four_latencies_and_a_millisecond() {
+        assert_eq!(hold_bound(Duration::ZERO), Duration::from_millis(1));
+        assert_eq!(
+            hold_bound(Duration::from_micros(2500)),
+            Duration::from_millis(11)
+        );
     }
 
     #[test]

@@ -622,6 +622,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     lat(Some(c.throttle_delay_us_total)),
                     c.stalls
                 );
+                if c.longest_write_us > 0 {
+                    println!(
+                        "  holds      longest write {}; {} throttled past 4x the datastore latency + 1ms",
+                        lat(Some(c.longest_write_us)),
+                        c.throttled_past_bound
+                    );
+                }
                 for p in &c.peers {
                     println!(
                         "  peer       {}: acknowledged write {}, {} behind{}",

@@ -1523,6 +1523,8 @@ fn cache_info(r: CacheReport) -> api::CacheInfo {
         throttled_writes: r.throttled_writes,
         throttle_delay_us_total: r.throttle_delay_us_total,
         stalls: r.stalls,
+        throttled_past_bound: r.throttled_past_bound,
+        longest_write_us: r.longest_write_us,
         space_waits: r.space_waits,
         replaying: r.replaying,
         degraded: r.degraded,
