@@ -345,6 +345,7 @@ struct Counters {
     throttled_past_bound: AtomicU64,
     longest_write_us: AtomicU64,
     evicted_segments: AtomicU64,
+    eviction_scans: AtomicU64,
     space_waits: AtomicU64,
 }
 
@@ -408,6 +409,10 @@ pub struct CacheReport {
     pub throttled_past_bound: u64,
     /// The longest a `wb` write took from its arrival to its completion, timers included.
     pub longest_write_us: u64,
+    /// Segments evicted so far, and how many of those evictions found extents outside the
+    /// segment's record list and had to search the whole index (none, unless a bug).
+    pub evicted_segments: u64,
+    pub eviction_scans: u64,
     /// Appends that found the log out of free segments and had to wait for the destager or
     /// another volume to free some.
     pub space_waits: u64,
@@ -1619,21 +1624,61 @@ impl VolCache {
 
     /// Evicts this volume's least recently used clean segment. True if one was evicted.
     fn evict_one(&self) -> bool {
-        let Some(seg) = self.shared.log.eviction_candidate(self.id) else {
+        let log = &self.shared.log;
+        let Some(seg) = log.eviction_candidate(self.id) else {
             return false;
         };
+        let in_seg = |ix: &Ix| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg);
+        // The index maps into the segment only where its records put data: look there, not
+        // through the whole index (a cost per eviction that grew with the volume's size).
+        let ranges = log.payload_ranges(seg);
         let mut st = lock(&self.st);
-        let victims: Vec<(u64, u64)> = st
-            .index
-            .iter()
-            .filter(|(_, _, ix)| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg))
-            .map(|(s, l, _)| (s, l))
-            .collect();
-        if victims.is_empty() {
-            return false;
+        let mut found: Vec<(u64, u64)> = Vec::new();
+        for (offset, len) in ranges {
+            for sp in st.index.lookup(offset, len) {
+                if sp.value.as_ref().is_some_and(in_seg) {
+                    found.push((sp.start, sp.start + sp.len));
+                }
+            }
         }
-        for (s, l) in victims {
-            self.index_remove(&mut st, s, l);
+        // A segment's records can overlap: merge what two lookups found.
+        found.sort_unstable();
+        let mut victims: Vec<(u64, u64)> = Vec::with_capacity(found.len());
+        for (s, e) in found {
+            match victims.last_mut() {
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => victims.push((s, e)),
+            }
+        }
+        for &(s, e) in &victims {
+            self.index_remove(&mut st, s, e - s);
+        }
+        // Every record of the segment is listed, so nothing should be left; if something is,
+        // the whole index is searched rather than leave the segment unfreeable.
+        let mut evicted = !victims.is_empty();
+        if log.held(seg) > 0 {
+            let rest: Vec<(u64, u64)> = st
+                .index
+                .iter()
+                .filter(|(_, _, ix)| in_seg(ix))
+                .map(|(s, l, _)| (s, l))
+                .collect();
+            if !rest.is_empty() {
+                self.counters.eviction_scans.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    "volume {:?}: cache segment {seg} had {} extent(s) outside its records; \
+                     evicted them too",
+                    self.name,
+                    rest.len()
+                );
+                evicted = true;
+            }
+            for (s, l) in rest {
+                self.index_remove(&mut st, s, l);
+            }
+        }
+        if !evicted {
+            return false;
         }
         self.counters
             .evicted_segments
@@ -2770,6 +2815,8 @@ impl VolCache {
             stalls: self.counters.stalls.load(Ordering::Relaxed),
             throttled_past_bound: self.counters.throttled_past_bound.load(Ordering::Relaxed),
             longest_write_us: self.counters.longest_write_us.load(Ordering::Relaxed),
+            evicted_segments: self.counters.evicted_segments.load(Ordering::Relaxed),
+            eviction_scans: self.counters.eviction_scans.load(Ordering::Relaxed),
             space_waits: self.counters.space_waits.load(Ordering::Relaxed),
             replaying: st.replaying,
             degraded: st.degraded.clone().or_else(|| {
