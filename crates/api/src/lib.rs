@@ -165,6 +165,9 @@ pub struct CacheInfo {
     /// The longest a `wb` write took inside vestad, from its arrival to its completion.
     #[serde(default)]
     pub longest_write_us: u64,
+    /// Segments of clean data evicted to make room (LRU).
+    #[serde(default)]
+    pub evicted_segments: u64,
     /// Writes that waited for the cache log to free a segment.
     #[serde(default)]
     pub space_waits: u64,

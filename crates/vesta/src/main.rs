@@ -589,9 +589,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(c) = &v.cache {
                 println!("cache        {} (gen {})", c.mode, c.gen);
                 println!(
-                    "  share      {} used of {}; {} write(s) waited for free space",
+                    "  share      {} used of {}; {} segment(s) evicted; {} write(s) waited for free space",
                     format_size(c.used_bytes),
                     format_size(c.share_bytes),
+                    c.evicted_segments,
                     c.space_waits
                 );
                 println!(

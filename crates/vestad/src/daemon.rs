@@ -1525,6 +1525,7 @@ fn cache_info(r: CacheReport) -> api::CacheInfo {
         stalls: r.stalls,
         throttled_past_bound: r.throttled_past_bound,
         longest_write_us: r.longest_write_us,
+        evicted_segments: r.evicted_segments,
         space_waits: r.space_waits,
         replaying: r.replaying,
         degraded: r.degraded,
