@@ -1628,11 +1628,16 @@ impl VolCache {
         let Some(seg) = log.eviction_candidate(self.id) else {
             return false;
         };
-        let in_seg = |ix: &Ix| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg);
         // The index maps into the segment only where its records put data: look there, not
         // through the whole index (a cost per eviction that grew with the volume's size).
         let ranges = log.payload_ranges(seg);
         let mut st = lock(&self.st);
+        // Clean extents only. The candidate holds nothing dirty, but until the lock above it
+        // could have been evicted by another writer, freed, synced and taken again by an
+        // append whose dirty extents must stay.
+        let checkpoint = st.checkpoint;
+        let in_seg =
+            |ix: &Ix| matches!(ix.src, IxSrc::Rec(l) if l.segment == seg) && !ix.dirty(checkpoint);
         let mut found: Vec<(u64, u64)> = Vec::new();
         for (offset, len) in ranges {
             for sp in st.index.lookup(offset, len) {
