@@ -663,6 +663,13 @@ impl Nbdkit {
         }
     }
 
+    /// After a client was killed with requests in flight: gives them time to leave the
+    /// filters (100 ms; they take a few ms here), then [`Nbdkit::keep_running`].
+    pub fn outlive_killed_client(&mut self) {
+        std::thread::sleep(Duration::from_millis(100));
+        self.keep_running();
+    }
+
     /// SIGKILL: the LUN disappears, doors too (their socket files stay, refusing
     /// connections).
     pub fn stop(&mut self) {

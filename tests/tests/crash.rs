@@ -57,10 +57,9 @@ fn completed_writes_survive_kill_9_of_vestad() {
         v.kill9();
         stop.store(true, Ordering::SeqCst);
         rt.block_on(writer).unwrap();
-        // nbdkit 1.32 can abort once the killed vestad's requests leave its delay filter
-        // (`Nbdkit::keep_running`); a SAN outlives its clients, so it is started again.
-        std::thread::sleep(Duration::from_millis(100));
-        lun.keep_running();
+        // nbdkit 1.32 can abort once the killed vestad's requests leave its delay filter;
+        // a SAN outlives its clients.
+        lun.outlive_killed_client();
         v.launch();
         // Every completed write reads back; an in-flight one may or may not have landed.
         let got = rt.block_on(async {

@@ -387,10 +387,9 @@ fn completed_writes_survive_the_owner_dying_under_load() {
         a.kill9();
         stop.store(true, Ordering::SeqCst);
         rt.block_on(writer).unwrap();
-        // a's door (nbdkit 1.32) can abort once a's requests leave its delay filter
-        // (`Nbdkit::keep_running`); it is started again for a's return.
-        std::thread::sleep(Duration::from_millis(100));
-        lun.keep_running();
+        // a's door (nbdkit 1.32) can abort once a's requests leave its delay filter; it
+        // must be there for a's return.
+        lun.outlive_killed_client();
         wait_for(Duration::from_secs(TTL_S + 30), "b's online replay", || {
             (b.log().matches("online replay done").count() as u64 > round).then_some(())
         });
