@@ -8,7 +8,9 @@
 //! completes in that poll — a page-cache read or write — is answered on the spot, so the common
 //! 4 KiB IO costs no thread hop, as in nbdkit. What is still pending (network IO to a datastore,
 //! a wait in the engine) moves to the runtime as a task, so a slow request never holds up
-//! independent ones; its reply goes through the connection's reply thread. Ordering between
+//! independent ones. When it completes, the task sends its reply itself if the socket takes it
+//! at once without blocking (the common case); otherwise the reply goes through the
+//! connection's reply thread, which may block on a client slow to read. Ordering between
 //! overlapping requests is the export's business (the engine's gatekeeper), as the protocol
 //! allows any completion order.
 //!
@@ -206,6 +208,15 @@ impl Stream for UnixStream {
 pub enum StdConn {
     Tcp(std::net::TcpStream),
     Unix(std::os::unix::net::UnixStream),
+}
+
+impl std::os::fd::AsRawFd for StdConn {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            StdConn::Tcp(s) => s.as_raw_fd(),
+            StdConn::Unix(s) => s.as_raw_fd(),
+        }
+    }
 }
 
 impl StdConn {
@@ -682,18 +693,37 @@ impl Reply {
     }
 }
 
+/// What the reply thread is handed: a reply to write, or a reply's remainder already in the
+/// buffer to flush.
+enum Outgoing {
+    Reply(Reply),
+    Flush,
+}
+
 /// The obligation to answer a request that moved to the runtime. If its task ends without
 /// answering (a bug that panicked), dropping this answers EIO so the client never waits
 /// forever.
 struct Answer {
-    tx: std_mpsc::Sender<Reply>,
+    tx: std_mpsc::Sender<Outgoing>,
+    out: Arc<StdMutex<Out>>,
     cookie: u64,
     sent: bool,
 }
 
 impl Answer {
+    /// Sends the reply from the task that completed it when that cannot block (see
+    /// [`Out::send_now`]), which saves waking the reply thread; hands it to the reply thread
+    /// otherwise.
     fn send(mut self, r: Reply) {
         self.sent = true;
+        let r = match self.out.try_lock() {
+            Ok(mut o) => match o.send_now(r) {
+                Sent::All => return,
+                Sent::Part => Outgoing::Flush,
+                Sent::Not(r) => Outgoing::Reply(r),
+            },
+            Err(_) => Outgoing::Reply(r),
+        };
         let _ = self.tx.send(r);
     }
 }
@@ -701,7 +731,9 @@ impl Answer {
 impl Drop for Answer {
     fn drop(&mut self) {
         if !self.sent {
-            let _ = self.tx.send(Reply::error(Errno::EIO, self.cookie, None));
+            let _ = self
+                .tx
+                .send(Outgoing::Reply(Reply::error(Errno::EIO, self.cookie, None)));
         }
     }
 }
@@ -712,10 +744,21 @@ impl Drop for Answer {
 struct Out {
     w: std::io::BufWriter<StdConn>,
     broken: bool,
+    peer: Peer,
+}
+
+/// What [`Out::send_now`] did with a reply.
+enum Sent {
+    /// On the socket (or dropped, the connection being broken).
+    All,
+    /// Part on the socket, the rest in the buffer: someone must flush it.
+    Part,
+    /// Nothing sent: it would have blocked, or other replies are queued ahead of it.
+    Not(Reply),
 }
 
 impl Out {
-    fn put(&mut self, r: &Reply, peer: &Peer) {
+    fn put(&mut self, r: &Reply) {
         if self.broken {
             return;
         }
@@ -724,19 +767,79 @@ impl Out {
             None => Ok(()),
         });
         if let Err(e) = res {
-            debug!("nbd {peer}: writing reply failed: {e}");
+            debug!("nbd {}: writing reply failed: {e}", self.peer);
             self.broken = true;
         }
     }
 
-    fn flush(&mut self, peer: &Peer) {
+    fn flush(&mut self) {
         if self.broken {
             return;
         }
         if let Err(e) = self.w.flush() {
-            debug!("nbd {peer}: writing reply failed: {e}");
+            debug!("nbd {}: writing reply failed: {e}", self.peer);
             self.broken = true;
         }
+    }
+
+    /// Writes a reply straight to the socket without blocking, for a caller that must not
+    /// block (a runtime worker). Only when nothing is buffered ahead of it, and only a reply
+    /// small enough that what the socket does not take fits in the buffer without a write.
+    fn send_now(&mut self, r: Reply) -> Sent {
+        if self.broken {
+            return Sent::All;
+        }
+        let data = r.data.as_deref().unwrap_or_default();
+        let total = r.header.len() + data.len();
+        if !self.w.buffer().is_empty() || total > self.w.capacity() / 2 {
+            return Sent::Not(r);
+        }
+        let mut iov = [
+            libc::iovec {
+                iov_base: r.header.as_ptr() as *mut libc::c_void,
+                iov_len: r.header.len(),
+            },
+            libc::iovec {
+                iov_base: data.as_ptr() as *mut libc::c_void,
+                iov_len: data.len(),
+            },
+        ];
+        // SAFETY: an all-zero msghdr is valid (no address, no control data); iov points at
+        // two buffers that outlive the call, and sendmsg only reads them.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = if data.is_empty() { 1 } else { 2 };
+        use std::os::fd::AsRawFd as _;
+        let fd = self.w.get_ref().as_raw_fd();
+        // SAFETY: fd is this connection's socket, open for as long as `self` is.
+        let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Sent::Not(r),
+                _ => {
+                    debug!("nbd {}: writing reply failed: {e}", self.peer);
+                    self.broken = true;
+                    Sent::All
+                }
+            };
+        }
+        let n = n as usize;
+        if n == total {
+            return Sent::All;
+        }
+        // The rest fits in the empty buffer (total <= capacity / 2), so this copies, no IO.
+        let rest = if n < r.header.len() {
+            [&r.header[n..], data].concat()
+        } else {
+            data[n - r.header.len()..].to_vec()
+        };
+        if let Err(e) = self.w.write_all(&rest) {
+            debug!("nbd {}: writing reply failed: {e}", self.peer);
+            self.broken = true;
+            return Sent::All;
+        }
+        Sent::Part
     }
 }
 
@@ -837,22 +940,24 @@ fn transmission<X: ExportSet>(
     let out = Arc::new(StdMutex::new(Out {
         w: std::io::BufWriter::with_capacity(128 * 1024, wr),
         broken: false,
+        peer: peer.clone(),
     }));
-    let (tx, rx) = std_mpsc::channel::<Reply>();
+    let (tx, rx) = std_mpsc::channel::<Outgoing>();
     let reply_thread = {
         let out = out.clone();
-        let peer = peer.clone();
         std::thread::Builder::new()
             .name("nbd-reply".into())
             .spawn(move || {
                 while let Ok(first) = rx.recv() {
                     let mut o = lock(&out);
-                    o.put(&first, &peer);
-                    drop(first);
-                    while let Ok(more) = rx.try_recv() {
-                        o.put(&more, &peer);
+                    for next in
+                        std::iter::once(first).chain(std::iter::from_fn(|| rx.try_recv().ok()))
+                    {
+                        if let Outgoing::Reply(r) = next {
+                            o.put(&r);
+                        }
                     }
-                    o.flush(&peer);
+                    o.flush();
                 }
             })
     };
@@ -874,7 +979,7 @@ fn transmission<X: ExportSet>(
         // Replies written inline are flushed before this thread could block on the socket,
         // and batched while the client keeps requests queued.
         if unflushed && rd.buffer().len() < proto::REQUEST_LEN {
-            lock(&out).flush(&peer);
+            lock(&out).flush();
             unflushed = false;
         }
         let mut hdr = [0u8; proto::REQUEST_LEN];
@@ -946,7 +1051,7 @@ fn transmission<X: ExportSet>(
                     }
                 );
             }
-            lock(&out).put(&Reply::error(e.errno, req.cookie, Some(budget)), &peer);
+            lock(&out).put(&Reply::error(e.errno, req.cookie, Some(budget)));
             unflushed = true;
             continue;
         }
@@ -959,12 +1064,13 @@ fn transmission<X: ExportSet>(
         });
         match polled {
             Ok(std::task::Poll::Ready(reply)) => {
-                lock(&out).put(&reply, &peer);
+                lock(&out).put(&reply);
                 unflushed = true;
             }
             Ok(std::task::Poll::Pending) => {
                 let answer = Answer {
                     tx: tx.clone(),
+                    out: out.clone(),
                     cookie: req.cookie,
                     sent: false,
                 };
@@ -979,7 +1085,7 @@ fn transmission<X: ExportSet>(
                     proto::command_name(req.kind)
                 );
                 drop(fut);
-                lock(&out).put(&Reply::error(Errno::EIO, req.cookie, None), &peer);
+                lock(&out).put(&Reply::error(Errno::EIO, req.cookie, None));
                 unflushed = true;
             }
         }
@@ -998,7 +1104,7 @@ fn transmission<X: ExportSet>(
         warn!("nbd {peer} export {name:?}: {rejected} requests were rejected on this connection");
     }
     // Stop taking requests; the reply thread ends once every in-flight request has replied.
-    lock(&out).flush(&peer);
+    lock(&out).flush();
     drop(tx);
     let _ = reply_thread.join();
     let o = lock(&out);
@@ -1177,5 +1283,99 @@ mod tests {
             Errno::EPERM
         );
         assert!(validate(&req(proto::CMD_READ, 0, 0, 512), &ro).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod send_now_tests {
+    use super::*;
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::net::UnixStream as StdUnix;
+
+    /// Fills the socket's send buffer without blocking; returns the bytes it took.
+    fn fill(s: &StdUnix) -> Vec<u8> {
+        let chunk: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        let mut sent = Vec::new();
+        loop {
+            // SAFETY: a valid socket and a buffer that outlives the call.
+            let n = unsafe {
+                libc::send(
+                    s.as_raw_fd(),
+                    chunk.as_ptr().cast(),
+                    chunk.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                return sent;
+            }
+            sent.extend_from_slice(&chunk[..n as usize]);
+        }
+    }
+
+    /// However much room the socket has (none, some, plenty), a reply offered to `send_now`
+    /// and then finished the way `Answer::send` finishes it (flushed after `Part`, written by
+    /// the reply thread after `Not`) reaches the client whole, after what was queued before it.
+    #[test]
+    fn a_reply_sent_now_arrives_whole_and_in_order_whatever_room_the_socket_has() {
+        let mut outcomes = [0usize; 3];
+        for room in [0usize, 1, 10, 700, 4096, 30_000, 200_000, 1 << 20] {
+            let (a, mut b) = StdUnix::pair().unwrap();
+            let queued = fill(&a);
+            let drained = room.min(queued.len());
+            let mut head = vec![0u8; drained];
+            b.read_exact(&mut head).unwrap();
+            let reader = std::thread::spawn(move || {
+                let mut got = Vec::new();
+                b.read_to_end(&mut got).unwrap();
+                got
+            });
+            let mut out = Out {
+                w: std::io::BufWriter::with_capacity(128 * 1024, StdConn::Unix(a)),
+                broken: false,
+                peer: Peer("test".into()),
+            };
+            let data: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 256) as u8).collect();
+            let header = reply_header(Errno(0), 0xc00c1e + room as u64);
+            let reply = Reply {
+                header,
+                data: Some(Bytes::from(data.clone())),
+                _budget: None,
+            };
+            match out.send_now(reply) {
+                Sent::All => outcomes[0] += 1,
+                Sent::Part => {
+                    outcomes[1] += 1;
+                    out.flush();
+                }
+                Sent::Not(r) => {
+                    outcomes[2] += 1;
+                    out.put(&r);
+                    out.flush();
+                }
+            }
+            assert!(!out.broken);
+            drop(out);
+            let got = reader.join().unwrap();
+            let want = [&queued[drained..], &header[..], &data[..]].concat();
+            assert!(got == want, "room {room}: the stream differs");
+        }
+        // Each way out was taken: a full socket, one with room for part, one with room for all.
+        assert!(outcomes.iter().all(|&n| n > 0), "outcomes {outcomes:?}");
+    }
+
+    /// Nothing jumps the queue: with bytes already buffered, `send_now` sends nothing.
+    #[test]
+    fn send_now_leaves_a_reply_behind_buffered_ones() {
+        let (a, _b) = StdUnix::pair().unwrap();
+        let mut out = Out {
+            w: std::io::BufWriter::with_capacity(128 * 1024, StdConn::Unix(a)),
+            broken: false,
+            peer: Peer("test".into()),
+        };
+        out.put(&Reply::error(Errno::EIO, 1, None));
+        let r = Reply::error(Errno(0), 2, None);
+        assert!(matches!(out.send_now(r), Sent::Not(_)));
+        assert_eq!(out.w.buffer().len(), proto::SIMPLE_REPLY_LEN);
     }
 }
