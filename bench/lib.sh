@@ -35,8 +35,12 @@ vestad_api() {
 # fio_run NAME URI RW BS QD -> "iops lat_us MiB/s": a timed fio write run (RUNTIME seconds after
 # 2 s of ramp) on an NBD URI, its JSON kept as $OUT/NAME.json, over the first FIO_SIZE bytes
 # (1G). FIO_EXTRA adds options.
+# Each run starts with `sync`: the page cache's dirty data from the runs before it (nbdkit's
+# in-place writes, vestad's cache log) is written back first, so no run pays for the
+# writeback of another one.
 fio_run() {
     local json="$OUT/$1.json"
+    sync
     fio --name="$1" --ioengine=nbd --uri="$2" --rw="$3" --bs="$4" --iodepth="$5" ${FIO_EXTRA:-} \
         --size="${FIO_SIZE:-1G}" --runtime="$RUNTIME" --time_based --ramp_time=2 --randrepeat=0 \
         --output-format=json --output="$json"
