@@ -8,7 +8,8 @@
 #
 # 1. fio on each policy: 64 KiB sequential writes at QD8 (MiB/s), 4 KiB random writes at QD16
 #    (IOPS) and at QD1 (mean latency). Targets: wbp:1 >= 85 % of wb's sequential throughput,
-#    wbp:2 >= 75 %; wbp:1's QD1 latency <= wb's + 50 us.
+#    wbp:2 >= 75 %; wbp:1's QD1 latency <= wb's + 50 us. Then the round trip of a bare
+#    4 KiB message over loopback TCP: no peer can add less than that to a write.
 # 2. Replay: a wbp:1 volume with DIRTY MiB of dirty data (destaging held), a killed with
 #    SIGKILL; the time until b has replayed it onto the datastore, and the replay's
 #    throughput against the datastore's own bandwidth for the same job, measured just before
@@ -118,6 +119,11 @@ print(f"wbp:1 sequential throughput {w1 / wb * 100:.0f} % of wb (target >= 85 %)
       f"wbp:1 QD1 latency wb + {${QD1[wbp:1]} - ${QD1[wb]}:.0f} us (target <= 50 us)")
 EOF
 fi
+# The floor under what a peer adds to a write: one 4 KiB message and its acknowledgement over
+# loopback TCP between two threads doing nothing else (crates/peer/examples/loopback_rtt.rs).
+read -r rtt rtt50 _ < <(cargo run --release -q -p peer --example loopback_rtt -- 127.0.0.3)
+echo
+echo "Loopback TCP round trip with a 4 KiB message, nothing else: mean $rtt us, median $rtt50 us."
 fi
 
 [ "${ONLY:-}" = table ] && exit 0
