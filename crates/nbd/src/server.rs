@@ -1028,11 +1028,10 @@ fn transmission<X: ExportSet>(
                 .expect("never closed"),
         };
         let data = if req.kind == proto::CMD_WRITE {
-            let mut buf = vec![0u8; req.len as usize];
-            if let Err(e) = rd.read_exact(&mut buf) {
-                break End::Io(e);
+            match read_payload(&mut rd, req.len as usize) {
+                Ok(buf) => Some(Bytes::from(buf)),
+                Err(e) => break End::Io(e),
             }
-            Some(Bytes::from(buf))
         } else {
             None
         };
@@ -1109,6 +1108,17 @@ fn transmission<X: ExportSet>(
     let _ = reply_thread.join();
     let o = lock(&out);
     let _ = o.w.get_ref().shutdown(std::net::Shutdown::Both);
+}
+
+/// Reads a WRITE's payload of `len` bytes into a new buffer, without zeroing the buffer first
+/// (the read fills it). `UnexpectedEof` if the stream ends before it does.
+fn read_payload<R: std::io::Read>(rd: &mut R, len: usize) -> io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(len);
+    rd.take(len as u64).read_to_end(&mut buf)?;
+    if buf.len() < len {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(buf)
 }
 
 /// Reads one request header. `Ok(false)` on a clean end of stream before any byte of it.
@@ -1377,5 +1387,21 @@ mod send_now_tests {
         let r = Reply::error(Errno(0), 2, None);
         assert!(matches!(out.send_now(r), Sent::Not(_)));
         assert_eq!(out.w.buffer().len(), proto::SIMPLE_REPLY_LEN);
+    }
+}
+
+#[cfg(test)]
+mod payload_tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_is_read_exactly_and_a_short_one_is_an_unexpected_end() {
+        let stream: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        let mut rd = std::io::BufReader::with_capacity(4096, &stream[..]);
+        assert_eq!(read_payload(&mut rd, 6000).unwrap(), &stream[..6000]);
+        // What follows the payload is left for the next header.
+        assert_eq!(read_payload(&mut rd, 1000).unwrap(), &stream[6000..7000]);
+        let e = read_payload(&mut rd, 3001).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
     }
 }

@@ -220,8 +220,13 @@ fn read_frame(r: &mut impl Read, max: u32) -> std::io::Result<Option<(wire::Head
     if h.body_len > max {
         return Err(std::io::Error::other(wire::WireError::TooLong(h.body_len)));
     }
-    let mut body = vec![0u8; h.body_len as usize];
-    r.read_exact(&mut body)?;
+    // Not zeroed first: the read fills it.
+    let len = h.body_len as usize;
+    let mut body = Vec::with_capacity(len);
+    r.take(len as u64).read_to_end(&mut body)?;
+    if body.len() < len {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(Some((h, Bytes::from(body))))
 }
 
