@@ -56,10 +56,13 @@ V="nbd+unix:///%s?socket=$OUT/vesta/nbd.sock"
 
 # fresh NAME QD POLICY-ARGS...: a new volume on the local disk for one 4k randwrite run,
 # deleted after it (each run starts with an empty cache share and has the cache to itself).
+# Named explicitly: initial placement would put it on `slow` while `default` still holds the
+# volume before it. Call it as `out=$(fresh ...)`, not in `< <(...)`, whose subshell would
+# still be deleting the volume while the next one is created.
 fresh() {
     local name=$1 qd=$2
     shift 2
-    vesta volume create "$name" --size 1G "$@" >/dev/null
+    vesta volume create "$name" --size 1G --datastore default "$@" >/dev/null
     fio_run "$name" "$(printf "$V" "$name")" randwrite 4k "$qd"
     vesta volume delete --force "$name" >/dev/null
 }
@@ -74,11 +77,11 @@ read -r ki _ _ < <(fio_run nbdkit-qd32 "nbd+unix:///?socket=$OUT/nbdkit.sock" ra
 read -r _ cl _ < <(FIO_SIZE=8G fio_run cold-qd1 "nbd+unix:///?socket=$OUT/cold.sock" randwrite 4k 1)
 read -r ci _ _ < <(FIO_SIZE=8G FIO_EXTRA=--offset=8G \
     fio_run cold-qd32 "nbd+unix:///?socket=$OUT/cold.sock" randwrite 4k 32)
-read -r _ wl _ < <(fresh wb-qd1 1 --policy wb)
-read -r wi _ _ < <(fresh wb-qd32 32 --policy wb)
+out=$(fresh wb-qd1 1 --policy wb) && read -r _ wl _ <<<"$out"
+out=$(fresh wb-qd32 32 --policy wb) && read -r wi _ _ <<<"$out"
 # Destaging deferred (held longer than the run): the write path alone.
-read -r _ hl _ < <(fresh held-qd1 1 --policy wb --hold 600)
-read -r hi _ _ < <(fresh held-qd32 32 --policy wb --hold 600)
+out=$(fresh held-qd1 1 --policy wb --hold 600) && read -r _ hl _ <<<"$out"
+out=$(fresh held-qd32 32 --policy wb --hold 600) && read -r hi _ _ <<<"$out"
 python3 - <<EOF
 rows = [("4k randwrite QD1, mean latency (us)", $wl, $kl),
         ("4k randwrite QD32, IOPS", $wi, $ki),
