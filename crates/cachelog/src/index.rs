@@ -70,9 +70,10 @@ impl<V: Piece> ExtentMap<V> {
             .next_back()
             .filter(|(_, (e, _))| *e > start)
             .map(|(s, _)| *s);
+        // `first` covers an extent starting at `start` itself, if there is one.
         let keys: Vec<u64> = first
             .into_iter()
-            .chain(self.map.range(start..end).map(|(s, _)| *s))
+            .chain(self.map.range(start + 1..end).map(|(s, _)| *s))
             .collect();
         for k in keys {
             let Some((e, v)) = self.map.remove(&k) else {
@@ -95,6 +96,25 @@ impl<V: Piece> ExtentMap<V> {
 
     /// Maps `[start, start + len)` to `value`, returning the parts it displaced.
     pub fn insert(&mut self, start: u64, len: u64, value: V) -> Vec<(u64, u64, V)> {
+        let end = start + len;
+        // The two common cases take one lookup instead of the general cut's four to six
+        // (the index was an eighth of a 4 KiB write's CPU, `perf`): a write over exactly one
+        // earlier extent, and a write into a gap. Both are decided by the last extent that
+        // starts before `end`, since extents are disjoint and sorted.
+        if len > 0 {
+            match self.map.range_mut(..end).next_back() {
+                Some((&s, (e, v))) if s == start && *e == end => {
+                    let old = std::mem::replace(v, value);
+                    return vec![(start, len, old)];
+                }
+                Some((_, (e, _))) if *e > start => {}
+                _ => {
+                    self.map.insert(start, (end, value));
+                    self.bytes += len;
+                    return Vec::new();
+                }
+            }
+        }
         let out = self.remove(start, len);
         if len > 0 {
             self.map.insert(start, (start + len, value));
@@ -173,14 +193,18 @@ mod tests {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        (0..SECTORS, 1..16u64, any::<bool>()).prop_map(|(s, l, ins)| {
+        let any_range = (0..SECTORS, 1..16u64, any::<bool>()).prop_map(|(s, l, ins)| {
             let l = l.min(SECTORS - s);
             if ins {
                 Op::Insert(s * 512, l * 512)
             } else {
                 Op::Remove(s * 512, l * 512)
             }
-        })
+        });
+        // Whole 4 KiB blocks, as most VMs write: exact overwrites and writes into gaps,
+        // the cases `insert` takes a short way for.
+        let block = (0..SECTORS / 8).prop_map(|b| Op::Insert(b * 4096, 4096));
+        prop_oneof![any_range, block]
     }
 
     proptest! {
