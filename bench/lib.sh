@@ -15,6 +15,11 @@ stop_started() {
         kill "${pids[i]}" 2>/dev/null || true
         wait "${pids[i]}" 2>/dev/null || true
     done
+    # The disk images (cache files, LUNs, volumes) take GiBs each and a few benches fill a
+    # small disk; the results, logs and fio JSON stay. KEEP_IMAGES=1 keeps them too.
+    if [ -z "${KEEP_IMAGES:-}" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+        find "$OUT" -type f \( -name '*.img' -o -name '*.raw' \) -delete 2>/dev/null || true
+    fi
 }
 trap stop_started EXIT
 
