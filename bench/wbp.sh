@@ -83,26 +83,21 @@ host b 127.0.0.3 rack2
 host c 127.0.0.4 rack2
 V="nbd+unix:///%s?socket=$OUT/a/data/nbd.sock"
 
-# wait_mode VOLUME MODE: until a's volume runs in MODE (peers in place).
-wait_mode() {
-    for _ in $(seq 300); do
-        [ "$(vesta a --json volume show "$1" | python3 -c 'import json,sys;print((json.load(sys.stdin).get("cache") or {}).get("mode"))')" = "$2" ] && return
-        sleep 0.1
-    done
-    echo "volume $1 never reached $2" >&2
-    exit 1
-}
-
-# wait_clean VOLUME: until a's volume has no dirty data (5 min at most), so that a run does
-# not share the machine with the destaging of the run before it, nor inherit its flow control.
-wait_clean() {
+# wait_cache VOLUME FIELD VALUE WHAT: until a's volume reports FIELD of its cache (`vesta
+# volume show --json`) as VALUE, 5 min at most.
+wait_cache() {
     for _ in $(seq 3000); do
-        [ "$(vesta a --json volume show "$1" | python3 -c 'import json,sys;print((json.load(sys.stdin).get("cache") or {}).get("dirty_bytes", 0))')" = 0 ] && return
+        [ "$(vesta a --json volume show "$1" | python3 -c 'import json,sys;print((json.load(sys.stdin).get("cache") or {}).get(sys.argv[1], 0))' "$2")" = "$3" ] && return
         sleep 0.1
     done
-    echo "volume $1 still has dirty data after 5 min" >&2
+    echo "volume $1 $4 within 5 min" >&2
     exit 1
 }
+# wait_mode VOLUME MODE: until a's volume runs in MODE (peers in place).
+wait_mode() { wait_cache "$1" mode "$2" "never reached $2"; }
+# wait_clean VOLUME: until a's volume has no dirty data, so that a run does not share the
+# machine with the destaging of the run before it, nor inherit its flow control.
+wait_clean() { wait_cache "$1" dirty_bytes 0 "still has dirty data"; }
 
 if [ "${ONLY:-}" != replay ]; then
 echo "### FVP Table 2 on loopback: a 1 ms datastore, peers on the same machine"
