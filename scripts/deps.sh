@@ -8,4 +8,5 @@ if ! command -v cargo >/dev/null 2>&1; then
     echo "      toolchain is in rust-toolchain.toml." >&2
     exit 1
 fi
-exec "$(dirname "$0")/apt.sh" nbdkit libnbd-bin python3-libnbd fio qemu-utils etcd-server etcd-client protobuf-compiler
+exec "$(dirname "$0")/apt.sh" nbdkit libnbd-bin python3-libnbd fio qemu-utils etcd-server etcd-client protobuf-compiler \
+    qemu-system-x86 busybox-static cpio e2fsprogs
