@@ -5,6 +5,10 @@
 //! writes a real file system does; its journal must come back intact after the host's
 //! daemon dies.
 //!
+//! In `wbp` the owner host dies instead, and the guest boots twice more: from the datastore
+//! image alone once a peer has replayed (a VM restarted where there is no Vesta), and on the
+//! returned owner.
+//!
 //! QEMU runs under TCG (software emulation): nested KVM is not dependable on the machines
 //! this runs on, and a busybox guest boots in a few seconds without it.
 
@@ -14,18 +18,27 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use vesta_tests::{read_file, run_ok, wait_for, Nbdkit, Scratch, Vestad, LUN_EXTENT};
+use serde_json::Value;
+use vesta_tests::{
+    read_file, run_ok, wait_for, Etcd, Nbdkit, Scratch, Vestad, VestadOpts, LUN_EXTENT,
+};
 
 const VOLUME_SIZE: u64 = 256 << 20;
 /// A TCG boot takes a few seconds alone; generous for a loaded CI machine.
 const GUEST_LIMIT: Duration = Duration::from_secs(240);
 
-/// The kernel and initramfs, built once per target directory.
+/// The kernel and initramfs, built once per target directory (and once per test process:
+/// the tests of this file run at once).
 fn guest() -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("vm-guest");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/guest.sh");
-    run_ok(Command::new("bash").arg(script).arg(&dir));
-    dir
+    static GUEST: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    GUEST
+        .get_or_init(|| {
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("vm-guest");
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/guest.sh");
+            run_ok(Command::new("bash").arg(script).arg(&dir));
+            dir
+        })
+        .clone()
 }
 
 /// One boot of the guest: QEMU with its serial console on a pipe, every line kept.
@@ -35,7 +48,8 @@ struct Boot {
 }
 
 impl Boot {
-    fn start(guest: &Path, disk_url: &str, phase: &str) -> Boot {
+    /// Boots `phase` on `disk`: an NBD URL or an image file.
+    fn start(guest: &Path, disk: &str, phase: &str) -> Boot {
         let mut qemu = Command::new("qemu-system-x86_64")
             .args([
                 "-accel",
@@ -56,9 +70,7 @@ impl Boot {
             // cache=writeback (QEMU's default) shows the guest a disk with a volatile write
             // cache, so its file system sends FLUSH and FUA as it would to real hardware.
             .arg("-drive")
-            .arg(format!(
-                "file={disk_url},format=raw,if=virtio,cache=writeback"
-            ))
+            .arg(format!("file={disk},format=raw,if=virtio,cache=writeback"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -145,6 +157,70 @@ impl Drop for Boot {
     }
 }
 
+/// Boot 1: writes and syncs files on the volume, and is still writing when this returns.
+/// Returns the boot and the sums of the synced files.
+fn boot_writing(guest: &Path, url: &str) -> (Boot, Vec<String>) {
+    let mut boot = Boot::start(guest, url, "write");
+    let got = boot.wait(&["extra 2", "mount failed", "io error"]);
+    assert_eq!(
+        got,
+        "extra 2",
+        "the writing boot failed:\n{}",
+        boot.console()
+    );
+    let synced = boot.sums();
+    assert_eq!(
+        synced.len(),
+        8,
+        "the writing boot printed sums:\n{}",
+        boot.console()
+    );
+    (boot, synced)
+}
+
+/// A verifying boot on `disk`: ext4 replays its journal, and every synced file must read back
+/// whole, with the same sums file.
+fn boot_verifying(guest: &Path, disk: &str, synced: &[String], what: &str) {
+    let mut boot = Boot::start(guest, disk, "verify");
+    let got = boot.wait(&["verify ok", "verify FAILED", "mount failed"]);
+    assert_eq!(
+        got,
+        "verify ok",
+        "{what}: the guest's synced files are damaged:\n{}",
+        boot.console()
+    );
+    assert_eq!(
+        boot.sums(),
+        synced,
+        "{what}: the sums file the guest reads back differs from the one it synced"
+    );
+    boot.wait_exit();
+}
+
+/// An ext4 file system made on the host, copied onto the volume at `url` by nbdcopy.
+fn make_fs(scratch: &Scratch, url: &str) {
+    let fs = scratch.join("fs.img");
+    std::fs::File::create(&fs)
+        .unwrap()
+        .set_len(VOLUME_SIZE)
+        .unwrap();
+    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&fs));
+    run_ok(Command::new("nbdcopy").arg(&fs).arg(url));
+}
+
+/// The file system on the volume checks clean, and the LUN holds exactly the volume (the
+/// volume must be clean).
+fn check_fs_and_lun(v: &Vestad, name: &str, lun: &Nbdkit, scratch: &Scratch) {
+    let copy = copy_out(v, name, scratch);
+    run_ok(Command::new("e2fsck").args(["-f", "-n"]).arg(&copy));
+    let img = read_file(&lun.image);
+    let vol = read_file(&copy);
+    assert!(
+        img[LUN_EXTENT..LUN_EXTENT + vol.len()] == vol[..],
+        "the LUN image differs from the volume"
+    );
+}
+
 /// The volume's contents through a second client (nbdcopy), as a file.
 fn copy_out(v: &Vestad, name: &str, scratch: &Scratch) -> PathBuf {
     let out = scratch.join(&format!("{name}.copy"));
@@ -175,21 +251,10 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
         "--hold",
         "5",
     ]);
-    // An ext4 file system made on the host, copied onto the volume by nbdcopy.
-    let fs = scratch.join("fs.img");
-    std::fs::File::create(&fs)
-        .unwrap()
-        .set_len(VOLUME_SIZE)
-        .unwrap();
-    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&fs));
-    run_ok(Command::new("nbdcopy").arg(&fs).arg(v.url("vm")));
+    make_fs(&scratch, &v.url("vm"));
 
-    // Boot 1: write and sync files, then keep writing while vestad is killed.
-    let mut boot = Boot::start(&guest, &v.url("vm"), "write");
-    let got = boot.wait(&["extra 2", "mount failed", "io error"]);
-    assert_eq!(got, "extra 2", "boot 1 failed:\n{}", boot.console());
-    let synced = boot.sums();
-    assert_eq!(synced.len(), 8, "boot 1 printed sums:\n{}", boot.console());
+    // Boot 1 writes and syncs files, then keeps writing while vestad is killed.
+    let (mut boot, synced) = boot_writing(&guest, &v.url("vm"));
     v.kill9();
     // Give the guest a moment to see its disk fail mid-write, then pull the plug.
     std::thread::sleep(Duration::from_millis(500));
@@ -198,20 +263,7 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
     v.launch();
 
     // Boot 2: ext4 replays its journal; every synced file must read back whole.
-    let mut boot = Boot::start(&guest, &v.url("vm"), "verify");
-    let got = boot.wait(&["verify ok", "verify FAILED", "mount failed"]);
-    assert_eq!(
-        got,
-        "verify ok",
-        "after kill -9 of vestad the guest's synced files are damaged:\n{}",
-        boot.console()
-    );
-    assert_eq!(
-        boot.sums(),
-        synced,
-        "the sums file the guest reads back differs from the one it synced"
-    );
-    boot.wait_exit();
+    boot_verifying(&guest, &v.url("vm"), &synced, "after kill -9 of vestad");
     let log = v.log();
     assert!(
         log.contains("replaying"),
@@ -220,16 +272,103 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
 
     // The guest unmounted cleanly: the file system checks clean on the host, and once the
     // volume is destaged the LUN holds exactly the volume.
-    let copy = copy_out(&v, "vm", &scratch);
-    run_ok(Command::new("e2fsck").args(["-f", "-n"]).arg(&copy));
     wait_for(Duration::from_secs(60), "the volume to be clean", || {
         let j = v.vesta_json(&["volume", "show", "vm"]);
         (j["cache"]["dirty_bytes"] == 0).then_some(())
     });
-    let img = read_file(&lun.image);
-    let vol = read_file(&copy);
-    assert!(
-        img[LUN_EXTENT..LUN_EXTENT + vol.len()] == vol[..],
-        "after replay and destaging the LUN image differs from the volume"
+    check_fs_and_lun(&v, "vm", &lun, &scratch);
+}
+
+const TTL_S: u64 = 3;
+
+/// A host of the etcd cluster on its own loopback address, reaching the LUN as datastore
+/// `san` through a door of its own.
+fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
+    Vestad::start_with(VestadOpts {
+        config: Some(format!(
+            "{}\n[cache]\nsize = \"512M\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
+             target = \"nbd+unix:///?socket=lun.sock\"\nqueue_depth = 8\n",
+            etcd.cluster_config(name, fault_domain, TTL_S),
+        )),
+        ip: Some(ip.into()),
+        links: vec![("lun.sock".into(), lun.door(name))],
+    })
+}
+
+fn replicating_to(v: &Vestad, name: &str, peer: &str) -> bool {
+    let s: Value = v.vesta_json(&["volume", "show", name]);
+    s["cache"]["mode"] == "wbp:1"
+        && s["cache"]["peers"]
+            .as_array()
+            .is_some_and(|a| a.len() == 1 && a[0]["host"] == peer && a[0]["error"].is_null())
+}
+
+#[test]
+fn a_vm_on_a_wbp_volume_finds_its_synced_files_after_its_host_dies() {
+    let guest = guest();
+    let scratch = Scratch::new("vm-wbp");
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(2 * VOLUME_SIZE, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    // Destaging held back: what the guest writes stays in a's cache and b's replicas until
+    // someone replays it.
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "vm",
+        "--size",
+        &VOLUME_SIZE.to_string(),
+        "--policy",
+        "wbp:1",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_for(Duration::from_secs(30), "a to replicate to b", || {
+        replicating_to(&a, "vm", "b").then_some(())
+    });
+    make_fs(&scratch, &a.url("vm"));
+
+    // The guest writes and syncs files on a, and is still writing when a dies.
+    let (mut boot, synced) = boot_writing(&guest, &a.url("vm"));
+    a.kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    boot.kill();
+    lun.keep_running();
+    wait_for(
+        Duration::from_secs(TTL_S + 30),
+        "b to replay a's volume",
+        || b.log().contains("online replay done").then_some(()),
     );
+
+    // A VM restarted where there is no Vesta at all, on the datastore's bytes alone.
+    let img = read_file(&lun.image);
+    let on_datastore = scratch.join("datastore.img");
+    std::fs::write(
+        &on_datastore,
+        &img[LUN_EXTENT..LUN_EXTENT + VOLUME_SIZE as usize],
+    )
+    .unwrap();
+    drop(img);
+    boot_verifying(
+        &guest,
+        &on_datastore.display().to_string(),
+        &synced,
+        "on the datastore after b's online replay",
+    );
+
+    // The owner returns: it drops its stale copy, serves from the datastore and takes b as
+    // its peer again; the guest boots on it.
+    a.launch();
+    wait_for(Duration::from_secs(30), "a to replicate to b again", || {
+        replicating_to(&a, "vm", "b").then_some(())
+    });
+    boot_verifying(&guest, &a.url("vm"), &synced, "on the returned owner");
+
+    // Leaving wbp destages everything; then the LUN is exactly the volume.
+    a.vesta_ok(&["volume", "policy", "vm", "wt"]);
+    check_fs_and_lun(&a, "vm", &lun, &scratch);
+    lun.assert_one_writer_at_a_time(LUN_EXTENT as u64..u64::MAX);
 }

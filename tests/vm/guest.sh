@@ -115,8 +115,9 @@ poweroff -f
 EOF
 chmod +x "$root/init"
 mkdir -p "$out"
-(cd "$root" && find . | cpio -o -H newc --quiet | gzip -1 >"$work/initrd.gz")
-cp "$work/x/boot/vmlinuz-$kver" "$out/vmlinuz.tmp"
-mv "$work/initrd.gz" "$out/initrd.gz"
-mv "$out/vmlinuz.tmp" "$out/vmlinuz"
+# Each file appears whole or not at all, also with two builds at once.
+(cd "$root" && find . | cpio -o -H newc --quiet | gzip -1 >"$out/initrd.gz.$$")
+cp "$work/x/boot/vmlinuz-$kver" "$out/vmlinuz.$$"
+mv "$out/initrd.gz.$$" "$out/initrd.gz"
+mv "$out/vmlinuz.$$" "$out/vmlinuz"
 echo "guest.sh: guest with $pkg in $out"
