@@ -310,6 +310,31 @@ impl Vestad {
         assert_eq!(status, 200, "fault injection failed: {body}");
     }
 
+    /// From now on the cache device keeps what each write replaces until a sync covers it, so
+    /// that [`Vestad::power_cut`] can undo it.
+    pub fn record_power_cut(&self) {
+        let (status, body) = self.post("/v1/debug/faults", r#"{"cache_device":"record"}"#);
+        assert_eq!(status, 200, "fault injection failed: {body}");
+    }
+
+    /// A power cut of this host: the cache device loses every write no sync covered (since
+    /// [`Vestad::record_power_cut`]) and the daemon stops at once. Returns how many writes
+    /// were lost.
+    pub fn power_cut(&mut self) -> u64 {
+        let (status, body) = self.post("/v1/debug/faults", r#"{"cache_device":"power_cut"}"#);
+        assert_eq!(status, 200, "fault injection failed: {body}");
+        let undone = serde_json::from_str::<Value>(&body).expect("json")["undone"]
+            .as_u64()
+            .expect("undone");
+        let mut c = self.child.take().expect("running");
+        wait_for(
+            Duration::from_secs(10),
+            "vestad to stop at the power cut",
+            || c.try_wait().expect("wait"),
+        );
+        undone
+    }
+
     /// Creates a volume and returns its unix-socket URI.
     pub fn create_volume(&self, name: &str, size: &str) -> String {
         self.vesta_ok(&["volume", "create", name, "--size", size]);

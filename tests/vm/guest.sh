@@ -6,12 +6,15 @@
 #
 #   tests/vm/guest.sh OUT      # writes OUT/vmlinuz and OUT/initrd.gz
 #
+# The tests name OUT after a hash of this file, so a changed guest is built again.
+#
 # The init script runs the phase named on the kernel command line (`vesta.phase=`) against
 # the ext4 file system on /dev/vda, and reports on the serial console in lines that begin
 # with "VESTA-VM":
 #   write   writes files of random data, records their md5 sums in /mnt/sums, `sync`s, prints
-#           the sums and "synced", then keeps writing more files ("extra N") until the host
-#           stops it: the IO in flight when the test kills vestad.
+#           the sums and "synced", then keeps writing more files ("extra N", with O_DIRECT
+#           and no sync) until the host stops it: the IO in flight, never flushed, when the
+#           test kills vestad or cuts its power.
 #   verify  mounts (ext4 replays its journal), prints the sums file, checks every file
 #           against it, prints "verify ok" or "verify FAILED", and powers off.
 set -euo pipefail
@@ -97,7 +100,9 @@ write)
     i=0
     while true; do
         i=$((i + 1))
-        dd if=/dev/urandom of=extra$i bs=64k count=16 2>/dev/null || { say "io error"; break; }
+        # O_DIRECT: each one reaches the disk at once, with no FLUSH after it.
+        dd if=/dev/urandom of=extra$i bs=64k count=16 oflag=direct 2>/dev/null ||
+            { say "io error"; break; }
         say "extra $i"
     done
     sleep 3600

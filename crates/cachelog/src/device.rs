@@ -79,10 +79,26 @@ impl CacheDevice for FileCache {
 }
 
 /// Wraps a device so that a test can make it fail every IO from some moment on, as a dying
-/// flash device would; used by `vestad --test-faults`.
+/// flash device would, or lose power; used by `vestad --test-faults`.
+///
+/// A power cut of a real file needs to know what the file held before each write that no
+/// sync has covered yet. From [`Faulty::record_power_cut`] on, every write first reads the
+/// bytes it replaces and keeps them until a sync covers it; [`Faulty::power_cut`] writes
+/// them back, newest first, so the device holds exactly what its syncs made durable (each
+/// unsynced write is lost whole: the harshest of the fates [`SimDevice`] models), and fails
+/// every IO from then on. Until recording starts a write costs one atomic load more.
 pub struct Faulty<D> {
     inner: D,
     failed: AtomicBool,
+    recording: AtomicBool,
+    undo: Mutex<Undo>,
+}
+
+/// The unsynced writes of a recording [`Faulty`]: (sequence number, offset, old bytes).
+#[derive(Default)]
+struct Undo {
+    next: u64,
+    writes: Vec<(u64, u64, Vec<u8>)>,
 }
 
 impl<D: CacheDevice> Faulty<D> {
@@ -90,11 +106,40 @@ impl<D: CacheDevice> Faulty<D> {
         Faulty {
             inner,
             failed: AtomicBool::new(false),
+            recording: AtomicBool::new(false),
+            undo: Mutex::new(Undo::default()),
         }
     }
 
     pub fn fail(&self) {
         self.failed.store(true, Ordering::SeqCst);
+    }
+
+    /// Syncs the device, then keeps what each later write replaces until a sync covers it,
+    /// for [`Faulty::power_cut`].
+    pub fn record_power_cut(&self) -> io::Result<()> {
+        let mut u = self.undo.lock().unwrap_or_else(|e| e.into_inner());
+        self.check()?;
+        self.inner.sync()?;
+        u.writes.clear();
+        self.recording.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Puts back what every write not covered by a sync replaced, syncs that, and fails every
+    /// IO from then on. Returns how many writes it undid.
+    pub fn power_cut(&self) -> io::Result<usize> {
+        let mut u = self.undo.lock().unwrap_or_else(|e| e.into_inner());
+        if !self.recording.load(Ordering::SeqCst) {
+            return Err(io::Error::other("power_cut without record_power_cut first"));
+        }
+        self.fail();
+        let writes = std::mem::take(&mut u.writes);
+        for (_, offset, old) in writes.iter().rev() {
+            self.inner.write_at(*offset, old)?;
+        }
+        self.inner.sync()?;
+        Ok(writes.len())
     }
 
     fn check(&self) -> io::Result<()> {
@@ -118,11 +163,33 @@ impl<D: CacheDevice> CacheDevice for Faulty<D> {
     }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.check()?;
-        self.inner.write_at(offset, data)
+        if !self.recording.load(Ordering::SeqCst) {
+            return self.inner.write_at(offset, data);
+        }
+        // The old bytes are read and the write made under one lock, so the undo entries of
+        // overlapping writes are in the order the writes happened.
+        let mut u = self.undo.lock().unwrap_or_else(|e| e.into_inner());
+        self.check()?;
+        let mut old = vec![0u8; data.len()];
+        self.inner.read_at(offset, &mut old)?;
+        self.inner.write_at(offset, data)?;
+        let seq = u.next;
+        u.next += 1;
+        u.writes.push((seq, offset, old));
+        Ok(())
     }
     fn sync(&self) -> io::Result<()> {
         self.check()?;
-        self.inner.sync()
+        if !self.recording.load(Ordering::SeqCst) {
+            return self.inner.sync();
+        }
+        // Covers the writes that completed before it began: those numbered below `upto`.
+        let upto = self.undo.lock().unwrap_or_else(|e| e.into_inner()).next;
+        self.inner.sync()?;
+        let mut u = self.undo.lock().unwrap_or_else(|e| e.into_inner());
+        self.check()?;
+        u.writes.retain(|(seq, _, _)| *seq >= upto);
+        Ok(())
     }
 }
 
@@ -290,6 +357,41 @@ impl CacheDevice for SimDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file that holds, after `power_cut`, exactly what was synced: unsynced writes undone
+    /// newest first (overlapping ones included), synced ones kept, and IO failing after.
+    #[test]
+    fn a_power_cut_leaves_a_file_with_what_its_syncs_made_durable() {
+        let dir = std::env::temp_dir().join(format!("vesta-faulty-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cache.img");
+        let _ = std::fs::remove_file(&path);
+        let d = Faulty::new(FileCache::open(&path, 16384).unwrap());
+        d.write_at(0, &[1; 4096]).unwrap(); // before recording: durable once recording starts
+        d.record_power_cut().unwrap();
+        d.write_at(4096, &[2; 4096]).unwrap();
+        d.sync().unwrap(); // covers the 2s
+        d.write_at(0, &[3; 1024]).unwrap();
+        d.write_at(512, &[4; 1024]).unwrap(); // overlaps the 3s
+        d.write_at(8192, &[5; 512]).unwrap();
+        assert_eq!(d.power_cut().unwrap(), 3, "three writes were not synced");
+        let mut b = [0u8; 4096];
+        assert!(d.read_at(0, &mut b).is_err(), "IO fails after the cut");
+        assert!(d.write_at(0, &[6; 512]).is_err(), "IO fails after the cut");
+        let f = std::fs::read(&path).unwrap();
+        assert_eq!(
+            &f[..4096],
+            &[1; 4096][..],
+            "the unsynced overlapping writes are undone"
+        );
+        assert_eq!(&f[4096..8192], &[2; 4096][..], "the synced write stays");
+        assert_eq!(
+            &f[8192..8704],
+            &[0; 512][..],
+            "the unsynced write is undone"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn unsynced_writes_meet_their_fate_at_power_loss() {

@@ -167,7 +167,8 @@ struct FaultReq {
     cache_device: String,
 }
 
-/// `POST /v1/debug/faults {"cache_device": "fail"}`: only with `vestad --test-faults`.
+/// `POST /v1/debug/faults {"cache_device": "fail" | "record" | "power_cut"}`: only with
+/// `vestad --test-faults`.
 async fn faults(Json(f): Json<FaultReq>) -> Result<Json<serde_json::Value>, OpError> {
     let Some(dev) = crate::faults::CACHE.get() else {
         return Err(OpError::NotFound(
@@ -180,8 +181,34 @@ async fn faults(Json(f): Json<FaultReq>) -> Result<Json<serde_json::Value>, OpEr
             dev.fail();
             Ok(Json(serde_json::json!({"cache_device": "failed"})))
         }
+        "record" => {
+            dev.record_power_cut()
+                .map_err(|e| OpError::Internal(format!("recording for a power cut: {e}")))?;
+            tracing::warn!(
+                "test fault: the cache device keeps what each write replaces, for a power cut"
+            );
+            Ok(Json(serde_json::json!({"cache_device": "recording"})))
+        }
+        "power_cut" => {
+            let undone = dev
+                .power_cut()
+                .map_err(|e| OpError::Internal(format!("power cut: {e}")))?;
+            tracing::warn!(
+                "test fault: power cut; {undone} cache device write(s) no sync covered are \
+                 undone, and vestad stops at once"
+            );
+            // A host without power stops: no shutdown, no flush. The reply goes out first.
+            std::thread::spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                // SAFETY: _exit ends the process without running anything else.
+                unsafe { libc::_exit(0) };
+            });
+            Ok(Json(
+                serde_json::json!({"cache_device": "power_cut", "undone": undone}),
+            ))
+        }
         other => Err(OpError::BadRequest(format!(
-            "unknown fault {other:?}; known: fail"
+            "unknown fault {other:?}; known: fail, record, power_cut"
         ))),
     }
 }
