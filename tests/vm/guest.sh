@@ -20,9 +20,14 @@
 set -euo pipefail
 out=$1
 [ -f "$out/vmlinuz" ] && [ -f "$out/initrd.gz" ] && exit 0
-for tool in busybox cpio gzip apt-get apt-cache dpkg-deb; do
+for tool in busybox cpio gzip flock apt-get apt-cache dpkg-deb; do
     command -v "$tool" >/dev/null || { echo "guest.sh: $tool missing (make deps)" >&2; exit 1; }
 done
+# One build at a time per guest directory (test processes may start together).
+mkdir -p "$(dirname "$out")"
+exec 9>"$out.lock"
+flock 9
+[ -f "$out/vmlinuz" ] && [ -f "$out/initrd.gz" ] && exit 0
 busybox_bin=$(command -v busybox)
 # A dynamically linked busybox would need its libraries in the initramfs.
 if ldd "$busybox_bin" >/dev/null 2>&1; then
@@ -32,20 +37,29 @@ fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/vesta-guest.XXXXXX")
 trap 'rm -rf "$work"' EXIT
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo=sudo
+# Refreshes apt's package lists, as root or through sudo when it needs no password.
+apt_update() {
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get update -qq
+    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+        sudo -n apt-get update -qq
+    else
+        echo "guest.sh: apt's package lists need a refresh; run: sudo apt-get update" >&2
+        exit 1
+    fi
+}
 # The metapackage names the current kernel package.
 kernel_pkg() {
     apt-cache depends linux-image-cloud-amd64 2>/dev/null |
         awk '/Depends: linux-image-[0-9]/ { print $2; exit }'
 }
 download() { (cd "$work" && apt-get download -q "$1" >/dev/null 2>&1); }
-pkg=$(kernel_pkg)
+pkg=$(kernel_pkg || true)
 if [ -z "$pkg" ] || ! download "$pkg"; then
     # Package lists missing or stale (the version they name is gone from the mirror).
     echo "guest.sh: refreshing apt's package lists to download the guest kernel" >&2
-    $sudo apt-get update -qq
-    pkg=$(kernel_pkg)
+    apt_update
+    pkg=$(kernel_pkg || true)
     [ -n "$pkg" ] || { echo "guest.sh: apt knows no linux-image-cloud-amd64" >&2; exit 1; }
     download "$pkg" || { echo "guest.sh: cannot download $pkg" >&2; exit 1; }
 fi
@@ -60,7 +74,7 @@ cp "$busybox_bin" "$root/bin/busybox"
 mods="drivers/virtio/virtio_ring drivers/virtio/virtio drivers/virtio/virtio_pci_modern_dev
       drivers/virtio/virtio_pci_legacy_dev drivers/virtio/virtio_pci drivers/block/virtio_blk"
 for m in $mods; do
-    f=$(ls "$moddir/$m".ko* | head -1)
+    f=$(ls "$moddir/$m".ko* 2>/dev/null | head -1 || true)
     case $f in
         *.ko) cp "$f" "$root/mod/" ;;
         *.ko.xz) xz -dc "$f" >"$root/mod/$(basename "$m").ko" ;;

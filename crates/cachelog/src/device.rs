@@ -19,6 +19,11 @@ pub trait CacheDevice: Send + Sync + 'static {
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Makes every write that completed before this call durable.
     fn sync(&self) -> io::Result<()>;
+    /// Checks that the device still works, for an idle host to notice a dead device before
+    /// the next write does. Nothing may rely on it for durability.
+    fn probe(&self) -> io::Result<()> {
+        self.sync()
+    }
 }
 
 /// A cache file (created sparse at the configured size) or a block device.
@@ -84,9 +89,13 @@ impl CacheDevice for FileCache {
 /// A power cut of a real file needs to know what the file held before each write that no
 /// sync has covered yet. From [`Faulty::record_power_cut`] on, every write first reads the
 /// bytes it replaces and keeps them until a sync covers it; [`Faulty::power_cut`] writes
-/// them back, newest first, so the device holds exactly what its syncs made durable (each
-/// unsynced write is lost whole: the harshest of the fates [`SimDevice`] models), and fails
-/// every IO from then on. Until recording starts a write costs one atomic load more.
+/// them back, newest first, so the device holds exactly what its syncs made durable, and
+/// fails every IO from then on. Every unsynced write is lost whole: the torn writes and the
+/// survivors out of order that [`SimDevice`] also models are left to its property tests.
+/// While recording, [`CacheDevice::probe`] checks without syncing, so that only the syncs
+/// the log asks for make writes durable. Recording must start on an idle device: a write
+/// already in flight then is neither recorded nor synced. Until recording starts a write
+/// costs one atomic load more.
 pub struct Faulty<D> {
     inner: D,
     failed: AtomicBool,
@@ -172,11 +181,11 @@ impl<D: CacheDevice> CacheDevice for Faulty<D> {
         self.check()?;
         let mut old = vec![0u8; data.len()];
         self.inner.read_at(offset, &mut old)?;
-        self.inner.write_at(offset, data)?;
+        // Kept before the write, so a write that fails partway is undone too.
         let seq = u.next;
         u.next += 1;
         u.writes.push((seq, offset, old));
-        Ok(())
+        self.inner.write_at(offset, data)
     }
     fn sync(&self) -> io::Result<()> {
         self.check()?;
@@ -190,6 +199,13 @@ impl<D: CacheDevice> CacheDevice for Faulty<D> {
         self.check()?;
         u.writes.retain(|(seq, _, _)| *seq >= upto);
         Ok(())
+    }
+    fn probe(&self) -> io::Result<()> {
+        self.check()?;
+        if self.recording.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.inner.probe()
     }
 }
 
@@ -374,6 +390,7 @@ mod tests {
         d.write_at(0, &[3; 1024]).unwrap();
         d.write_at(512, &[4; 1024]).unwrap(); // overlaps the 3s
         d.write_at(8192, &[5; 512]).unwrap();
+        d.probe().unwrap(); // checks, syncs nothing
         assert_eq!(d.power_cut().unwrap(), 3, "three writes were not synced");
         let mut b = [0u8; 4096];
         assert!(d.read_at(0, &mut b).is_err(), "IO fails after the cut");

@@ -523,7 +523,7 @@ impl Log {
     /// log would otherwise notice a dead device only at its next append.
     pub fn probe(&self) -> Result<()> {
         self.check_failed()?;
-        self.dev.sync().map_err(|e| self.io_error(e))
+        self.dev.probe().map_err(|e| self.io_error(e))
     }
 
     /// Starts a new current segment for `owner`, beginning with copies of its metadata. Only

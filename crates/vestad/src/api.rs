@@ -182,7 +182,9 @@ async fn faults(Json(f): Json<FaultReq>) -> Result<Json<serde_json::Value>, OpEr
             Ok(Json(serde_json::json!({"cache_device": "failed"})))
         }
         "record" => {
-            dev.record_power_cut()
+            let dev = dev.clone();
+            datastore::device::on_pool(move || dev.record_power_cut())
+                .await
                 .map_err(|e| OpError::Internal(format!("recording for a power cut: {e}")))?;
             tracing::warn!(
                 "test fault: the cache device keeps what each write replaces, for a power cut"
@@ -190,22 +192,22 @@ async fn faults(Json(f): Json<FaultReq>) -> Result<Json<serde_json::Value>, OpEr
             Ok(Json(serde_json::json!({"cache_device": "recording"})))
         }
         "power_cut" => {
-            let undone = dev
-                .power_cut()
-                .map_err(|e| OpError::Internal(format!("power cut: {e}")))?;
-            tracing::warn!(
-                "test fault: power cut; {undone} cache device write(s) no sync covered are \
-                 undone, and vestad stops at once"
-            );
-            // A host without power stops: no shutdown, no flush. The reply goes out first.
-            std::thread::spawn(|| {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                // SAFETY: _exit ends the process without running anything else.
-                unsafe { libc::_exit(0) };
-            });
-            Ok(Json(
-                serde_json::json!({"cache_device": "power_cut", "undone": undone}),
-            ))
+            // A host without power stops at once: no reply, no shutdown, no flush. The log
+            // line (stderr, unbuffered) is the only report.
+            let dev = dev.clone();
+            let cut =
+                datastore::device::on_pool(move || -> std::io::Result<std::convert::Infallible> {
+                    let undone = dev.power_cut()?;
+                    tracing::warn!(
+                        "test fault: power cut; {undone} cache device write(s) no sync covered \
+                     are undone, and vestad stops at once"
+                    );
+                    // SAFETY: _exit ends the process without running anything else.
+                    unsafe { libc::_exit(0) }
+                })
+                .await;
+            let Err(e) = cut;
+            Err(OpError::Internal(format!("power cut: {e}")))
         }
         other => Err(OpError::BadRequest(format!(
             "unknown fault {other:?}; known: fail, record, power_cut"
