@@ -284,17 +284,7 @@ impl Vestad {
     /// A raw HTTP POST to the admin API (for the test-only fault API, which the CLI does not
     /// expose). Returns the status code and body.
     pub fn post(&self, path: &str, body: &str) -> (u16, String) {
-        use std::io::Write;
-        let addr = self.api.trim_start_matches("http://");
-        let mut s = std::net::TcpStream::connect(addr).expect("connect to the admin API");
-        write!(
-            s,
-            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
+        let resp = self.request(path, body).expect("admin API request");
         let status = resp
             .split_whitespace()
             .nth(1)
@@ -302,6 +292,29 @@ impl Vestad {
             .unwrap_or(0);
         let body = resp.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
         (status, body)
+    }
+
+    /// Sends one POST to the admin API and reads the raw response until the connection ends.
+    fn request(&self, path: &str, body: &str) -> std::io::Result<String> {
+        use std::io::Write;
+        let addr = self.api.trim_start_matches("http://");
+        let mut s = std::net::TcpStream::connect(addr)?;
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut resp = String::new();
+        s.read_to_string(&mut resp)?;
+        Ok(resp)
+    }
+
+    /// Waits until the volume has no dirty data left in the cache (60 s).
+    pub fn wait_clean(&self, name: &str) {
+        wait_for(Duration::from_secs(60), "the volume to be clean", || {
+            let j = self.vesta_json(&["volume", "show", name]);
+            (j["cache"]["dirty_bytes"] == 0).then_some(())
+        });
     }
 
     /// Makes the cache device fail every IO from now on.
@@ -321,19 +334,10 @@ impl Vestad {
     /// [`Vestad::record_power_cut`]) and the daemon stops at once, without replying. Returns
     /// how many writes were lost, from its log.
     pub fn power_cut(&mut self) -> u64 {
-        use std::io::Write;
-        let addr = self.api.trim_start_matches("http://");
-        let body = r#"{"cache_device":"power_cut"}"#;
-        let mut s = std::net::TcpStream::connect(addr).expect("connect to the admin API");
-        write!(
-            s,
-            "POST /v1/debug/faults HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
         // The daemon ends without answering; a reply means the cut failed.
-        let mut resp = String::new();
-        let _ = s.read_to_string(&mut resp);
+        let resp = self
+            .request("/v1/debug/faults", r#"{"cache_device":"power_cut"}"#)
+            .unwrap_or_default();
         let mut c = self.child.take().expect("running");
         let start = Instant::now();
         while c.try_wait().expect("wait").is_none() {

@@ -93,10 +93,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
             "round {round}: the checker completed no writes at all"
         );
         // After replay, the LUN holds exactly the volume.
-        vesta_tests::wait_for(Duration::from_secs(60), "the volume to be clean", || {
-            let j = v.vesta_json(&["volume", "show", "c"]);
-            (j["cache"]["dirty_bytes"] == 0).then_some(())
-        });
+        v.wait_clean("c");
         let img = read_file(&lun.image);
         assert!(
             img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],

@@ -258,6 +258,30 @@ fn check_fs_and_lun(v: &Vestad, name: &str, lun: &Nbdkit, scratch: &Scratch) {
     );
 }
 
+/// A vestad with a `wb` volume `vm` (with `hold`'s options) on an nbdkit LUN whose writes take
+/// a millisecond, holding a fresh ext4 file system.
+fn wb_vm(scratch: &Scratch, hold: &[&str]) -> (Nbdkit, Vestad) {
+    let lun = Nbdkit::start(2 * VOLUME_SIZE, &["--filter=delay"], &["delay-write=1ms"]);
+    let v = Vestad::start();
+    v.add_lun("san", &lun, 8);
+    let size = VOLUME_SIZE.to_string();
+    let mut args = vec![
+        "volume",
+        "create",
+        "vm",
+        "--size",
+        &size,
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ];
+    args.extend_from_slice(hold);
+    v.vesta_ok(&args);
+    make_fs(scratch, &v.url("vm"));
+    (lun, v)
+}
+
 /// The volume's contents through a second client (nbdcopy), as a file.
 fn copy_out(v: &Vestad, name: &str, scratch: &Scratch) -> PathBuf {
     let out = scratch.join(&format!("{name}.copy"));
@@ -272,23 +296,7 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
     let scratch = Scratch::new("vm");
     // A LUN whose writes take a millisecond, and windows held for 5 s: the guest's synced
     // files are still dirty in the cache when vestad dies, so the restart must replay them.
-    let mut lun = Nbdkit::start(2 * VOLUME_SIZE, &["--filter=delay"], &["delay-write=1ms"]);
-    let mut v = Vestad::start();
-    v.add_lun("san", &lun, 8);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "vm",
-        "--size",
-        &VOLUME_SIZE.to_string(),
-        "--datastore",
-        "san",
-        "--policy",
-        "wb",
-        "--hold",
-        "5",
-    ]);
-    make_fs(&scratch, &v.url("vm"));
+    let (mut lun, mut v) = wb_vm(&scratch, &["--hold", "5"]);
 
     // Boot 1 writes and syncs files, then keeps writing while vestad is killed.
     let (mut boot, synced) = boot_writing(&guest, &v.url("vm"));
@@ -309,10 +317,7 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
 
     // The guest unmounted cleanly: the file system checks clean on the host, and once the
     // volume is destaged the LUN holds exactly the volume.
-    wait_for(Duration::from_secs(60), "the volume to be clean", || {
-        let j = v.vesta_json(&["volume", "show", "vm"]);
-        (j["cache"]["dirty_bytes"] == 0).then_some(())
-    });
+    v.wait_clean("vm");
     check_fs_and_lun(&v, "vm", &lun, &scratch);
 }
 
@@ -324,25 +329,7 @@ fn a_vms_synced_files_survive_kill_9_of_vestad() {
 fn a_vms_synced_files_survive_a_power_cut_of_the_cache_device() {
     let guest = guest();
     let scratch = Scratch::new("vm-power");
-    let mut lun = Nbdkit::start(2 * VOLUME_SIZE, &["--filter=delay"], &["delay-write=1ms"]);
-    let mut v = Vestad::start();
-    v.add_lun("san", &lun, 8);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "vm",
-        "--size",
-        &VOLUME_SIZE.to_string(),
-        "--datastore",
-        "san",
-        "--policy",
-        "wb",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
-    make_fs(&scratch, &v.url("vm"));
+    let (mut lun, mut v) = wb_vm(&scratch, &["--hold", "600", "--max-dirty-age", "600"]);
     v.record_power_cut();
 
     let (mut boot, synced) = boot_writing(&guest, &v.url("vm"));

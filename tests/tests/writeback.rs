@@ -12,13 +12,6 @@ fn show(v: &Vestad, name: &str) -> Value {
     v.vesta_json(&["volume", "show", name])
 }
 
-fn wait_clean(v: &Vestad, name: &str) {
-    wait_for(Duration::from_secs(30), "dirty data to destage", || {
-        let j = show(v, name);
-        (j["cache"]["dirty_bytes"] == 0).then_some(())
-    });
-}
-
 fn image(v: &Vestad, name: &str) -> Vec<u8> {
     read_file(&v.data_dir.join(format!("datastores/default/{name}.raw")))
 }
@@ -59,7 +52,7 @@ fn wb_serves_verified_io_and_the_datastore_catches_up() {
     let v = Vestad::start();
     v.vesta_ok(&["volume", "create", "w", "--size", "64M", "--policy", "wb"]);
     fio_verify(&v.url("w"), &[]);
-    wait_clean(&v, "w");
+    v.wait_clean("w");
     let j = show(&v, "w");
     assert_eq!(j["policy"], "wb");
     let c = &j["cache"];
@@ -114,7 +107,7 @@ fn wb_dirty_data_survives_kill_9_and_is_replayed() {
             "read -P 0x62 4M 3M",
         ],
     );
-    wait_clean(&v, "w");
+    v.wait_clean("w");
     assert!(
         image(&v, "w") == volume_bytes(&v, "w"),
         "after replay the datastore equals the volume"
@@ -310,7 +303,7 @@ fn a_corrupted_record_is_detected_and_never_served_or_destaged() {
         &v.url("c"),
         &["read -P 0x41 0 64k", "read -P 0 1M 64k", "read -P 0 2M 64k"],
     );
-    wait_clean(&v, "c");
+    v.wait_clean("c");
     let img = image(&v, "c");
     assert!(img[..65536].iter().all(|b| *b == 0x41));
     assert!(img[1 << 20..(1 << 20) + 65536].iter().all(|b| *b == 0));
