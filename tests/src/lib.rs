@@ -553,6 +553,54 @@ impl Etcd {
             self.endpoint
         )
     }
+
+    /// Starts a host of this etcd's cluster on its own loopback address, with `lun` as its
+    /// datastore `san` (queue depth 8), reached through the host's own door
+    /// ([`Nbdkit::door`]) so the LUN's log can tell the hosts' writes apart.
+    pub fn host(&self, lun: &Nbdkit, spec: Host) -> Vestad {
+        Vestad::start_with(VestadOpts {
+            config: Some(format!(
+                "{}{}\n[cache]\nsize = \"{}\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
+                 target = \"nbd+unix:///?socket=lun.sock\"\nqueue_depth = 8\n",
+                self.cluster_config(spec.name, spec.fault_domain, CLUSTER_TTL_S),
+                spec.cluster,
+                spec.cache,
+            )),
+            ip: Some(spec.ip.into()),
+            // Every host names the same target; each reaches the LUN through its own door.
+            links: vec![("lun.sock".into(), lun.door(spec.name))],
+        })
+    }
+}
+
+/// The lease of every host [`Etcd::host`] starts: short leases keep the tests quick, and 3 s
+/// is etcd's minimum.
+pub const CLUSTER_TTL_S: u64 = 3;
+
+/// A host for [`Etcd::host`].
+#[derive(Clone, Copy)]
+pub struct Host<'a> {
+    pub name: &'a str,
+    pub fault_domain: &'a str,
+    /// Its loopback address, e.g. `127.0.0.2`.
+    pub ip: &'a str,
+    /// The cache size, e.g. `128M`.
+    pub cache: &'a str,
+    /// More lines for the `[cluster]` section (empty for none).
+    pub cluster: &'a str,
+}
+
+impl<'a> Host<'a> {
+    /// A host with a 128 MiB cache and nothing more in its `[cluster]` section.
+    pub fn new(name: &'a str, fault_domain: &'a str, ip: &'a str) -> Host<'a> {
+        Host {
+            name,
+            fault_domain,
+            ip,
+            cache: "128M",
+            cluster: "",
+        }
+    }
 }
 
 impl Drop for Etcd {

@@ -10,23 +10,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vesta_tests::{
-    pattern, qemu_io, read_file, run, run_ok, wait_for, Etcd, Nbdkit, Scratch, Vestad, VestadOpts,
+    pattern, qemu_io, read_file, run, run_ok, wait_for, Etcd, Host, Nbdkit, Scratch, Vestad,
+    CLUSTER_TTL_S,
 };
 
-/// Short leases keep the tests quick; 3 s is etcd's minimum.
-const TTL_S: u64 = 3;
+const TTL_S: u64 = CLUSTER_TTL_S;
 
 fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
-    Vestad::start_with(VestadOpts {
-        config: Some(format!(
-            "{}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
-             target = \"{}\"\nqueue_depth = 8\n",
-            etcd.cluster_config(name, fault_domain, TTL_S),
-            lun.uri()
-        )),
-        ip: Some(ip.into()),
-        ..Default::default()
-    })
+    etcd.host(lun, Host::new(name, fault_domain, ip))
 }
 
 fn hosts(v: &Vestad) -> Vec<Value> {

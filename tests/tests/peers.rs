@@ -11,34 +11,14 @@ use serde_json::Value;
 use vesta_tests::checker::{
     campaign, version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
 };
-use vesta_tests::{qemu_io, read_file, wait_for, Etcd, Nbdkit, Vestad, VestadOpts, LUN_EXTENT};
+use vesta_tests::{
+    qemu_io, read_file, wait_for, Etcd, Host, Nbdkit, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
+};
 
-const TTL_S: u64 = 3;
+const TTL_S: u64 = CLUSTER_TTL_S;
 
 fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
-    host_with(etcd, name, fault_domain, ip, lun, "")
-}
-
-/// A host with extra `[cluster]` lines.
-fn host_with(
-    etcd: &Etcd,
-    name: &str,
-    fault_domain: &str,
-    ip: &str,
-    lun: &Nbdkit,
-    cluster: &str,
-) -> Vestad {
-    Vestad::start_with(VestadOpts {
-        config: Some(format!(
-            "{}{cluster}\n[cache]\nsize = \"128M\"\n\n[[datastore]]\nname = \"san\"\n\
-             kind = \"lun\"\ntarget = \"{}\"\nqueue_depth = 8\n",
-            etcd.cluster_config(name, fault_domain, TTL_S),
-            "nbd+unix:///?socket=lun.sock"
-        )),
-        ip: Some(ip.into()),
-        // Every host names the same target; each reaches the LUN through its own door.
-        links: vec![("lun.sock".into(), lun.door(name))],
-    })
+    etcd.host(lun, Host::new(name, fault_domain, ip))
 }
 
 /// An 8 MiB volume whose destaging is held back (600 s): what it is written stays dirty in
@@ -563,16 +543,15 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b_peer = format!("127.0.0.3:{}", vesta_tests::free_port());
     let proxy = vesta_tests::proxy::FaultProxy::start("127.0.0.5", &b_peer);
-    let b = host_with(
-        &etcd,
-        "b",
-        "rack2",
-        "127.0.0.3",
+    let b = etcd.host(
         &lun,
-        &format!(
-            "peer_listen = \"{b_peer}\"\npeer_advertise = \"{}\"\n",
-            proxy.addr
-        ),
+        Host {
+            cluster: &format!(
+                "peer_listen = \"{b_peer}\"\npeer_advertise = \"{}\"\n",
+                proxy.addr
+            ),
+            ..Host::new("b", "rack2", "127.0.0.3")
+        },
     );
     create_held(&a, "w", "wbp:1:remote");
     wait_replicating(&a, "w", &["b"]);

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use vesta_tests::{
-    read_file, run_ok, wait_for, Etcd, Nbdkit, Scratch, Vestad, VestadOpts, LUN_EXTENT,
+    read_file, run_ok, wait_for, Etcd, Host, Nbdkit, Scratch, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
 };
 
 const VOLUME_SIZE: u64 = 256 << 20;
@@ -351,20 +351,16 @@ fn a_vms_synced_files_survive_a_power_cut_of_the_cache_device() {
     check_fs_and_lun(&v, "vm", &lun, &scratch);
 }
 
-const TTL_S: u64 = 3;
-
-/// A host of the etcd cluster on its own loopback address, reaching the LUN as datastore
-/// `san` through a door of its own.
+/// A host of the etcd cluster on its own loopback address, with a cache that holds the
+/// guest's writes.
 fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> Vestad {
-    Vestad::start_with(VestadOpts {
-        config: Some(format!(
-            "{}\n[cache]\nsize = \"512M\"\n\n[[datastore]]\nname = \"san\"\nkind = \"lun\"\n\
-             target = \"nbd+unix:///?socket=lun.sock\"\nqueue_depth = 8\n",
-            etcd.cluster_config(name, fault_domain, TTL_S),
-        )),
-        ip: Some(ip.into()),
-        links: vec![("lun.sock".into(), lun.door(name))],
-    })
+    etcd.host(
+        lun,
+        Host {
+            cache: "512M",
+            ..Host::new(name, fault_domain, ip)
+        },
+    )
 }
 
 fn replicating_to(v: &Vestad, name: &str, peer: &str) -> bool {
@@ -410,7 +406,7 @@ fn a_vm_on_a_wbp_volume_finds_its_synced_files_after_its_host_dies() {
     boot.kill();
     lun.keep_running();
     wait_for(
-        Duration::from_secs(TTL_S + 30),
+        Duration::from_secs(CLUSTER_TTL_S + 30),
         "b to replay a's volume",
         || b.log().contains("online replay done").then_some(()),
     );
