@@ -73,6 +73,14 @@ fn errors_name_the_problem_and_the_fix() {
     let e = v.vesta_err(&["volume", "create", "b", "--size", "1000"]);
     assert!(e.contains("multiple of 512"), "{e}");
 
+    // More than any Linux file can hold (2^63 bytes and up).
+    let e = v.vesta_err(&["volume", "create", "b", "--size", "9000P"]);
+    assert!(
+        e.contains("larger than the file system of datastore \"default\"")
+            && e.contains("choose a smaller size"),
+        "{e}"
+    );
+
     let e = v.vesta_err(&["volume", "create", "b", "--size", "1M", "--policy", "fast"]);
     assert!(
         e.contains("unknown policy") && e.contains("uncached"),

@@ -111,6 +111,17 @@ impl Datastore for DirDatastore {
     async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {
         let file = self.file_of(v);
         let size = v.size;
+        let too_large = || {
+            Error::Invalid(format!(
+                "a volume of {size} bytes is larger than the file system of datastore {:?} \
+                 allows for one file ({}); choose a smaller size or a LUN datastore",
+                self.spec.name,
+                self.path.display()
+            ))
+        };
+        if i64::try_from(size).is_err() {
+            return Err(too_large());
+        }
         let f = file.clone();
         let dev = blocking(move || FileDevice::create(&f, size))
             .await
@@ -122,6 +133,8 @@ impl Datastore for DirDatastore {
                         file.display(),
                         self.spec.name
                     ))
+                } else if e.kind() == std::io::ErrorKind::FileTooLarge {
+                    too_large()
                 } else {
                     Error::Io {
                         what: format!("create {}", file.display()),
