@@ -114,6 +114,24 @@ fn wb_dirty_data_survives_kill_9_and_is_replayed() {
     );
 }
 
+/// A volume taken out of the cache keeps what it writes afterwards: a power cut (or any
+/// restart) must not bring its cached writes back and replay them over the newer ones.
+#[test]
+fn a_volume_that_left_the_cache_is_not_replayed_over_its_newer_writes() {
+    let mut v = Vestad::start();
+    v.record_power_cut();
+    v.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
+    qemu_io(&v.url("w"), &["write -P 0x61 0 1M", "flush"]);
+    v.wait_clean("w");
+    v.vesta_ok(&["volume", "policy", "w", "uncached"]);
+    qemu_io(&v.url("w"), &["write -P 0x62 0 1M", "flush"]);
+    v.power_cut();
+    v.launch();
+    assert_eq!(show(&v, "w")["policy"], "uncached");
+    qemu_io(&v.url("w"), &["read -P 0x62 0 1M"]);
+    assert!(!v.log().contains("replaying"), "{}", v.log());
+}
+
 #[test]
 fn policy_changes_under_io_lose_nothing() {
     let v = Vestad::start();

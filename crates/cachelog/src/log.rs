@@ -1016,6 +1016,44 @@ impl Log {
         }
         Self::release_meta_segs(&mut inner, owner);
     }
+
+    /// Forgets `owner` and makes sure no later scan finds any record of it: the header of
+    /// every segment that still names it, in use or freed, is zeroed, and the device synced.
+    /// On an error the owner is forgotten all the same, and the log has failed.
+    ///
+    /// For a volume that leaves the cache but lives on (a change to `uncached`). Forgetting
+    /// alone frees the segments holding its newest checkpoint, and the log may reuse those
+    /// before older segments of the same generation; a scan would then find that older
+    /// checkpoint with writes above it, and recovery would replay them over whatever the
+    /// volume wrote to its datastore since. Erased, it has nothing in the log to replay.
+    ///
+    /// Only for an owner that appends no more. Segments another owner takes meanwhile are
+    /// not touched: their owner changes under the same lock as the zeroing.
+    pub fn erase(&self, owner: Uuid) -> Result<()> {
+        self.forget(owner);
+        self.check_failed()?;
+        {
+            let mut inner = lock(&self.inner);
+            let zero = [0u8; format::SEGMENT_HEADER_LEN as usize];
+            for i in 0..inner.segs.len() {
+                if inner.segs[i].owner != Some(owner) {
+                    continue;
+                }
+                let base = self.sb.segment_offset(i as u32);
+                self.dev
+                    .write_at(base, &zero)
+                    .map_err(|e| self.io_error(e))?;
+                // Counted as an append, so the sync below covers it.
+                self.completed.fetch_add(1, Ordering::SeqCst);
+                // A segment still in use (a straggling reference) is freed by its last
+                // release, as ever; a free one now has no owner on the device either.
+                if inner.segs[i].free {
+                    inner.segs[i].owner = None;
+                }
+            }
+        }
+        self.sync()
+    }
 }
 
 #[cfg(test)]
@@ -1332,6 +1370,42 @@ mod tests {
                 max_gen: 1,
             }
         );
+    }
+
+    #[test]
+    fn an_erased_owner_leaves_nothing_for_a_scan_even_after_a_power_loss() {
+        let (d, l) = log(8);
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        add(&l, &meta_entry(Kind::Checkpoint, a, 0, 0), &[]);
+        // a rotates through segments (freed as it goes, each starting with a checkpoint copy
+        // below the writes after it); b keeps one.
+        for ser in 1..8 {
+            add(&l, &data(a, ser, 0, 40 << 10), &vec![1u8; 40 << 10]);
+            l.sync().unwrap();
+        }
+        add(&l, &data(b, 1, 0, 4096), &[2u8; 4096]);
+        // a's newest checkpoint, not synced: what a policy change leaves behind.
+        add(&l, &meta_entry(Kind::Checkpoint, a, 7, 0), &[]);
+        l.erase(a).unwrap();
+        d.power_loss(|_, _| Fate::Lost);
+        let (l2, scanned) = reopen(&d);
+        let of_a: Vec<_> = scanned.iter().filter(|s| s.header.volume == a).collect();
+        assert!(
+            of_a.is_empty(),
+            "records of the erased owner survive: {of_a:?}"
+        );
+        assert_eq!(l2.meta(a), OwnerMeta::default());
+        assert!(
+            scanned
+                .iter()
+                .any(|s| s.header.volume == b && s.header.kind == Kind::Data),
+            "the other owner's record is gone"
+        );
+        // Its segments are free for the next run, and the log takes new writes for it.
+        drop(l2);
+        let (l3, _) = reopen(&d);
+        l3.finish_recovery().unwrap();
+        add(&l3, &data(a, 1, 0, 4096), &[3u8; 4096]);
     }
 
     #[test]

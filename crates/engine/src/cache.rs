@@ -733,13 +733,20 @@ impl CacheHost {
     }
 
     /// Detaches a volume whose dirty data has been destaged (or is being thrown away, for a
-    /// deleted volume): its records are released and its segments freed.
-    pub fn detach(&self, v: &VolCache) {
+    /// deleted volume): its records are released, and erased from the log for good
+    /// ([`Log::erase`]), so that no restart can find them and replay them over what the
+    /// volume writes to its datastore from now on. An error means the cache device failed
+    /// (the volume is detached all the same).
+    pub async fn detach(&self, v: &VolCache) -> Result<(), Error> {
         lock(&self.vols).retain(|x| x.id != v.id);
         lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| x.id != v.id));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
         v.release_all();
-        self.shared.log.forget(v.id);
+        let (log, id) = (self.shared.log.clone(), v.id);
+        blocking(move || Ok(log.erase(id)))
+            .await
+            .map_err(|e| Error::Cache(format!("erase the volume's records: {e}")))?
+            .map_err(log_err)
     }
 
     /// Ends start-up recovery once the volumes the coordinator knows have opened. Dirty data

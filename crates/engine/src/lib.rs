@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::Notify;
-use tracing::info;
+use tracing::{info, warn};
 use uuid::Uuid;
 
 use cache::{CacheHost, CacheReport, Mode, VolCache, VolOpts};
@@ -296,18 +296,21 @@ impl Volume {
     }
 
     /// Detaches the volume from the cache for good (it is being deleted): dirty data that was
-    /// not destaged is dropped with it.
-    pub fn detach_cache(&self) {
+    /// not destaged is dropped with it. A failure of the cache device is logged: the volume
+    /// is detached all the same, and a failed log is not scanned for it again.
+    pub async fn detach_cache(&self) {
         if let (Route::Cached(c), Some(h)) = (self.route(), &self.host) {
-            h.detach(&c);
+            if let Err(e) = h.detach(&c).await {
+                warn!("volume {:?}: leaving the cache: {e}", self.name);
+            }
         }
         *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
     }
 
     /// Gives the cache up without draining it, after the host's cache device failed and
     /// another host replayed what it held (a `wbp` peer): the volume goes on uncached.
-    pub fn abandon_cache(&self) {
-        self.detach_cache();
+    pub async fn abandon_cache(&self) {
+        self.detach_cache().await;
         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
     }
 
@@ -410,8 +413,13 @@ impl Volume {
             match (&route, mode_of(new)) {
                 (Route::Cached(c), Some(mode)) => c.switch_mode(mode, peers)?,
                 (Route::Cached(c), None) => {
-                    host.detach(c);
+                    let r = host.detach(c).await;
                     *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
+                    if let Err(e) = r {
+                        // Uncached all the same: everything it wrote is on the datastore.
+                        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+                        return Err(e);
+                    }
                 }
                 (Route::Uncached, _) => {}
             }

@@ -38,6 +38,13 @@ enum Op {
     Destage,
     /// wb → uncached → wb: the volume leaves the cache and comes back (a new generation).
     Cycle,
+    /// wb → uncached, writes straight to the datastore, then (if `crash`) a power loss and a
+    /// restart uncached, then back to wb. Nothing the volume wrote in the cache may come
+    /// back over the newer writes.
+    Uncached {
+        writes: Vec<(u64, u64)>,
+        crash: Option<Vec<u8>>,
+    },
     /// Switches between FVP's batch windows and SLIM's held windows (which coalesce
     /// overlapping writes).
     Hold(bool),
@@ -70,6 +77,14 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Destage),
         1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::PowerLoss { fates }),
         1 => Just(Op::Cycle),
+        1 => (
+            proptest::collection::vec((0..SECTORS, 1..9u64), 0..4),
+            proptest::option::weighted(0.7, proptest::collection::vec(0u8..3, 8)),
+        )
+            .prop_map(|(w, crash)| Op::Uncached {
+                writes: w.into_iter().map(|(s, n)| (s, n.min(SECTORS - s))).collect(),
+                crash,
+            }),
         1 => any::<bool>().prop_map(Op::Hold),
         1 => proptest::collection::vec(0u8..3, 8).prop_map(|fates| Op::CrashInDestage { fates }),
     ]
@@ -104,12 +119,22 @@ impl Rig {
     /// `depth`: the datastore's queue depth. A small one makes windows carry more IOs than
     /// can be in flight at once, so they go out in waves.
     fn open(cache: Arc<SimDevice>, store: Arc<MemDevice>, id: Uuid, depth: u32) -> Rig {
+        Rig::open_with(cache, store, id, depth, Policy::Wb)
+    }
+
+    fn open_with(
+        cache: Arc<SimDevice>,
+        store: Arc<MemDevice>,
+        id: Uuid,
+        depth: u32,
+        policy: Policy,
+    ) -> Rig {
         let host = CacheHost::open(cache.clone(), SEG).expect("open cache");
         let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(depth)));
         let vol = Volume::open(
             id,
             "p".into(),
-            Policy::Wb,
+            policy,
             Tuning::default(),
             extent,
             Some(host.clone()),
@@ -216,6 +241,43 @@ proptest! {
                         r.vol.set_policy(Policy::Wb).await.unwrap();
                         // Everything is on the datastore; the new generation numbers anew.
                         let img = image(&writes, writes.len());
+                        writes = vec![(0, 0, img)];
+                        durable = 1;
+                        next = r.vol.cache().unwrap().checkpoint() + 1;
+                    }
+                    Op::Uncached { writes: uw, crash } => {
+                        let host = r.host.clone();
+                        let drive = tokio::spawn(async move {
+                            for turn in 0.. {
+                                if !host.destage_turn(turn).await {
+                                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                                }
+                            }
+                        });
+                        r.vol.set_policy(Policy::Uncached).await.unwrap();
+                        drive.abort();
+                        let mut img = image(&writes, writes.len());
+                        prop_assert_eq!(r.store.image(), img.clone(), "leaving wb drained everything");
+                        for (j, (sector, sectors)) in uw.iter().enumerate() {
+                            // Data no write before can have had (those use 1..=250).
+                            let data = vec![251 + (j % 4) as u8; (*sectors * 512) as usize];
+                            r.vol.write(sector * 512, Bytes::from(data.clone()), false).await.unwrap();
+                            img[(sector * 512) as usize..][..data.len()].copy_from_slice(&data);
+                        }
+                        if let Some(fates) = crash {
+                            let Rig { cache, store, id, .. } = r;
+                            cache.power_loss(|j, n| match fates[j % fates.len()] {
+                                0 => Fate::Lost,
+                                1 => Fate::Kept,
+                                _ => Fate::Torn(n / 2),
+                            });
+                            // The datastore (memory) keeps every completed write.
+                            r = Rig::open_with(cache, store, id, depth, Policy::Uncached);
+                            prop_assert!(r.vol.cache().is_none(), "an uncached volume replayed old writes from the cache log");
+                        }
+                        let got = r.vol.read(0, VOL as u32).await.unwrap().to_vec();
+                        prop_assert!(got == img, "the volume lost writes made while uncached");
+                        r.vol.set_policy(Policy::Wb).await.unwrap();
                         writes = vec![(0, 0, img)];
                         durable = 1;
                         next = r.vol.cache().unwrap().checkpoint() + 1;

@@ -1183,7 +1183,7 @@ impl Daemon {
         }
         // From here the volume lives on `to`. Its cache data (clean, checked above) goes with
         // the old volume object; the reopened volume starts cold, in a new generation.
-        volume.detach_cache();
+        volume.detach_cache().await;
         let reopened = Volume::open(
             rec.id,
             rec.name.clone(),
@@ -1307,7 +1307,7 @@ impl Daemon {
         }
         // Only now, with the storage gone, may what the cache holds for it go too.
         if let Ok(v) = &entry.volume {
-            v.detach_cache();
+            v.detach_cache().await;
         }
         self.coord.delete_volume(name).await?;
         crate::peers::forget_vault_writer(self, entry.record.id);

@@ -717,7 +717,7 @@ async fn flash_failed(
         .lock_vault(rec.id)
         .await
         .map_err(|e| e.to_string())?;
-    v.abandon_cache();
+    v.abandon_cache().await;
     let me = d.coord.host().to_owned();
     let back = Vault {
         volume: rec.id,
@@ -952,7 +952,7 @@ async fn replay_to_datastore(
         }
     }
     volume.stop_destaging().await;
-    volume.detach_cache();
+    volume.detach_cache().await;
     match fail {
         Some(e) => Err(e),
         None => Ok(done),
