@@ -220,6 +220,10 @@ pub struct SimDevice {
     state: Mutex<SimState>,
     failed: AtomicBool,
     writes: AtomicU64,
+    /// Reads wait while this is true ([`SimDevice::pause_reads`]), counted in `waiting`.
+    reads_paused: Mutex<bool>,
+    reads_resumed: std::sync::Condvar,
+    waiting: AtomicU64,
 }
 
 struct SimState {
@@ -247,6 +251,45 @@ impl SimDevice {
             }),
             failed: AtomicBool::new(false),
             writes: AtomicU64::new(0),
+            reads_paused: Mutex::new(false),
+            reads_resumed: std::sync::Condvar::new(),
+            waiting: AtomicU64::new(0),
+        }
+    }
+
+    /// While `on`, every read waits (writes and syncs go on): a test can then act between a
+    /// reader's lookup and its device read.
+    pub fn pause_reads(&self, on: bool) {
+        *self.reads_paused.lock().unwrap_or_else(|e| e.into_inner()) = on;
+        self.reads_resumed.notify_all();
+    }
+
+    /// Reads waiting in [`SimDevice::pause_reads`].
+    pub fn reads_waiting(&self) -> u64 {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Where `pattern` first occurs in what reads would return.
+    pub fn find(&self, pattern: &[u8]) -> Option<u64> {
+        let mut img = vec![0u8; self.size as usize];
+        self.read_now(0, &mut img);
+        img.windows(pattern.len())
+            .position(|w| w == pattern)
+            .map(|p| p as u64)
+    }
+
+    fn read_now(&self, offset: u64, buf: &mut [u8]) {
+        let st = self.state();
+        let o = offset as usize;
+        buf.copy_from_slice(&st.durable[o..o + buf.len()]);
+        // Later writes shadow earlier ones.
+        for (wo, d) in &st.pending {
+            let (a, b) = (*wo, *wo + d.len() as u64);
+            let (x, y) = (offset.max(a), (offset + buf.len() as u64).min(b));
+            if x < y {
+                buf[(x - offset) as usize..(y - offset) as usize]
+                    .copy_from_slice(&d[(x - a) as usize..(y - a) as usize]);
+            }
         }
     }
 
@@ -335,19 +378,21 @@ impl CacheDevice for SimDevice {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.check(offset, buf.len())?;
-        let st = self.state();
-        let o = offset as usize;
-        buf.copy_from_slice(&st.durable[o..o + buf.len()]);
-        // Later writes shadow earlier ones.
-        for (wo, d) in &st.pending {
-            let (a, b) = (*wo, *wo + d.len() as u64);
-            let (x, y) = (offset.max(a), (offset + buf.len() as u64).min(b));
-            if x < y {
-                buf[(x - offset) as usize..(y - offset) as usize]
-                    .copy_from_slice(&d[(x - a) as usize..(y - a) as usize]);
+        {
+            let mut paused = self.reads_paused.lock().unwrap_or_else(|e| e.into_inner());
+            if *paused {
+                self.waiting.fetch_add(1, Ordering::SeqCst);
+                while *paused {
+                    paused = self
+                        .reads_resumed
+                        .wait(paused)
+                        .unwrap_or_else(|e| e.into_inner());
+                }
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
             }
         }
+        self.check(offset, buf.len())?;
+        self.read_now(offset, buf);
         Ok(())
     }
 

@@ -1855,7 +1855,11 @@ impl VolCache {
             let t = Instant::now();
             let r = match &data {
                 Some(d) => self.store.write(offset, d.clone(), fua).await,
-                None => self.store.write_zeroes(offset, len, true).await,
+                // Zeroing has no FUA of its own: a flush makes it durable.
+                None => match self.store.write_zeroes(offset, len, true).await {
+                    Ok(()) if fua => self.store.flush().await,
+                    r => r,
+                },
             };
             self.note_latency(t.elapsed());
             r
@@ -2135,20 +2139,32 @@ impl VolCache {
             }
         }
         if let Some((e, start, n, ix)) = read_err {
-            let dirty = ix.dirty(lock(&self.st).checkpoint);
-            let why = format!(
-                "cache record for bytes {start}+{n} cannot be read: {e}{}",
-                if dirty { " (dirty data lost)" } else { "" }
-            );
-            warn!("volume {:?}: {why}", self.name);
             {
                 let mut st = lock(&self.st);
+                // Only what the failed record still maps: a write may have replaced some or
+                // all of it while the lock was not held, and its entries must stay.
+                let same = |v: &Ix| v.src == ix.src && v.ser == ix.ser;
+                let stale: Vec<(u64, u64)> = st
+                    .index
+                    .lookup(start, n)
+                    .into_iter()
+                    .filter(|sp| sp.value.as_ref().is_some_and(same))
+                    .map(|sp| (sp.start, sp.len))
+                    .collect();
+                let dirty = !stale.is_empty() && ix.dirty(st.checkpoint);
+                let why = format!(
+                    "cache record for bytes {start}+{n} cannot be read: {e}{}",
+                    if dirty { " (dirty data lost)" } else { "" }
+                );
+                warn!("volume {:?}: {why}", self.name);
                 if dirty {
                     st.degraded.get_or_insert(why.clone());
                     return Err(Error::Cache(why));
                 }
-                // Clean data: the datastore has it. Drop the entry and read from there.
-                self.index_remove(&mut st, start, n);
+                // Clean data: the datastore has it. Drop the entries and read from there.
+                for (s, l) in stale {
+                    self.index_remove(&mut st, s, l);
+                }
             }
             return Box::pin(self.read(offset, len)).await;
         }
