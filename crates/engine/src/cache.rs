@@ -237,6 +237,9 @@ struct VolState {
     evictions: u64,
     /// Offline replay in progress: writes wait.
     replaying: bool,
+    /// The mode the volume switches to when its offline replay ends, before it takes a
+    /// write ([`VolCache::after_replay`]).
+    after_replay: Option<Mode>,
     /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
     replay_window_bytes: u64,
     /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
@@ -1159,6 +1162,7 @@ impl VolCache {
                 reserved_log_bytes: 0,
                 evictions: 0,
                 replaying,
+                after_replay: None,
                 replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
@@ -2404,10 +2408,23 @@ impl VolCache {
         }
         st.destage = DestageState::default();
         if st.replaying && st.staged.is_empty() {
+            if let Some(mode) = st.after_replay.take() {
+                // Writes wait in `admit` until `replaying` clears, so none runs in the mode
+                // the replay needed.
+                drop(st);
+                if let Err(e) = self.switch_mode(mode, None) {
+                    warn!(
+                        "volume {:?}: switch to {mode:?} after replay: {e}",
+                        self.name
+                    );
+                }
+                st = lock(&self.st);
+            }
             st.replaying = false;
             info!(
-                "volume {:?}: offline replay complete; taking writes",
-                self.name
+                "volume {:?}: offline replay complete; taking writes in {}",
+                self.name,
+                if st.mode == Mode::Wt { "wt" } else { "wb" }
             );
         }
         drop(st);
@@ -2780,6 +2797,21 @@ impl VolCache {
     /// IO in flight (the caller paused it). Every switch starts a new generation, so that
     /// copies of the old one (a dropped peer's, an earlier life's) are never mistaken for the
     /// new; the sequence so far is checkpointed so recovery never looks below it.
+    /// Makes the volume leave `wb` for `mode` when its offline replay ends, before it takes
+    /// a write: a volume that is not `wb` replays in `wb` and must not stay there. If the
+    /// replay has ended already (the destager may be quick), it switches now; so this must
+    /// come before the volume's first write.
+    pub fn after_replay(&self, mode: Mode) -> Result<(), Error> {
+        {
+            let mut st = lock(&self.st);
+            if st.replaying {
+                st.after_replay = Some(mode);
+                return Ok(());
+            }
+        }
+        self.switch_mode(mode, None)
+    }
+
     pub fn switch_mode(&self, mode: Mode, peers: Option<Arc<dyn Replicator>>) -> Result<(), Error> {
         let (gen, next) = {
             let mut st = lock(&self.st);

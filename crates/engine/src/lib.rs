@@ -133,29 +133,48 @@ impl Volume {
             // writes go through to the datastore (DESIGN §4: a restarted owner finds wt).
             effective = Policy::Wt;
         }
-        if dirty_in_log && effective != Policy::Wb {
-            // Only wb replays: the policy recorded may lag a change that was interrupted.
+        // Only wb replays (the policy recorded may lag a change that was interrupted). A
+        // volume that is not wb replays in wb and leaves it for wt as the replay ends, before
+        // it takes a write; an uncached one is then detached by its owner (wt writes are on
+        // the datastore, so that is safe whenever it happens).
+        let replay_in_wb = dirty_in_log && effective != Policy::Wb;
+        if replay_in_wb {
             info!(
-                "volume {name:?}: the cache log holds dirty data for it; replaying it in wb \
-                 (its recorded policy {policy} can be set again afterwards)"
+                "volume {name:?}: the cache log holds dirty data for it; replaying it in wb, \
+                 then going on in wt (its policy is {policy})"
             );
-            effective = Policy::Wb;
         }
-        let route = match mode_of(effective) {
-            None => Route::Uncached,
-            Some(mode) => {
+        let route = match (mode_of(effective), replay_in_wb) {
+            (None, false) => Route::Uncached,
+            (mode, _) => {
                 let h = host.as_ref().ok_or_else(|| {
                     Error::Cache(format!(
                         "policy {policy} needs a cache device, and this host has none configured"
                     ))
                 })?;
-                Route::Cached(h.attach(
+                let mode = if replay_in_wb {
+                    Mode::Wb
+                } else {
+                    mode.unwrap_or(Mode::Wt)
+                };
+                let c = h.attach(
                     id,
                     &name,
                     store.clone(),
                     mode,
                     VolOpts::from_tuning(&tuning),
-                )?)
+                )?;
+                if replay_in_wb {
+                    match c.after_replay(Mode::Wt) {
+                        Ok(()) => effective = Policy::Wt,
+                        // The cache device failed: wb takes no writes on a failed log.
+                        Err(e) => {
+                            warn!("volume {name:?}: stays in wb after its replay: {e}");
+                            effective = Policy::Wb;
+                        }
+                    }
+                }
+                Route::Cached(c)
             }
         };
         Ok(Volume {

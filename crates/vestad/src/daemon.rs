@@ -376,6 +376,17 @@ impl Daemon {
         )
         .map(Arc::new)
         .map_err(|e| e.to_string())?;
+        if rec.policy == Policy::Uncached && v.policy() != Policy::Uncached {
+            // It replays its dirty data first (in wb, then wt: engine::Volume::open), then
+            // leaves the cache; the change waits for the replay to be destaged.
+            let (v, name) = (v.clone(), rec.name.clone());
+            tokio::spawn(async move {
+                match v.set_policy(Policy::Uncached).await {
+                    Ok(()) => info!("volume {name:?}: uncached again after its replay"),
+                    Err(e) => warn!("volume {name:?}: back to uncached after its replay: {e}"),
+                }
+            });
+        }
         self.record_vault(rec, &v).await;
         Ok(v)
     }
