@@ -196,21 +196,46 @@ fn a_host_that_cannot_renew_its_lease_stops_datastore_writes_in_time() {
     a.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
     assert!(try_write(&a.tcp_url("u"), 1, 0));
 
+    // Short stalls of etcd (an election, a slow disk) leave renewals answered late. A late
+    // answer must not count for a later renewal: a few of them would keep the fence open
+    // past the lease after the cut below.
+    for _ in 0..3 {
+        etcd.pause();
+        std::thread::sleep(Duration::from_millis(1200));
+        etcd.resume();
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    wait_for(
+        Duration::from_secs(10),
+        "writes to go on after the stalls",
+        || try_write(&a.tcp_url("u"), 1, 0).then_some(()),
+    );
+
     // Cut the host off from etcd. The lease can expire TTL after the last renewal etcd
     // received, which was at most one renewal interval (TTL/6) before the cut.
     etcd.pause();
     let cut = Instant::now();
     let earliest_expiry = Duration::from_secs(TTL_S) - Duration::from_secs(TTL_S) / 6;
     let mut first_refused = None;
+    // Each renewal opens the fence until TTL/2 after it was sent, and none was sent after
+    // the cut: a write that started later than that and still went through was let through
+    // by a renewal counted from the wrong send time.
+    let fence_limit = Duration::from_secs(TTL_S) / 2 + Duration::from_millis(100);
     let mut i = 0u64;
     while cut.elapsed() < Duration::from_secs(TTL_S + 2) {
         i += 1;
+        let started = cut.elapsed();
         if !try_write(&a.tcp_url("u"), 2, (i % 64) * 4096) {
             first_refused.get_or_insert(cut.elapsed());
         } else {
             assert!(
                 first_refused.is_none(),
                 "a write reached the datastore after the fence closed"
+            );
+            assert!(
+                started < fence_limit,
+                "a write that started {started:?} after the cut reached the datastore; the \
+                 fence must close {fence_limit:?} after it"
             );
         }
         std::thread::sleep(Duration::from_millis(50));

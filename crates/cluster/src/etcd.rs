@@ -379,15 +379,26 @@ async fn renew(client: Client, session: std::sync::Weak<Session>, prefix: String
             return;
         }
         let id = s.lease.load(Ordering::Acquire);
-        let (mut keeper, mut stream) = match lease_client.keep_alive(id).await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!("etcd lease renewal: {e}");
-                drop(s);
-                tokio::time::sleep(every).await;
-                continue;
-            }
-        };
+        // Opening the stream is a renewal too: etcd answers its first request before the
+        // stream is handed over.
+        let sent = Instant::now();
+        let (mut keeper, mut stream) =
+            match tokio::time::timeout(2 * every, lease_client.keep_alive(id)).await {
+                Ok(Ok(x)) => x,
+                Ok(Err(e)) if e.to_string().contains("lease not found") => {
+                    lease_lost(&s);
+                    reregister(&client, &s, &prefix, ttl).await;
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    warn!("etcd lease renewal: {e}");
+                    drop(s);
+                    tokio::time::sleep(every).await;
+                    continue;
+                }
+                Err(_) => continue, // no answer in time: a new stream, at once
+            };
+        s.fence.extend_to(sent + ttl / 2);
         drop(s);
         loop {
             tokio::time::sleep(every).await;
@@ -403,20 +414,28 @@ async fn renew(client: Client, session: std::sync::Weak<Session>, prefix: String
             match tokio::time::timeout(every, stream.message()).await {
                 Ok(Ok(Some(r))) if r.ttl() > 0 => s.fence.extend_to(sent + ttl / 2),
                 Ok(Ok(Some(_))) => {
-                    s.fence.close();
-                    error!(
-                        "etcd lease of host {:?} expired: datastore writes stop until it \
-                         registers again",
-                        s.host.lock().expect("lock").name
-                    );
+                    lease_lost(&s);
                     reregister(&client, &s, &prefix, ttl).await;
                     continue 'stream;
                 }
                 Ok(Ok(None)) | Ok(Err(_)) => continue 'stream,
-                Err(_) => {} // no answer in time: the next renewal may get one
+                // No answer in time. Answers carry nothing that ties them to a request, so
+                // a late one read in a later round would extend the fence from that round's
+                // send time, later than its own; a few late answers then keep the fence
+                // open past the lease. A new stream leaves them unread.
+                Err(_) => continue 'stream,
             }
         }
     }
+}
+
+/// The lease is gone: datastore writes stop at once.
+fn lease_lost(s: &Session) {
+    s.fence.close();
+    error!(
+        "etcd lease of host {:?} expired: datastore writes stop until it registers again",
+        s.host.lock().expect("lock").name
+    );
 }
 
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
@@ -455,6 +474,8 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
         s.fence.extend_to(sent + ttl / 2);
         info!("host {name:?} registered again; datastore writes resume");
     } else {
+        // For good: the renewals of the new lease must not open it again.
+        s.fence.revoke();
         error!(
             "host {name:?} lost the vault locks of {} volume(s) while its lease was gone; \
              datastore writes stay stopped on this host: restart vestad",

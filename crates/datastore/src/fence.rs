@@ -8,7 +8,7 @@
 //! before it is issued; past the deadline it fails with [`FENCED`] and issues nothing. Reads pass:
 //! reading a datastore never harms a contender.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,8 @@ pub const FENCED: &str = "datastore writes are fenced: this host's cluster lease
 pub struct Fence {
     /// Nanoseconds after [`epoch`] until which writes may be issued; `u64::MAX` = no limit.
     until_ns: AtomicU64,
+    /// Closed for good ([`Fence::revoke`]).
+    revoked: AtomicBool,
 }
 
 fn epoch() -> Instant {
@@ -43,6 +45,7 @@ impl Fence {
     pub fn open() -> Fence {
         Fence {
             until_ns: AtomicU64::new(u64::MAX),
+            revoked: AtomicBool::new(false),
         }
     }
 
@@ -50,18 +53,33 @@ impl Fence {
     pub fn closed() -> Fence {
         Fence {
             until_ns: AtomicU64::new(0),
+            revoked: AtomicBool::new(false),
         }
     }
 
     /// Allows writes until `at`. Never moves the deadline backwards: renewals answered out of
     /// order cannot shorten it, and only [`Fence::close`] revokes it.
     pub fn extend_to(&self, at: Instant) {
+        if self.revoked.load(Ordering::Acquire) {
+            return;
+        }
         self.until_ns.fetch_max(nanos(at), Ordering::AcqRel);
+        // A revoke that raced the extension wins.
+        if self.revoked.load(Ordering::Acquire) {
+            self.close();
+        }
     }
 
     /// Stops writes now (the lease is known to be lost).
     pub fn close(&self) {
         self.until_ns.store(0, Ordering::Release);
+    }
+
+    /// Stops writes for good: no later [`Fence::extend_to`] opens it again (the host lost a
+    /// vault lock to another host and must not write until it restarts).
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::Release);
+        self.close();
     }
 
     /// Whether a write may be issued now.
@@ -108,5 +126,15 @@ mod tests {
         f.close();
         assert!(!f.allows_writes());
         assert_eq!(f.remaining(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_revoked_fence_stays_closed_whatever_renewals_say() {
+        let f = Fence::closed();
+        f.extend_to(Instant::now() + Duration::from_secs(10));
+        f.revoke();
+        assert!(!f.allows_writes());
+        f.extend_to(Instant::now() + Duration::from_secs(10));
+        assert!(!f.allows_writes(), "a renewal opened a revoked fence");
     }
 }
