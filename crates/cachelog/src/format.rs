@@ -114,6 +114,14 @@ impl Superblock {
         b[40..48].copy_from_slice(&self.segment_count.to_le_bytes());
         b[48..56].copy_from_slice(&SEGMENTS_START.to_le_bytes());
         b[56..64].copy_from_slice(&self.epoch.to_le_bytes());
+        // Two checksums: one inside the first sector, over it, and one over the whole block.
+        // The superblock is rewritten in place at every open (its epoch), and a power cut
+        // may tear that write between sectors: the first sector alone still checks. (The
+        // second, which older builds check, then checks too: a CRC over a message followed
+        // by its own CRC and zeroes is the same for every message.)
+        let s = SECTOR as usize;
+        let crc = crc32c::crc32c(&b[..s - 4]);
+        b[s - 4..s].copy_from_slice(&crc.to_le_bytes());
         let crc = crc32c::crc32c(&b[..SUPER_LEN - 4]);
         b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         b
@@ -123,7 +131,12 @@ impl Superblock {
         if b.len() < SUPER_LEN || &b[0..8] != SUPER_MAGIC {
             return Err("no cache log superblock (magic missing)".into());
         }
-        if crc32c::crc32c(&b[..SUPER_LEN - 4]) != le32(&b[SUPER_LEN - 4..]) {
+        let s = SECTOR as usize;
+        // Everything the superblock says is in its first sector: either checksum will do (a
+        // superblock written before the first existed has only the second).
+        let whole = crc32c::crc32c(&b[..SUPER_LEN - 4]) == le32(&b[SUPER_LEN - 4..SUPER_LEN]);
+        let first = crc32c::crc32c(&b[..s - 4]) == le32(&b[s - 4..s]);
+        if !whole && !first {
             return Err("cache log superblock checksum mismatch".into());
         }
         let v = le32(&b[8..12]);
@@ -438,6 +451,19 @@ mod tests {
             Superblock::for_device(Uuid::nil(), 1 << 30, 65536 + 512).is_none(),
             "segments are whole pages"
         );
+    }
+
+    #[test]
+    fn a_superblock_with_the_whole_block_checksum_only_still_decodes() {
+        // As superblocks were written before the first sector got its own checksum.
+        let s = Superblock::for_device(Uuid::new_v4(), 1 << 30, 1 << 20).unwrap();
+        let mut b = s.encode();
+        b[508..512].fill(0);
+        let crc = crc32c::crc32c(&b[..SUPER_LEN - 4]);
+        b[SUPER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(Superblock::decode(&b), Ok(s));
+        b[40] ^= 1;
+        assert!(Superblock::decode(&b).unwrap_err().contains("checksum"));
     }
 
     #[test]

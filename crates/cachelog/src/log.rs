@@ -1373,6 +1373,31 @@ mod tests {
     }
 
     #[test]
+    fn a_superblock_rewrite_torn_by_a_power_cut_still_opens() {
+        // Every open rewrites the superblock (a new epoch); a cut may keep any number of its
+        // eight sectors.
+        for kept in 0..=8 {
+            let (d, l) = log(4);
+            let v = Uuid::new_v4();
+            add(&l, &data(v, 1, 0, 4096), &[5u8; 4096]);
+            l.sync().unwrap();
+            let mut sb = l.superblock().clone();
+            drop(l);
+            sb.epoch += 1;
+            d.write_at(0, &sb.encode()).unwrap();
+            d.power_loss(|_, _| Fate::Torn(kept));
+            let (_, scanned) = Log::open(d.clone() as Arc<dyn CacheDevice>)
+                .unwrap_or_else(|e| panic!("{kept} sector(s) of 8 written: {e}"));
+            assert!(
+                scanned
+                    .iter()
+                    .any(|s| s.header.volume == v && s.header.ser == 1),
+                "{kept} sector(s): the record is gone"
+            );
+        }
+    }
+
+    #[test]
     fn an_erased_owner_leaves_nothing_for_a_scan_even_after_a_power_loss() {
         let (d, l) = log(8);
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
