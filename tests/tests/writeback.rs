@@ -358,6 +358,17 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
         "--policy",
         "wb",
     ]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "f",
+        "--size",
+        "1M",
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ]);
     // The datastore fails from here on.
     std::fs::write(&on, b"").unwrap();
     qemu_io(
@@ -386,6 +397,49 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
             "write -P 0xd4 12M 128k",
         ],
     );
+    // A policy change cannot drain to a datastore that takes no writes: it gives up saying
+    // why and changes nothing. With more dirty data than one window, IO goes on while it
+    // tries.
+    let e = v.vesta_err(&["volume", "policy", "e", "wt"]);
+    assert!(e.contains("datastore is not taking writes"), "{e}");
+    let j = show(&v, "e");
+    assert_eq!(j["policy"], "wb", "{j}");
+    assert_eq!(j["cache"]["mode"], "wb", "{j}");
+    qemu_io(
+        &v.url("e"),
+        &["write -P 0xd4 12M 128k", "read -P 0xb2 512k 1M"],
+    );
+    // With less, IO pauses for the last step, which gives up soon: reads wait no longer.
+    qemu_io(&v.url("f"), &["write -P 0xe5 0 4k"]);
+    wait_for(Duration::from_secs(20), "a destage error on f", || {
+        show(&v, "f")["cache"]["destage_error"]
+            .is_string()
+            .then_some(())
+    });
+    let reader = {
+        let url = v.url("f");
+        std::thread::spawn(move || {
+            let mut longest = Duration::ZERO;
+            for _ in 0..10 {
+                let t = std::time::Instant::now();
+                qemu_io(&url, &["read -P 0xe5 0 4k"]);
+                longest = longest.max(t.elapsed());
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            longest
+        })
+    };
+    let e = v.vesta_err(&["volume", "policy", "f", "wt"]);
+    assert!(e.contains("datastore is not taking writes"), "{e}");
+    let longest = reader
+        .join()
+        .expect("reads went on during the policy change");
+    assert!(
+        longest < Duration::from_secs(6),
+        "a read waited {longest:?} on the policy change"
+    );
+    assert_eq!(show(&v, "f")["cache"]["mode"], "wb");
+    qemu_io(&v.url("f"), &["read -P 0xe5 0 4k"]);
     std::thread::sleep(Duration::from_secs(1));
     let lun_before = read_file(&lun.image);
     assert!(

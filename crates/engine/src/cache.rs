@@ -2725,12 +2725,15 @@ impl VolCache {
     }
 
     /// Waits until at most `left` dirty writes remain (a drain), with writes throttled at full
-    /// pressure meanwhile. Fails if the cache device has failed: what it held cannot be
-    /// destaged any more.
-    pub async fn drain(&self, left: usize) -> Result<(), Error> {
+    /// pressure meanwhile. Fails if the cache device has failed (what it held cannot be
+    /// destaged any more), or once the datastore has failed destage writes for `stuck` with
+    /// no progress (nothing is lost: the data stays dirty, and the destager goes on
+    /// retrying).
+    pub async fn drain(&self, left: usize, stuck: Duration) -> Result<(), Error> {
         lock(&self.st).draining = true;
         self.shared.wake.notify_one();
         let log = self.shared.log.clone();
+        let (mut fewest, mut progress) = (usize::MAX, Instant::now());
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -2748,6 +2751,23 @@ impl VolCache {
                         st.staged.len(),
                         st.dirty_bytes
                     )));
+                }
+                if st.staged.len() < fewest {
+                    (fewest, progress) = (st.staged.len(), Instant::now());
+                }
+                // A datastore that takes no writes would hold the caller (and a paused
+                // volume's IO, reads too) for as long as it is down.
+                if let Some(e) = &st.destage.error {
+                    if progress.elapsed() >= stuck {
+                        let why = format!(
+                            "the datastore is not taking writes ({e}); {} dirty write(s) ({} \
+                             bytes) wait for it",
+                            st.staged.len(),
+                            st.dirty_bytes
+                        );
+                        st.draining = false;
+                        return Err(Error::Cache(why));
+                    }
                 }
             }
             tokio::select! {

@@ -379,17 +379,18 @@ impl Volume {
             .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
         let route = self.route();
         // Dirty data drains while IO goes on, down to what one window carries; then IO pauses
-        // for the rest (DESIGN §3, Transitions).
+        // for the rest (DESIGN §3, Transitions). A datastore that takes no writes ends the
+        // change, with nothing changed: soon while IO is paused, reads included.
         if let Route::Cached(c) = &route {
             if !c.clean() {
-                c.drain(c.queue_depth()).await?;
+                c.drain(c.queue_depth(), Duration::from_secs(10)).await?;
             }
         }
         self.pause().await;
         let r = async {
             if let Route::Cached(c) = &route {
                 if !c.clean() {
-                    c.drain(0).await?;
+                    c.drain(0, Duration::from_secs(2)).await?;
                 }
             }
             // Entering wb: writes completed before now may sit in the datastore's volatile
