@@ -632,3 +632,53 @@ fn when_owner_and_peers_all_die_another_host_replays_the_owners_cache_file() {
     drop(b);
     one_writer_at_a_time(&lun);
 }
+
+/// An owner that stalls past its lease (SIGSTOP: a frozen VM host, a long GC pause) while a
+/// peer replays its volume and gives the lock back must not take the lock again as if
+/// nothing happened: its copy of the volume is stale, and its fence stays closed until it
+/// restarts.
+#[test]
+fn an_owner_that_stalled_past_its_lease_while_a_peer_replayed_stays_fenced() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    a.vesta_ok(&["volume", "create", "u", "--size", "1M"]);
+    qemu_io(&a.url("w"), &["write -P 5 0 1M"]);
+    qemu_io(&a.url("u"), &["write -P 1 0 4k"]);
+
+    vesta_tests::signal(a.pid(), libc::SIGSTOP);
+    wait_for(
+        Duration::from_secs(TTL_S + 20),
+        "b to replay a's volume",
+        || b.log().contains("online replay done").then_some(()),
+    );
+    assert_eq!(
+        on_datastore(&lun, 1 << 20),
+        expect(1 << 20, &[(0, 1 << 20, 5)])
+    );
+    vesta_tests::signal(a.pid(), libc::SIGCONT);
+    wait_for(
+        Duration::from_secs(30),
+        "a to find its lock was taken over",
+        || a.log().contains("lost the vault locks").then_some(()),
+    );
+    assert!(a.log().contains("host \"b\" took it over"), "{}", a.log());
+    assert!(!a.log().contains("datastore writes resume"), "{}", a.log());
+    // No datastore write from a any more, whatever the volume.
+    let out = vesta_tests::run(std::process::Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 2 0 4k",
+        &a.url("u"),
+    ]));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() || text.contains("failed"),
+        "a wrote a datastore after losing a lock: {text}"
+    );
+}

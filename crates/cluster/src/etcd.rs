@@ -438,6 +438,39 @@ fn lease_lost(s: &Session) {
     );
 }
 
+/// After re-taking a vault lock that was free: whether another host took the volume over
+/// while this host's lease was gone (a peer's online replay takes the lock, names itself the
+/// vault's owner, and gives the lock back when done). If so, the lock is given back and the
+/// reason returned: this host's copy of the volume is stale.
+async fn taken_over(
+    client: &Client,
+    prefix: &str,
+    name: &str,
+    lease: i64,
+    volume: Uuid,
+) -> std::result::Result<Option<String>, etcd_client::Error> {
+    let mut kv = client.kv_client();
+    let r = kv.get(format!("{prefix}/vaults/{volume}"), None).await?;
+    let owner = r
+        .kvs()
+        .first()
+        .and_then(|x| serde_json::from_slice::<Vault>(x.value()).ok())
+        .map(|v| v.owner);
+    match owner {
+        Some(o) if o != name => {
+            let lock = format!("{prefix}/vault-locks/{volume}");
+            let txn = Txn::new()
+                .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
+                .and_then([TxnOp::delete(lock, None)]);
+            kv.txn(txn).await?;
+            Ok(Some(format!(
+                "volume {volume}: host {o:?} took it over while this host's lease was gone"
+            )))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
 /// opens only if all of them came back.
 async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
@@ -458,7 +491,17 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
     let mut lost = Vec::new();
     for v in held {
         match take_lock(client, prefix, &name, lease, v).await {
-            Ok(()) => {}
+            Ok(()) => match taken_over(client, prefix, &name, lease, v).await {
+                Ok(None) => {}
+                Ok(Some(m)) => {
+                    error!("{m}");
+                    lost.push(v);
+                }
+                Err(e) => {
+                    error!("read the vault of {v}: {e}");
+                    lost.push(v);
+                }
+            },
             Err(Reg::Taken(m)) => {
                 error!("{m}");
                 lost.push(v);
