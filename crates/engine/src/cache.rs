@@ -736,16 +736,29 @@ impl CacheHost {
     }
 
     /// Detaches a volume whose dirty data has been destaged (or is being thrown away, for a
-    /// deleted volume): its records are released, and erased from the log for good
-    /// ([`Log::erase`]), so that no restart can find them and replay them over what the
-    /// volume writes to its datastore from now on. An error means the cache device failed
-    /// (the volume is detached all the same).
+    /// deleted volume): its records are released. If it is clean they are also erased from
+    /// the log for good ([`Log::erase`]), so that no restart can find them and replay them
+    /// over what the volume writes to its datastore from now on. Dirty records stay on the
+    /// device (only forgotten): a replay that gave up leaves them for the next start. An error
+    /// means the cache device failed (the volume is detached all the same). Detaching a
+    /// volume again does nothing.
     pub async fn detach(&self, v: &VolCache) -> Result<(), Error> {
-        lock(&self.vols).retain(|x| x.id != v.id);
+        {
+            let mut vols = lock(&self.vols);
+            if !vols.iter().any(|x| x.id == v.id) {
+                return Ok(());
+            }
+            vols.retain(|x| x.id != v.id);
+        }
         lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| x.id != v.id));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
+        let clean = v.clean();
         v.release_all();
         let (log, id) = (self.shared.log.clone(), v.id);
+        if !clean {
+            log.forget(id);
+            return Ok(());
+        }
         blocking(move || Ok(log.erase(id)))
             .await
             .map_err(|e| Error::Cache(format!("erase the volume's records: {e}")))?
@@ -2730,7 +2743,13 @@ impl VolCache {
     /// no progress (nothing is lost: the data stays dirty, and the destager goes on
     /// retrying).
     pub async fn drain(&self, left: usize, stuck: Duration) -> Result<(), Error> {
-        lock(&self.st).draining = true;
+        {
+            let mut st = lock(&self.st);
+            st.draining = true;
+            // A destager backing off from errors tries again now: the datastore may be back,
+            // and the error must not end the drain unless it is still there.
+            st.destage.retry_at = None;
+        }
         self.shared.wake.notify_one();
         let log = self.shared.log.clone();
         let (mut fewest, mut progress) = (usize::MAX, Instant::now());
@@ -2740,7 +2759,9 @@ impl VolCache {
             changed.as_mut().enable();
             {
                 let mut st = lock(&self.st);
-                if st.staged.len() <= left {
+                // An offline replay ends with a switch of its own (`after_replay`): a change
+                // waits for it.
+                if st.staged.len() <= left && !st.replaying {
                     st.draining = false;
                     return Ok(());
                 }
@@ -2752,7 +2773,7 @@ impl VolCache {
                         st.dirty_bytes
                     )));
                 }
-                if st.staged.len() < fewest {
+                if st.staged.len() < fewest || st.destage.error.is_none() {
                     (fewest, progress) = (st.staged.len(), Instant::now());
                 }
                 // A datastore that takes no writes would hold the caller (and a paused
@@ -2777,9 +2798,10 @@ impl VolCache {
         }
     }
 
-    /// Whether every dirty write has been destaged.
+    /// Whether every dirty write has been destaged (and an offline replay has ended).
     pub fn clean(&self) -> bool {
-        lock(&self.st).staged.is_empty()
+        let st = lock(&self.st);
+        st.staged.is_empty() && !st.replaying
     }
 
     /// Waits until every dirty write has been destaged, or for `limit`; true if clean.

@@ -100,3 +100,70 @@ async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
         }
     }
 }
+
+/// A volume detached with dirty data (an online replay that gave up, a forced delete) leaves
+/// its records on the device: they are only forgotten, never erased, so the next start
+/// replays them. A clean volume's are erased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaching_keeps_dirty_records_for_the_next_start_and_erases_clean_ones() {
+    for dirty in [true, false] {
+        let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+        let store = Arc::new(MemDevice::new(VOL));
+        let id = Uuid::new_v4();
+        {
+            let (host, vol) = open(&cache, &store, id, Policy::Wb);
+            vol.write(0, Bytes::from(vec![0x33; BLOCK]), true)
+                .await
+                .unwrap();
+            if !dirty {
+                let c = vol.cache().unwrap();
+                for turn in 0..100 {
+                    if c.clean() {
+                        break;
+                    }
+                    host.destage_turn(turn).await;
+                }
+                assert!(c.clean());
+            }
+            vol.detach_cache().await;
+        }
+        cache.power_loss(|_, _| Fate::Kept);
+        let (_host, vol) = open(&cache, &store, id, Policy::Wb);
+        let replays = vol.cache().unwrap().report().replaying;
+        assert_eq!(replays, dirty, "dirty {dirty}: replay at the next start");
+    }
+}
+
+/// Detaching twice (a delete racing a policy change) leaves the host's count of cached
+/// volumes right, so the fair shares of the others stay fair.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaching_twice_leaves_the_other_volumes_shares_alone() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let host = CacheHost::open(cache.clone(), SEG).unwrap();
+    let vol = |name: &str| {
+        let store = Arc::new(MemDevice::new(VOL));
+        let extent = Extent::new(store, 0, VOL, Arc::new(Gate::new(4)));
+        Volume::open(
+            Uuid::new_v4(),
+            name.into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap()
+    };
+    let (a, b) = (vol("a"), vol("b"));
+    host.finish_recovery(&[]).unwrap();
+    let shared = b.cache().unwrap().report().share_bytes;
+    let c = a.cache().unwrap();
+    host.detach(&c).await.unwrap();
+    host.detach(&c).await.unwrap();
+    // Two volumes again: the same shares as before.
+    let _c = vol("c");
+    let now = b.cache().unwrap().report().share_bytes;
+    assert_eq!(
+        now, shared,
+        "with b and c cached, b's share must be what it was with a and b"
+    );
+}

@@ -381,6 +381,12 @@ impl Daemon {
             // leaves the cache; the change waits for the replay to be destaged.
             let (v, name) = (v.clone(), rec.name.clone());
             tokio::spawn(async move {
+                // Not before the replay has ended: a change pauses the volume's IO, and a
+                // write waiting for the replay would hold the pause (and every read) for as
+                // long as the replay takes.
+                while v.cache().is_some_and(|c| c.report().replaying) {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
                 match v.set_policy(Policy::Uncached).await {
                     Ok(()) => info!("volume {name:?}: uncached again after its replay"),
                     Err(e) => warn!("volume {name:?}: back to uncached after its replay: {e}"),
