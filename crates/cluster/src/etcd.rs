@@ -438,37 +438,56 @@ fn lease_lost(s: &Session) {
     );
 }
 
-/// After re-taking a vault lock that was free: whether another host took the volume over
-/// while this host's lease was gone (a peer's online replay takes the lock, names itself the
-/// vault's owner, and gives the lock back when done). If so, the lock is given back and the
-/// reason returned: this host's copy of the volume is stale.
-async fn taken_over(
+/// The owner named in a volume's vault and the record's `mod_revision` (0 if none).
+async fn vault_owner(
+    kv: &mut etcd_client::KvClient,
+    prefix: &str,
+    volume: Uuid,
+) -> std::result::Result<(Option<String>, i64), etcd_client::Error> {
+    let r = kv.get(format!("{prefix}/vaults/{volume}"), None).await?;
+    Ok(match r.kvs().first() {
+        None => (None, 0),
+        Some(x) => (
+            serde_json::from_slice::<Vault>(x.value())
+                .ok()
+                .map(|v| v.owner),
+            x.mod_revision(),
+        ),
+    })
+}
+
+/// Re-takes a vault lock after a lost lease, unless another host took the volume over
+/// meanwhile (a peer's online replay takes the lock, names itself the vault's owner, and
+/// gives the lock back when done): then this host's copy is stale. The vault is read before
+/// the lock is taken (after it, this host's own vault writes could cover another's), and
+/// again after: a change in between counts as a take-over too, and the lock goes back.
+async fn retake_lock(
     client: &Client,
     prefix: &str,
     name: &str,
     lease: i64,
     volume: Uuid,
-) -> std::result::Result<Option<String>, etcd_client::Error> {
+) -> std::result::Result<(), Reg> {
     let mut kv = client.kv_client();
-    let r = kv.get(format!("{prefix}/vaults/{volume}"), None).await?;
-    let owner = r
-        .kvs()
-        .first()
-        .and_then(|x| serde_json::from_slice::<Vault>(x.value()).ok())
-        .map(|v| v.owner);
-    match owner {
-        Some(o) if o != name => {
-            let lock = format!("{prefix}/vault-locks/{volume}");
-            let txn = Txn::new()
-                .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
-                .and_then([TxnOp::delete(lock, None)]);
-            kv.txn(txn).await?;
-            Ok(Some(format!(
-                "volume {volume}: host {o:?} took it over while this host's lease was gone"
-            )))
-        }
-        _ => Ok(None),
+    let (owner, rev) = vault_owner(&mut kv, prefix, volume).await?;
+    if let Some(o) = owner.filter(|o| o != name) {
+        return Err(Reg::Taken(format!(
+            "volume {volume}: host {o:?} took it over while this host's lease was gone"
+        )));
     }
+    take_lock(client, prefix, name, lease, volume).await?;
+    let (_, now) = vault_owner(&mut kv, prefix, volume).await?;
+    if now != rev {
+        let lock = format!("{prefix}/vault-locks/{volume}");
+        let txn = Txn::new()
+            .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::delete(lock, None)]);
+        kv.txn(txn).await?;
+        return Err(Reg::Taken(format!(
+            "volume {volume}: its vault changed while this host took its lock back"
+        )));
+    }
+    Ok(())
 }
 
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
@@ -490,26 +509,28 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
     let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
     let mut lost = Vec::new();
     for v in held {
-        match take_lock(client, prefix, &name, lease, v).await {
-            Ok(()) => match taken_over(client, prefix, &name, lease, v).await {
-                Ok(None) => {}
-                Ok(Some(m)) => {
+        // etcd may still be recovering from what cost the lease: a few tries before an
+        // error counts as a lost lock.
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match retake_lock(client, prefix, &name, lease, v).await {
+                Ok(()) => {}
+                Err(Reg::Taken(m)) => {
                     error!("{m}");
                     lost.push(v);
                 }
-                Err(e) => {
-                    error!("read the vault of {v}: {e}");
+                Err(Reg::Etcd(e)) if tries < 5 && !s.stopping.load(Ordering::Acquire) => {
+                    warn!("re-take vault lock of {v}: {e}; trying again");
+                    tokio::time::sleep(ttl / 6).await;
+                    continue;
+                }
+                Err(Reg::Etcd(e)) => {
+                    error!("re-take vault lock of {v}: {e}");
                     lost.push(v);
                 }
-            },
-            Err(Reg::Taken(m)) => {
-                error!("{m}");
-                lost.push(v);
             }
-            Err(Reg::Etcd(e)) => {
-                error!("re-take vault lock of {v}: {e}");
-                lost.push(v);
-            }
+            break;
         }
     }
     if lost.is_empty() {
