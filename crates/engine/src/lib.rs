@@ -79,6 +79,10 @@ pub struct Volume {
     revoked: AtomicBool,
     /// Set while a policy change needs the volume quiet; IO waits at the door.
     paused: AtomicBool,
+    /// Set after a policy change whose switch hook failed: writes wait at the door (reads go
+    /// on) until the owner has recorded the volume's new generation ([`Volume::release_writes`]).
+    writes_held: AtomicBool,
+    /// Woken by a resume and by a release.
     resumed: Notify,
     /// IOs between [`Volume::enter`] and their end.
     in_flight: AtomicU64,
@@ -189,6 +193,7 @@ impl Volume {
             stats: IoStats::default(),
             revoked: AtomicBool::new(false),
             paused: AtomicBool::new(false),
+            writes_held: AtomicBool::new(false),
             resumed: Notify::new(),
             in_flight: AtomicU64::new(0),
             drained: Notify::new(),
@@ -251,7 +256,8 @@ impl Volume {
     /// up before the flags are read and [`Volume::revoke`]/[`Volume::pause`] set their flag
     /// before reading the count (all sequentially consistent), so an IO either sees the flag or
     /// is waited for.
-    async fn enter(&self) -> Result<InFlight<'_>> {
+    async fn enter(&self, op: Op) -> Result<InFlight<'_>> {
+        let writes = matches!(op, Op::Write | Op::WriteZeroes | Op::Trim);
         loop {
             let resumed = self.resumed.notified();
             tokio::pin!(resumed);
@@ -261,12 +267,27 @@ impl Volume {
             if self.revoked.load(Ordering::SeqCst) {
                 return Err(Error::Revoked);
             }
-            if !self.paused.load(Ordering::SeqCst) {
+            let held = writes && self.writes_held.load(Ordering::SeqCst);
+            if !self.paused.load(Ordering::SeqCst) && !held {
                 return Ok(guard);
             }
             drop(guard);
             resumed.await;
         }
+    }
+
+    /// Whether writes wait for the owner to record the volume's generation (see
+    /// [`Volume::set_policy_with`]).
+    pub fn writes_held(&self) -> bool {
+        self.writes_held.load(Ordering::SeqCst)
+    }
+
+    /// Lets held writes go on: the owner has recorded the volume as it is now.
+    pub fn release_writes(&self) {
+        if self.writes_held.swap(false, Ordering::SeqCst) {
+            info!("volume {:?}: writes go on", self.name);
+        }
+        self.resumed.notify_waiters();
     }
 
     /// Waits up to `limit` for the IOs in the volume to finish. True if none is left.
@@ -421,14 +442,20 @@ impl Volume {
                 let (gen, checkpoint) = c.switch_marks();
                 if let Err(e) = h(gen, checkpoint).await {
                     // The hook may have recorded the new generation before it failed (a
-                    // vault write whose answer was lost). Whatever it recorded, the volume
-                    // must not go on completing writes only in this cache: in wt every
-                    // write is on the datastore, so no record elsewhere can make a
-                    // completed write look stale.
+                    // vault write whose answer was lost), or not: then the vault may still
+                    // name peers of the old generation, whose replicas a replay would put
+                    // over anything written since. So the volume goes to wt (no write
+                    // completes in this cache alone) and holds its writes until its owner
+                    // has recorded the new generation (`release_writes`); reads go on.
                     c.switch_mode(Mode::Wt, None)?;
                     *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
-                    return Err(Error::Cache(format!("{e}; the volume is in wt meanwhile")));
+                    self.writes_held.store(true, Ordering::SeqCst);
+                    return Err(Error::Cache(format!(
+                        "{e}; the volume is in wt, its writes held until its vault is recorded"
+                    )));
                 }
+                // Recorded: whatever an earlier failure held may go.
+                self.release_writes();
             }
             match (&route, mode_of(new)) {
                 (Route::Cached(c), Some(mode)) => c.switch_mode(mode, peers)?,
@@ -480,7 +507,7 @@ impl Volume {
         bytes: u64,
         io: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        let _in = self.enter().await?;
+        let _in = self.enter(op).await?;
         let t = self.stats.start();
         let r = io.await;
         self.stats.finish(t, op, bytes, r.is_ok());

@@ -400,16 +400,17 @@ impl Daemon {
     /// Writes the volume's vault record as this host, its owner, sees it now. A failure is
     /// logged: the record bounds a contender's replay, the cache log stays the truth.
     async fn record_vault(&self, rec: &VolumeRecord, v: &Volume) {
-        if v.cache().is_some_and(|c| c.has_peers()) {
-            return; // in wbp its peer set keeps the vault (crate::peers)
+        if let Err(e) = self.try_record_vault(rec, v).await {
+            warn!("volume {:?}: {e}", rec.name);
         }
-        let w = match crate::peers::vault_writer(self, rec.id).await {
-            Ok(w) => w,
-            Err(e) => {
-                warn!("volume {:?}: {e}", rec.name);
-                return;
-            }
-        };
+    }
+
+    /// [`Daemon::record_vault`], saying whether it worked.
+    pub async fn try_record_vault(&self, rec: &VolumeRecord, v: &Volume) -> Result<(), String> {
+        if v.cache().is_some_and(|c| c.has_peers()) {
+            return Ok(()); // in wbp its peer set keeps the vault (crate::peers)
+        }
+        let w = crate::peers::vault_writer(self, rec.id).await?;
         let report = v.cache_report();
         let vault = Vault {
             volume: rec.id,
@@ -421,9 +422,9 @@ impl Daemon {
             previous_owner: None,
             handoff: false,
         };
-        if let Err(e) = w.replace(vault).await {
-            warn!("volume {:?}: write vault record: {e}", rec.name);
-        }
+        w.replace(vault)
+            .await
+            .map_err(|e| format!("write vault record: {e}"))
     }
 
     /// Runs `f` holding the cluster-wide lock on a datastore's metadata (a `lun`'s volume

@@ -602,9 +602,28 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
             })
             .await;
         }
+        release_held_writes(&d).await;
         keep_replicated(&d).await;
         if d.cache.is_some() && d.coord.kind() != "local" {
             look_after_replicas(&d).await;
+        }
+    }
+}
+
+/// A volume whose policy switch could not record its new generation holds its writes
+/// (`engine::Volume::set_policy_with`): records it now, and lets them go once that worked.
+async fn release_held_writes(d: &Arc<Daemon>) {
+    for e in d.entries() {
+        let Ok(v) = &e.volume else { continue };
+        if !v.writes_held() {
+            continue;
+        }
+        match d.try_record_vault(&e.record, v).await {
+            Ok(()) => v.release_writes(),
+            Err(why) => d.peers.note(
+                &e.record.name,
+                Some(format!("writes held until the vault is recorded: {why}")),
+            ),
         }
     }
 }
