@@ -440,6 +440,8 @@ impl Volume {
             };
             if let (Route::Cached(c), Some(h)) = (&route, hook) {
                 let (gen, checkpoint) = c.switch_marks();
+                // Only peers the vault names can replay: without any, nothing to hold for.
+                let had_peers = c.has_peers();
                 if let Err(e) = h(gen, checkpoint).await {
                     // The hook may have recorded the new generation before it failed (a
                     // vault write whose answer was lost), or not: then the vault may still
@@ -449,6 +451,9 @@ impl Volume {
                     // has recorded the new generation (`release_writes`); reads go on.
                     c.switch_mode(Mode::Wt, None)?;
                     *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
+                    if !had_peers {
+                        return Err(Error::Cache(format!("{e}; the volume is in wt meanwhile")));
+                    }
                     self.writes_held.store(true, Ordering::SeqCst);
                     return Err(Error::Cache(format!(
                         "{e}; the volume is in wt, its writes held until its vault is recorded"

@@ -11,8 +11,39 @@ use cluster::{Policy, Tuning};
 use datastore::device::MemDevice;
 use datastore::{Extent, Gate};
 use engine::cache::CacheHost;
+use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
 use engine::Volume;
 use uuid::Uuid;
+
+/// Peers that take everything (what they hold does not matter here, only that the vault
+/// names them).
+struct Yes;
+
+impl Replicator for Yes {
+    fn write(&self, _w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn flush(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn checkpoint(&self, _gen: u64, _ser: u64) {}
+    fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn hand_off(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn healthy(&self) -> bool {
+        true
+    }
+    fn report(&self) -> Vec<PeerReport> {
+        Vec::new()
+    }
+}
+
+fn failing_hook() -> engine::SwitchHook {
+    Box::new(|_gen, _checkpoint| Box::pin(async { Err("etcd: unavailable".to_string()) }))
+}
 
 const SEG: u64 = 64 << 10;
 const VOL: u64 = 1 << 20;
@@ -45,10 +76,25 @@ async fn writes_wait_after_a_failed_switch_hook_until_released() {
         tokio::spawn(async move { h.run_destager(|| false).await })
     };
 
-    let hook: engine::SwitchHook =
-        Box::new(|_gen, _checkpoint| Box::pin(async { Err("etcd: unavailable".to_string()) }));
+    // Without peers a failed hook holds nothing: no vault names anyone who could replay.
     let e = vol
-        .set_policy_with(Policy::Wt, None, Some(hook))
+        .set_policy_with(Policy::Wt, None, Some(failing_hook()))
+        .await
+        .unwrap_err();
+    assert!(!vol.writes_held(), "{e}");
+    vol.write(BLOCK as u64, Bytes::from(vec![0x40; BLOCK]), false)
+        .await
+        .unwrap();
+    // In wbp, leaving it with a hook that fails.
+    let wbp = Policy::Wbp {
+        peers: 1,
+        rule: cluster::PeerRule::default(),
+    };
+    vol.set_policy_with(wbp, Some(Arc::new(Yes)), None)
+        .await
+        .unwrap();
+    let e = vol
+        .set_policy_with(Policy::Wt, None, Some(failing_hook()))
         .await
         .unwrap_err();
     assert!(e.to_string().contains("held"), "{e}");
