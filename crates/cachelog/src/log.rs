@@ -518,6 +518,13 @@ impl Log {
         self.failed.load(Ordering::SeqCst)
     }
 
+    /// Fails the log for good, as a device error does: for a caller that lost track of an
+    /// append (its thread died in it), after which the log may hold a hole that later
+    /// appends would sit above.
+    pub fn fail(&self) {
+        self.failed.store(true, Ordering::SeqCst);
+    }
+
     /// Checks the device is alive (a device sync: cheap when nothing is dirty, and it reaches
     /// the device, unlike a read the page cache may answer), failing the log if not: an idle
     /// log would otherwise notice a dead device only at its next append.

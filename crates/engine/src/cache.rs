@@ -1596,6 +1596,11 @@ impl VolCache {
                 let r = blocking(move || Ok(log.append(&e, p.as_deref().unwrap_or(&[]))))
                     .await
                     .unwrap_or_else(|io| {
+                        // The append's thread died in it (a panic): whether the record got
+                        // out is unknown, and this write's `ser` completes anyway (as failed).
+                        // Later writes must not complete above a possible hole, which
+                        // recovery would stop at: the log is failed, as for a device error.
+                        self.shared.log.fail();
                         Err(LogError::Io {
                             device: "cache".into(),
                             source: io,
