@@ -438,29 +438,24 @@ fn lease_lost(s: &Session) {
     );
 }
 
-/// The owner named in a volume's vault and the record's `mod_revision` (0 if none).
+/// The owner a volume's vault names, if it has one.
 async fn vault_owner(
     kv: &mut etcd_client::KvClient,
     prefix: &str,
     volume: Uuid,
-) -> std::result::Result<(Option<String>, i64), etcd_client::Error> {
+) -> std::result::Result<Option<String>, etcd_client::Error> {
     let r = kv.get(format!("{prefix}/vaults/{volume}"), None).await?;
-    Ok(match r.kvs().first() {
-        None => (None, 0),
-        Some(x) => (
-            serde_json::from_slice::<Vault>(x.value())
-                .ok()
-                .map(|v| v.owner),
-            x.mod_revision(),
-        ),
-    })
+    Ok(r.kvs()
+        .first()
+        .and_then(|x| serde_json::from_slice::<Vault>(x.value()).ok())
+        .map(|v| v.owner))
 }
 
 /// Re-takes a vault lock after a lost lease, unless another host took the volume over
 /// meanwhile (a peer's online replay takes the lock, names itself the vault's owner, and
 /// gives the lock back when done): then this host's copy is stale. The vault is read before
 /// the lock is taken (after it, this host's own vault writes could cover another's), and
-/// again after: a change in between counts as a take-over too, and the lock goes back.
+/// again after: a take-over in between gives the lock back too.
 async fn retake_lock(
     client: &Client,
     prefix: &str,
@@ -469,22 +464,24 @@ async fn retake_lock(
     volume: Uuid,
 ) -> std::result::Result<(), Reg> {
     let mut kv = client.kv_client();
-    let (owner, rev) = vault_owner(&mut kv, prefix, volume).await?;
+    let owner = vault_owner(&mut kv, prefix, volume).await?;
     if let Some(o) = owner.filter(|o| o != name) {
         return Err(Reg::Taken(format!(
             "volume {volume}: host {o:?} took it over while this host's lease was gone"
         )));
     }
     take_lock(client, prefix, name, lease, volume).await?;
-    let (_, now) = vault_owner(&mut kv, prefix, volume).await?;
-    if now != rev {
+    // Another host that took it over in between names itself the owner (this host's own
+    // vault writes, possible again now, do not count).
+    let now = vault_owner(&mut kv, prefix, volume).await?;
+    if let Some(o) = now.filter(|o| o != name) {
         let lock = format!("{prefix}/vault-locks/{volume}");
         let txn = Txn::new()
             .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
             .and_then([TxnOp::delete(lock, None)]);
         kv.txn(txn).await?;
         return Err(Reg::Taken(format!(
-            "volume {volume}: its vault changed while this host took its lock back"
+            "volume {volume}: host {o:?} took it over while this host took its lock back"
         )));
     }
     Ok(())
@@ -493,46 +490,41 @@ async fn retake_lock(
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
 /// opens only if all of them came back.
 async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
-    let sent = loop {
-        if s.stopping.load(Ordering::Acquire) {
-            return;
-        }
-        match register(client, s, prefix, ttl).await {
-            Ok(sent) => break sent,
-            Err(Reg::Etcd(e)) => warn!("etcd: register again: {e}"),
-            Err(Reg::Taken(m)) => warn!("etcd: register again: {m}"),
-        }
-        tokio::time::sleep(ttl / 6).await;
-    };
-    let name = s.host.lock().expect("lock").name.clone();
-    let lease = s.lease.load(Ordering::Acquire);
-    let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
-    let mut lost = Vec::new();
-    for v in held {
-        // etcd may still be recovering from what cost the lease: a few tries before an
-        // error counts as a lost lock.
-        let mut tries = 0;
-        loop {
-            tries += 1;
+    // An etcd error while re-taking the locks starts over with a new registration: nothing
+    // renews the lease meanwhile, so retrying on it could outlive it.
+    let registered = 'again: loop {
+        let sent = loop {
+            if s.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            match register(client, s, prefix, ttl).await {
+                Ok(sent) => break sent,
+                Err(Reg::Etcd(e)) => warn!("etcd: register again: {e}"),
+                Err(Reg::Taken(m)) => warn!("etcd: register again: {m}"),
+            }
+            tokio::time::sleep(ttl / 6).await;
+        };
+        let name = s.host.lock().expect("lock").name.clone();
+        let lease = s.lease.load(Ordering::Acquire);
+        let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
+        let mut lost = Vec::new();
+        for v in held {
             match retake_lock(client, prefix, &name, lease, v).await {
                 Ok(()) => {}
                 Err(Reg::Taken(m)) => {
                     error!("{m}");
                     lost.push(v);
                 }
-                Err(Reg::Etcd(e)) if tries < 5 && !s.stopping.load(Ordering::Acquire) => {
-                    warn!("re-take vault lock of {v}: {e}; trying again");
-                    tokio::time::sleep(ttl / 6).await;
-                    continue;
-                }
                 Err(Reg::Etcd(e)) => {
-                    error!("re-take vault lock of {v}: {e}");
-                    lost.push(v);
+                    warn!("re-take vault lock of {v}: {e}; registering again");
+                    tokio::time::sleep(ttl / 6).await;
+                    continue 'again;
                 }
             }
-            break;
         }
-    }
+        break (sent, name, lost);
+    };
+    let (sent, name, lost) = registered;
     if lost.is_empty() {
         // From the grant, not from now: the new lease's clock started then.
         s.fence.extend_to(sent + ttl / 2);

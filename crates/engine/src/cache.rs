@@ -744,13 +744,14 @@ impl CacheHost {
     /// volume again does nothing.
     pub async fn detach(&self, v: &VolCache) -> Result<(), Error> {
         {
+            // This very attachment: a volume reopened since (a relocation) has the same id.
             let mut vols = lock(&self.vols);
-            if !vols.iter().any(|x| x.id == v.id) {
+            if !vols.iter().any(|x| std::ptr::eq(&**x, v)) {
                 return Ok(());
             }
-            vols.retain(|x| x.id != v.id);
+            vols.retain(|x| !std::ptr::eq(&**x, v));
         }
-        lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| x.id != v.id));
+        lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| !std::ptr::eq(&*x, v)));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
         let clean = v.clean();
         v.release_all();

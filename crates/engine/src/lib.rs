@@ -449,12 +449,15 @@ impl Volume {
                     // over anything written since. So the volume goes to wt (no write
                     // completes in this cache alone) and holds its writes until its owner
                     // has recorded the new generation (`release_writes`); reads go on.
+                    if had_peers {
+                        // Before anything that can fail: no write may pass unheld.
+                        self.writes_held.store(true, Ordering::SeqCst);
+                    }
                     c.switch_mode(Mode::Wt, None)?;
                     *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
                     if !had_peers {
                         return Err(Error::Cache(format!("{e}; the volume is in wt meanwhile")));
                     }
-                    self.writes_held.store(true, Ordering::SeqCst);
                     return Err(Error::Cache(format!(
                         "{e}; the volume is in wt, its writes held until its vault is recorded"
                     )));

@@ -128,6 +128,16 @@ async fn detaching_keeps_dirty_records_for_the_next_start_and_erases_clean_ones(
             vol.detach_cache().await;
         }
         cache.power_loss(|_, _| Fate::Kept);
+        // What the scan found of it: nothing at all once erased.
+        let found = CacheHost::open(cache.clone(), SEG)
+            .unwrap()
+            .recovered_volumes()
+            .iter()
+            .any(|(v, _, _)| *v == id);
+        assert_eq!(
+            found, dirty,
+            "dirty {dirty}: records of the volume in the log"
+        );
         let (_host, vol) = open(&cache, &store, id, Policy::Wb);
         let replays = vol.cache().unwrap().report().replaying;
         assert_eq!(replays, dirty, "dirty {dirty}: replay at the next start");

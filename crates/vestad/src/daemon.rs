@@ -377,21 +377,13 @@ impl Daemon {
         .map(Arc::new)
         .map_err(|e| e.to_string())?;
         if rec.policy == Policy::Uncached && v.policy() != Policy::Uncached {
-            // It replays its dirty data first (in wb, then wt: engine::Volume::open), then
-            // leaves the cache; the change waits for the replay to be destaged.
-            let (v, name) = (v.clone(), rec.name.clone());
-            tokio::spawn(async move {
-                // Not before the replay has ended: a change pauses the volume's IO, and a
-                // write waiting for the replay would hold the pause (and every read) for as
-                // long as the replay takes.
-                while v.cache().is_some_and(|c| c.report().replaying) {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                match v.set_policy(Policy::Uncached).await {
-                    Ok(()) => info!("volume {name:?}: uncached again after its replay"),
-                    Err(e) => warn!("volume {name:?}: back to uncached after its replay: {e}"),
-                }
-            });
+            // It replays its dirty data first (in wb, then wt: engine::Volume::open). It stays
+            // in wt, which is safe, until its policy is set again.
+            warn!(
+                "volume {:?}: policy uncached, but the cache log held its dirty data; it goes \
+                 on in wt after the replay until its policy is set again",
+                rec.name
+            );
         }
         self.record_vault(rec, &v).await;
         Ok(v)

@@ -618,6 +618,14 @@ async fn release_held_writes(d: &Arc<Daemon>) {
         if !v.writes_held() {
             continue;
         }
+        // One change per volume at a time: an `establish` running now records the vault
+        // itself (with its new peers, which this record would drop).
+        let Some(_busy) = d.try_claim(&e.record.name, "vault record") else {
+            continue;
+        };
+        if !v.writes_held() {
+            continue;
+        }
         match d.try_record_vault(&e.record, v).await {
             Ok(()) => v.release_writes(),
             Err(why) => d.peers.note(
