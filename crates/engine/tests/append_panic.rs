@@ -8,16 +8,12 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use cachelog::device::{CacheDevice, SimDevice};
-use cluster::{Policy, Tuning};
+use cluster::Policy;
 use datastore::device::MemDevice;
-use datastore::{Extent, Gate};
-use engine::cache::CacheHost;
-use engine::Volume;
 use uuid::Uuid;
 
-const SEG: u64 = 64 << 10;
-const VOL: u64 = 1 << 20;
-const BLOCK: usize = 4096;
+mod common;
+use common::{BLOCK, SEG, VOL};
 
 /// A simulated device whose next write panics once armed.
 struct Panicky {
@@ -52,20 +48,8 @@ async fn a_panic_in_an_append_fails_the_log_so_no_later_write_completes_above_it
         inner: SimDevice::new((1 << 20) + 16 * SEG),
         armed: AtomicBool::new(false),
     });
-    let host = CacheHost::open(dev.clone(), SEG).unwrap();
-    let id = Uuid::new_v4();
     let store = Arc::new(MemDevice::new(VOL));
-    let extent = Extent::new(store, 0, VOL, Arc::new(Gate::new(4)));
-    let vol = Volume::open(
-        id,
-        "p".into(),
-        Policy::Wb,
-        Tuning::default(),
-        extent,
-        Some(host.clone()),
-    )
-    .unwrap();
-    host.finish_recovery(&[id]).unwrap();
+    let (_host, vol) = common::open(dev.clone(), &store, Uuid::new_v4(), Policy::Wb);
     vol.write(0, Bytes::from(vec![1; BLOCK]), false)
         .await
         .unwrap();

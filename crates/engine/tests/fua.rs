@@ -5,34 +5,19 @@
 use std::sync::Arc;
 
 use cachelog::device::SimDevice;
-use cluster::{Policy, Tuning};
+use cluster::Policy;
 use datastore::device::MemDevice;
-use datastore::{Extent, Gate};
-use engine::cache::CacheHost;
-use engine::Volume;
 use uuid::Uuid;
 
-const SEG: u64 = 64 << 10;
-const VOL: u64 = 1 << 20;
+mod common;
+use common::{SEG, VOL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fua_zeroes_and_trims_flush_the_datastore_in_uncached_and_wt() {
     for policy in [Policy::Uncached, Policy::Wt] {
         let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
         let store = Arc::new(MemDevice::new(VOL));
-        let host = CacheHost::open(cache, SEG).unwrap();
-        let id = Uuid::new_v4();
-        let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
-        let vol = Volume::open(
-            id,
-            "z".into(),
-            policy,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap();
-        host.finish_recovery(&[id]).unwrap();
+        let (_host, vol) = common::open(cache, &store, Uuid::new_v4(), policy);
 
         let before = store.flushes();
         vol.write_zeroes(0, 8192, true, true).await.unwrap();

@@ -7,49 +7,26 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cachelog::device::SimDevice;
-use cluster::{Policy, Tuning};
+use cluster::Policy;
 use datastore::device::MemDevice;
-use datastore::{Extent, Gate};
-use engine::cache::CacheHost;
-use engine::Volume;
 use uuid::Uuid;
 
-const SEG: u64 = 64 << 10;
-const VOL: u64 = 1 << 20;
-const BLOCK: usize = 4096;
+mod common;
+use common::{BLOCK, SEG, VOL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_read_of_a_clean_record_keeps_the_newer_write_over_it() {
     let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
     let store = Arc::new(MemDevice::new(VOL));
-    let host = CacheHost::open(cache.clone(), SEG).unwrap();
-    let id = Uuid::new_v4();
-    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
-    let vol = Arc::new(
-        Volume::open(
-            id,
-            "r".into(),
-            Policy::Wb,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap(),
-    );
-    host.finish_recovery(&[id]).unwrap();
+    let (host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    let vol = Arc::new(vol);
 
     // A, destaged: a clean record in the cache, and on the datastore.
     vol.write(0, Bytes::from(vec![0x11; BLOCK]), false)
         .await
         .unwrap();
     let c = vol.cache().unwrap();
-    for turn in 0..100 {
-        if c.clean() {
-            break;
-        }
-        host.destage_turn(turn).await;
-    }
-    assert!(c.clean(), "A was destaged");
+    common::destage_all(&host, &c).await;
     assert_eq!(store.image()[..BLOCK], [0x11; BLOCK]);
 
     // The record's payload goes bad, and a reader stops at the device with it looked up.
@@ -88,13 +65,7 @@ async fn a_failed_read_of_a_clean_record_keeps_the_newer_write_over_it() {
         got[..] == [0x22; BLOCK],
         "B was lost from the cache's index"
     );
-    for turn in 0..100 {
-        if c.clean() {
-            break;
-        }
-        host.destage_turn(turn).await;
-    }
-    assert!(c.clean());
+    common::destage_all(&host, &c).await;
     assert_eq!(store.image()[..BLOCK], [0x22; BLOCK]);
     let got = vol.read(0, BLOCK as u32).await.unwrap();
     assert!(got[..] == [0x22; BLOCK], "a stale fill of A is served");

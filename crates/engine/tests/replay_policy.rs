@@ -15,30 +15,8 @@ use engine::cache::CacheHost;
 use engine::Volume;
 use uuid::Uuid;
 
-const SEG: u64 = 64 << 10;
-const VOL: u64 = 1 << 20;
-const BLOCK: usize = 4096;
-
-fn open(
-    cache: &Arc<SimDevice>,
-    store: &Arc<MemDevice>,
-    id: Uuid,
-    policy: Policy,
-) -> (Arc<CacheHost>, Volume) {
-    let host = CacheHost::open(cache.clone(), SEG).unwrap();
-    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
-    let vol = Volume::open(
-        id,
-        "r".into(),
-        policy,
-        Tuning::default(),
-        extent,
-        Some(host.clone()),
-    )
-    .unwrap();
-    host.finish_recovery(&[id]).unwrap();
-    (host, vol)
-}
+mod common;
+use common::{BLOCK, SEG, VOL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
@@ -52,14 +30,14 @@ async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
         let id = Uuid::new_v4();
         // Dirty data in the log, synced, never destaged; then the daemon dies.
         {
-            let (_host, vol) = open(&cache, &store, id, Policy::Wb);
+            let (_host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
             vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
                 .await
                 .unwrap();
         }
         cache.power_loss(|_, _| Fate::Kept);
 
-        let (host, vol) = open(&cache, &store, id, policy);
+        let (host, vol) = common::open(cache.clone(), &store, id, policy);
         let c = vol.cache().expect("cached while it replays");
         assert_eq!(c.report().mode, "wb", "{policy}: replays in wb");
         assert_eq!(vol.policy(), Policy::Wt, "{policy}: goes on in wt");
@@ -111,19 +89,12 @@ async fn detaching_keeps_dirty_records_for_the_next_start_and_erases_clean_ones(
         let store = Arc::new(MemDevice::new(VOL));
         let id = Uuid::new_v4();
         {
-            let (host, vol) = open(&cache, &store, id, Policy::Wb);
+            let (host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
             vol.write(0, Bytes::from(vec![0x33; BLOCK]), true)
                 .await
                 .unwrap();
             if !dirty {
-                let c = vol.cache().unwrap();
-                for turn in 0..100 {
-                    if c.clean() {
-                        break;
-                    }
-                    host.destage_turn(turn).await;
-                }
-                assert!(c.clean());
+                common::destage_all(&host, &vol.cache().unwrap()).await;
             }
             vol.detach_cache().await;
         }
@@ -138,7 +109,7 @@ async fn detaching_keeps_dirty_records_for_the_next_start_and_erases_clean_ones(
             found, dirty,
             "dirty {dirty}: records of the volume in the log"
         );
-        let (_host, vol) = open(&cache, &store, id, Policy::Wb);
+        let (_host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
         let replays = vol.cache().unwrap().report().replaying;
         assert_eq!(replays, dirty, "dirty {dirty}: replay at the next start");
     }

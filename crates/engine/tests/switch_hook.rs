@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cachelog::device::SimDevice;
-use cluster::{Policy, Tuning};
+use cluster::Policy;
 use datastore::device::MemDevice;
-use datastore::{Extent, Gate};
-use engine::cache::CacheHost;
 use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
-use engine::Volume;
 use uuid::Uuid;
+
+mod common;
+use common::{BLOCK, SEG, VOL};
 
 /// Peers that take everything (what they hold does not matter here, only that the vault
 /// names them).
@@ -45,29 +45,12 @@ fn failing_hook() -> engine::SwitchHook {
     Box::new(|_gen, _checkpoint| Box::pin(async { Err("etcd: unavailable".to_string()) }))
 }
 
-const SEG: u64 = 64 << 10;
-const VOL: u64 = 1 << 20;
-const BLOCK: usize = 4096;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_wait_after_a_failed_switch_hook_until_released() {
     let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
     let store = Arc::new(MemDevice::new(VOL));
-    let host = CacheHost::open(cache, SEG).unwrap();
-    let id = Uuid::new_v4();
-    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
-    let vol = Arc::new(
-        Volume::open(
-            id,
-            "h".into(),
-            Policy::Wb,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap(),
-    );
-    host.finish_recovery(&[id]).unwrap();
+    let (host, vol) = common::open(cache, &store, Uuid::new_v4(), Policy::Wb);
+    let vol = Arc::new(vol);
     vol.write(0, Bytes::from(vec![0x41; BLOCK]), false)
         .await
         .unwrap();

@@ -150,6 +150,20 @@ impl Rig {
         }
     }
 
+    /// wb → uncached, with the destager driven while the change drains.
+    async fn leave_cache(&self) {
+        let host = self.host.clone();
+        let drive = tokio::spawn(async move {
+            for turn in 0.. {
+                if !host.destage_turn(turn).await {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            }
+        });
+        self.vol.set_policy(Policy::Uncached).await.unwrap();
+        drive.abort();
+    }
+
     async fn destage_all(&self) {
         let c = self.vol.cache().expect("cached");
         for turn in 0..10_000 {
@@ -226,17 +240,7 @@ proptest! {
                         r.vol.set_tuning(Tuning { hold_s, ..Tuning::default() });
                     }
                     Op::Cycle => {
-                        // Drive the destager while the policy change drains.
-                        let host = r.host.clone();
-                        let drive = tokio::spawn(async move {
-                            for turn in 0.. {
-                                if !host.destage_turn(turn).await {
-                                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                                }
-                            }
-                        });
-                        r.vol.set_policy(Policy::Uncached).await.unwrap();
-                        drive.abort();
+                        r.leave_cache().await;
                         prop_assert_eq!(r.store.image(), image(&writes, writes.len()), "leaving wb drained everything");
                         r.vol.set_policy(Policy::Wb).await.unwrap();
                         // Everything is on the datastore; the new generation numbers anew.
@@ -246,16 +250,7 @@ proptest! {
                         next = r.vol.cache().unwrap().checkpoint() + 1;
                     }
                     Op::Uncached { writes: uw, crash } => {
-                        let host = r.host.clone();
-                        let drive = tokio::spawn(async move {
-                            for turn in 0.. {
-                                if !host.destage_turn(turn).await {
-                                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-                                }
-                            }
-                        });
-                        r.vol.set_policy(Policy::Uncached).await.unwrap();
-                        drive.abort();
+                        r.leave_cache().await;
                         let mut img = image(&writes, writes.len());
                         prop_assert_eq!(r.store.image(), img.clone(), "leaving wb drained everything");
                         for (j, (sector, sectors)) in uw.iter().enumerate() {

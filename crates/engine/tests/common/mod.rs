@@ -1,0 +1,53 @@
+//! What the engine's integration tests share: a volume on a cache device over a datastore in
+//! memory, and a destager driven by hand.
+
+#![allow(dead_code)] // each test file uses part of it
+
+use std::sync::Arc;
+
+use cachelog::device::CacheDevice;
+use cluster::{Policy, Tuning};
+use datastore::device::MemDevice;
+use datastore::{Extent, Gate};
+use engine::cache::{CacheHost, VolCache};
+use engine::Volume;
+use uuid::Uuid;
+
+pub const SEG: u64 = 64 << 10;
+pub const VOL: u64 = 1 << 20;
+pub const BLOCK: usize = 4096;
+
+/// Opens (or recovers) the cache on `cache` and volume `id` on `store` with `policy`, and
+/// ends recovery.
+pub fn open(
+    cache: Arc<dyn CacheDevice>,
+    store: &Arc<MemDevice>,
+    id: Uuid,
+    policy: Policy,
+) -> (Arc<CacheHost>, Volume) {
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));
+    let vol = Volume::open(
+        id,
+        "t".into(),
+        policy,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    host.finish_recovery(&[id]).unwrap();
+    (host, vol)
+}
+
+/// Runs destager turns until `c` is clean; panics if it never gets there.
+pub async fn destage_all(host: &CacheHost, c: &VolCache) {
+    for turn in 0..1000 {
+        if c.clean() {
+            return;
+        }
+        host.destage_turn(turn).await;
+        tokio::task::yield_now().await;
+    }
+    assert!(c.clean(), "the destager made no progress");
+}
