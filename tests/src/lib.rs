@@ -857,6 +857,21 @@ pub fn qemu_io(url: &str, cmds: &[&str]) -> String {
     out
 }
 
+/// One 4 KiB write of `byte` at `offset` with qemu-io; whether it succeeded (a fenced or
+/// failing datastore makes it fail).
+pub fn try_write(url: &str, byte: u8, offset: u64) -> bool {
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        &format!("write -P {byte} {offset} 4k"),
+        url,
+    ]));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    out.status.success() && !text.contains("failed")
+}
+
 /// `nbdsh` as a command: Debian's python3-libnbd installs the `nbd` module for the system
 /// Python only, so the system Python goes first on PATH whatever else (pyenv) is installed.
 pub fn nbdsh_cmd() -> Command {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vesta_tests::{
-    pattern, qemu_io, read_file, run, run_ok, wait_for, Etcd, Host, Nbdkit, Scratch, Vestad,
-    CLUSTER_TTL_S,
+    pattern, qemu_io, read_file, run, run_ok, try_write, wait_for, Etcd, Host, Nbdkit, Scratch,
+    Vestad, CLUSTER_TTL_S,
 };
 
 const TTL_S: u64 = CLUSTER_TTL_S;
@@ -41,19 +41,6 @@ fn volumes(v: &Vestad) -> Vec<Value> {
 }
 
 /// Writes 4 KiB at `offset` through qemu-io; returns whether it succeeded.
-fn try_write(url: &str, byte: u8, offset: u64) -> bool {
-    let out = run(Command::new("qemu-io").args([
-        "-f",
-        "raw",
-        "-c",
-        &format!("write -P {byte} {offset} 4k"),
-        url,
-    ]));
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    out.status.success() && !text.contains("failed")
-}
-
 #[test]
 fn hosts_register_and_each_volume_is_served_by_its_owner() {
     let etcd = Etcd::start();
