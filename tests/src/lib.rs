@@ -702,6 +702,20 @@ impl Nbdkit {
         d.socket.clone()
     }
 
+    /// Closes `host`'s door (SIGKILL): that host alone loses its path to the LUN, and it
+    /// stays lost ([`Nbdkit::keep_running`] leaves it closed) until [`Nbdkit::restart`].
+    pub fn close_door(&self, host: &str) {
+        let mut doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
+        let d = doors
+            .iter_mut()
+            .find(|d| d.host == host)
+            .expect("the host has a door");
+        if let Some(mut c) = d.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Checks, from the doors' logs, that no two hosts had writes to `range` in service at
     /// the same time (and that some host wrote there, so the check says something).
     pub fn assert_one_writer_at_a_time(&self, range: std::ops::Range<u64>) {

@@ -328,6 +328,87 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
     one_writer_at_a_time(&lun);
 }
 
+/// FVP Table 1's cascade, its hard case: the owner of a `wbp:2` volume dies with a write
+/// sent to peer b but not yet to peer c, so it never completed. Whichever peer replays must
+/// go no further than the other holds: if b replayed that write and died midway, c would
+/// continue from the vault's checkpoint (up to a second old) without it, and its blocks
+/// would stay beside older data, a state no prefix of the writes produces. Here c has lost
+/// its path to the datastore, so b replays; the datastore must not get the write c lacks.
+#[test]
+fn a_replaying_peer_goes_no_further_than_the_peer_that_would_continue_it() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    let c_peer = format!("127.0.0.4:{}", vesta_tests::free_port());
+    let proxy = vesta_tests::proxy::FaultProxy::start("127.0.0.5", &c_peer);
+    let c = etcd.host(
+        &lun,
+        Host {
+            cluster: &format!(
+                "peer_listen = \"{c_peer}\"\npeer_advertise = \"{}\"\n",
+                proxy.addr
+            ),
+            ..Host::new("c", "rack2", "127.0.0.4")
+        },
+    );
+    create_held(&a, "w", "wbp:2");
+    wait_replicating(&a, "w", &["b", "c"]);
+    qemu_io(&a.url("w"), &["write -P 1 0 64k"]);
+    // The second write reaches b; c's copy waits in the proxy, and so does the owner.
+    proxy.blackhole();
+    let second = std::process::Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 2 64k 64k", &a.url("w")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn qemu-io");
+    wait_for(
+        Duration::from_secs(5),
+        "the second write to be in flight",
+        || {
+            let s = show(&a, "w");
+            let last = s["cache"]["last_ser"].as_u64()?;
+            let c_acked = s["cache"]["peers"]
+                .as_array()?
+                .iter()
+                .find(|p| p["host"] == "c")?["acked_ser"]
+                .as_u64()?;
+            (c_acked < last).then_some(())
+        },
+    );
+    // b takes it within a millisecond or so (its log below says it had it).
+    std::thread::sleep(Duration::from_millis(500));
+    // c loses its path to the datastore, so it cannot be the one that replays.
+    lun.close_door("c");
+    a.kill9();
+    let out = second.wait_with_output().expect("qemu-io");
+    assert!(
+        !out.status.success() || String::from_utf8_lossy(&out.stdout).contains("failed"),
+        "the second write must not have completed: {out:?}"
+    );
+    // What the proxy held is lost with the owner's connection; c is reachable again.
+    proxy.cut();
+    proxy.heal();
+    wait_for(Duration::from_secs(TTL_S + 30), "b to replay", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    assert!(
+        !c.log().contains("online replay done"),
+        "c cannot reach the LUN"
+    );
+    assert!(
+        on_datastore(&lun, 128 << 10) == expect(128 << 10, &[(0, 64 << 10, 1)]),
+        "the datastore must hold the first write and not the one c never got"
+    );
+    let log = b.log();
+    assert!(
+        log.contains("which peer(s) [\"c\"] hold too") && log.contains("are not replayed"),
+        "b must have asked c how far it holds, and left the write c lacks:\n{log}"
+    );
+    one_writer_at_a_time(&lun);
+}
+
 /// The crash campaign of issue 3 with a peer: the owner of a `wbp:1` volume is killed at a
 /// random moment under a checker's writes, its peer replays online, and the datastore image
 /// itself (no daemon in between) must hold every completed write, each block as its last

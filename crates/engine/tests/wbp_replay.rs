@@ -183,7 +183,7 @@ proptest! {
             // Online replay on the peer.
             let held = peer.replica_sets().into_iter().any(|s| s.volume == id);
             if held {
-                peer.promote_replicas(id, vault_ckpt).unwrap();
+                peer.promote_replicas(id, vault_ckpt, u64::MAX).unwrap();
             }
             let v2 = Volume::open(id, "v".into(), Policy::Wb, Tuning::default(), extent(), Some(peer.clone())).unwrap();
             let c = v2.cache().unwrap();
@@ -306,4 +306,77 @@ fn a_peer_refuses_malformed_and_stale_writes() {
     peer.replica_open("a", id, 4, 1).unwrap();
     let sets = peer.replica_sets();
     assert_eq!((sets[0].gen, sets[0].writes), (4, 0));
+}
+
+/// Replays what `host` promoted for `id` onto `store` to the end, as the daemon's online
+/// replay does, then lets the volume go (the replaying host may die any time after).
+async fn replay_all(host: &Arc<CacheHost>, id: Uuid, store: &Arc<MemDevice>) {
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let v = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    let c = v.cache().unwrap();
+    for turn in 0..10_000 {
+        if c.clean() {
+            break;
+        }
+        host.destage_turn(turn).await;
+    }
+    assert!(c.clean(), "the replay made no progress");
+}
+
+/// FVP Table 1's cascade: the peer replaying for a dead owner dies, and another peer
+/// continues from the vault's checkpoint, which lags (it is written at most once a second).
+/// The owner died with writes 3 and 4 sent to peer P but not yet to peer Q (so neither had
+/// completed). P goes no further than Q holds: had it replayed 3 and 4, Q, replaying 1 and 2
+/// after it, would leave block 16 of write 4 beside block 0 of write 1, a state no prefix of
+/// the writes produces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
+    let id = Uuid::new_v4();
+    let gen = 5;
+    let store = Arc::new(MemDevice::new(VOL));
+    let p = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let q = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    p.replica_open("owner", id, gen, 0).unwrap();
+    q.replica_open("owner", id, gen, 0).unwrap();
+    // (ser, sector, byte): write 3 rewrites write 1's block.
+    let writes = [(1u64, 0u64, 1u8), (2, 8, 2), (3, 0, 3), (4, 16, 4)];
+    for (ser, sector, b) in writes {
+        let data = vec![b; 4096];
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+            .unwrap();
+        if ser <= 2 {
+            q.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+                .unwrap();
+        }
+    }
+    // What the daemon asks before P replays: how far each holds above the vault's checkpoint.
+    assert_eq!(p.replica_end(id, 0), Some((gen, 4)));
+    let q_held = q.replica_held(id, gen, 0).unwrap();
+    assert_eq!(q_held, 2);
+    assert!(
+        q.replica_held(id, gen + 1, 0).is_err(),
+        "another generation"
+    );
+    assert_eq!(p.promote_replicas(id, 0, 4.min(q_held)).unwrap(), 2);
+    replay_all(&p, id, &store).await;
+    // P dies; Q continues from the vault's checkpoint (still 0).
+    drop(p);
+    assert_eq!(q.promote_replicas(id, 0, u64::MAX).unwrap(), 2);
+    replay_all(&q, id, &store).await;
+    let img = store.image();
+    let mut want = vec![0u8; VOL as usize];
+    want[..4096].fill(1);
+    want[8 * 512..8 * 512 + 4096].fill(2);
+    assert!(
+        img == want,
+        "the datastore must be the volume as of writes 1 and 2"
+    );
 }

@@ -326,6 +326,16 @@ impl Link {
     pub async fn drop_replicas(&self, volume: uuid::Uuid, gen: u64) -> Result<(), PeerError> {
         self.request(Msg::Drop { volume, gen }, 0).await.map(drop)
     }
+
+    /// Asks the peer up to which `ser` it holds `volume`'s generation `gen` without a gap
+    /// above `from`, durably (a host about to replay the volume asks its other peers).
+    pub async fn held(&self, volume: uuid::Uuid, gen: u64, from: u64) -> Result<u64, PeerError> {
+        let answer = self.request(Msg::Held { volume, gen, from }, 0).await?;
+        answer.parse().map_err(|_| PeerError::Refused {
+            peer: self.inner.peer.clone(),
+            msg: format!("answered Held with {}, not a number", quoted(&answer)),
+        })
+    }
 }
 
 /// The owner's side of the handshake ([`crate::auth`]) on a new connection to `peer`.

@@ -76,6 +76,21 @@ mod tests {
             self.log.lock().unwrap().push(format!("drop {gen}"));
             Ok(())
         }
+        /// The highest write taken (this sink takes them in order, without gaps).
+        fn held(&self, _v: Uuid, gen: u64, from: u64) -> Result<u64, Refusal> {
+            if gen != *self.gen.lock().unwrap() {
+                return Err(Refusal::Failed(format!(
+                    "holds no replicas of generation {gen}"
+                )));
+            }
+            let log = self.log.lock().unwrap();
+            let top = log
+                .iter()
+                .filter_map(|l| l.strip_prefix("write ")?.split(' ').next()?.parse().ok())
+                .max()
+                .unwrap_or(0u64);
+            Ok(top.max(from))
+        }
     }
 
     fn start(sink: Arc<Memory>) -> String {
@@ -212,6 +227,9 @@ mod tests {
         fn drop_replicas(&self, _: Uuid, _: u64) -> Result<(), Refusal> {
             Ok(())
         }
+        fn held(&self, _: Uuid, _: u64, from: u64) -> Result<u64, Refusal> {
+            Ok(from)
+        }
     }
 
     /// Sends `n` writes of `len` bytes for each of `volumes`, all in flight together,
@@ -346,6 +364,32 @@ mod tests {
         }
         assert_eq!(log[201], "flush");
         assert_eq!(log[202], "ckpt 150");
+    }
+
+    /// A host about to replay asks another peer, on a link of its own, how far that peer's
+    /// copies go; the answer is a number, a refusal an error that leaves the link usable.
+    #[tokio::test]
+    async fn a_replaying_host_learns_how_far_another_peer_holds_a_volume() {
+        let sink = Arc::new(Memory::default());
+        let addr = start(sink.clone());
+        let owner = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        owner.open(Uuid::nil(), 3, 0).await.unwrap();
+        for s in 1..=5u64 {
+            owner.write(w(s, s as u8)).await.unwrap();
+        }
+        let other = Link::connect("p1", &addr, "p2", &key()).await.unwrap();
+        assert_eq!(other.held(Uuid::nil(), 3, 2).await.unwrap(), 5);
+        assert_eq!(other.held(Uuid::nil(), 3, 9).await.unwrap(), 9);
+        let e = other.held(Uuid::nil(), 2, 0).await.unwrap_err();
+        assert!(
+            matches!(&e, PeerError::Refused { peer, msg } if peer == "p1" && msg.contains("generation 2")),
+            "{e}"
+        );
+        assert!(
+            other.broken().is_none(),
+            "a refused question breaks nothing"
+        );
+        assert_eq!(other.held(Uuid::nil(), 3, 0).await.unwrap(), 5);
     }
 
     #[tokio::test]

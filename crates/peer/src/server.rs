@@ -54,6 +54,10 @@ pub trait Sink: Send + Sync + 'static {
     fn flush(&self) -> Result<(), Refusal>;
     fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64) -> Result<(), Refusal>;
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
+    /// For a host about to replay `volume`: makes this host's replicas durable and says up to
+    /// which `ser` it holds generation `gen` without a gap above `from` (`from` if it holds
+    /// none above it). Refused if it holds none of that generation.
+    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal>;
 }
 
 /// Accepts peer connections on `listener` until the process ends, from hosts that know `key`.
@@ -354,6 +358,7 @@ fn kind_of(m: &Msg) -> &'static str {
         Msg::Flush => "Flush",
         Msg::Checkpoint { .. } => "Checkpoint",
         Msg::Drop { .. } => "Drop",
+        Msg::Held { .. } => "Held",
         Msg::Reply { .. } => "Reply",
     }
 }
@@ -427,6 +432,9 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
                 sink.checkpoint(volume, gen, ser).map(|_| String::new())
             }
             Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
+            Msg::Held { volume, gen, from } => {
+                sink.held(volume, gen, from).map(|ser| ser.to_string())
+            }
             other => {
                 return Err(std::io::Error::other(format!(
                     "unexpected {} frame",

@@ -27,6 +27,12 @@
 //! - `Checkpoint`: volume (16), gen (8), ser (8). The datastore holds the volume's writes up to
 //!   `ser`; the peer may drop its copies of them.
 //! - `Drop`: volume (16), gen (8). The peer drops every copy of the volume of a gen ≤ this.
+//! - `Held`: volume (16), gen (8), from (8). Asked by a host about to replay the volume (not
+//!   by its owner): the peer makes its replicas durable and answers with the highest `ser`
+//!   it holds contiguously above `from` in that generation, as decimal text in an `Ok` reply
+//!   (`from` itself if it holds none). Added after version 2 first shipped, without a new
+//!   version: a peer of an earlier build closes the connection on it, and the asking host
+//!   treats it as unreachable.
 //! - `Reply`: status (1: [`Status`]), then a UTF-8 message.
 //!
 //! Until the handshake is done, a frame must be the handshake's next one and carry a body of
@@ -59,6 +65,7 @@ pub enum Kind {
     Drop,
     Reply,
     Proof,
+    Held,
 }
 
 impl Kind {
@@ -72,6 +79,7 @@ impl Kind {
             Kind::Drop => 6,
             Kind::Reply => 7,
             Kind::Proof => 8,
+            Kind::Held => 9,
         }
     }
 
@@ -85,6 +93,7 @@ impl Kind {
             6 => Kind::Drop,
             7 => Kind::Reply,
             8 => Kind::Proof,
+            9 => Kind::Held,
             _ => return None,
         })
     }
@@ -155,6 +164,11 @@ pub enum Msg {
     Drop {
         volume: Uuid,
         gen: u64,
+    },
+    Held {
+        volume: Uuid,
+        gen: u64,
+        from: u64,
     },
     Reply {
         status: Status,
@@ -252,6 +266,12 @@ impl Body {
                 b.put_slice(volume.as_bytes());
                 b.put_u64_le(*gen);
                 Kind::Drop
+            }
+            Msg::Held { volume, gen, from } => {
+                b.put_slice(volume.as_bytes());
+                b.put_u64_le(*gen);
+                b.put_u64_le(*from);
+                Kind::Held
             }
             Msg::Reply { status, msg } => {
                 b.put_u8(status.code());
@@ -427,6 +447,14 @@ pub fn decode_body(h: &Head, mut b: Bytes) -> Result<Msg, WireError> {
                 gen: b.get_u64_le(),
             }
         }
+        Kind::Held => {
+            need(&b, 32)?;
+            Msg::Held {
+                volume: uuid(&mut b),
+                gen: b.get_u64_le(),
+                from: b.get_u64_le(),
+            }
+        }
         Kind::Reply => {
             need(&b, 1)?;
             let status = Status::from_code(b.get_u8()).ok_or_else(bad)?;
@@ -489,7 +517,12 @@ mod tests {
             Just(Msg::Flush),
             (id.clone(), any::<u64>(), any::<u64>())
                 .prop_map(|(volume, gen, ser)| Msg::Checkpoint { volume, gen, ser }),
-            (id, any::<u64>()).prop_map(|(volume, gen)| Msg::Drop { volume, gen }),
+            (id.clone(), any::<u64>()).prop_map(|(volume, gen)| Msg::Drop { volume, gen }),
+            (id, any::<u64>(), any::<u64>()).prop_map(|(volume, gen, from)| Msg::Held {
+                volume,
+                gen,
+                from
+            }),
             (0u8..3, "[ -~]{0,40}").prop_map(|(s, msg)| Msg::Reply {
                 status: Status::from_code(s).unwrap(),
                 msg

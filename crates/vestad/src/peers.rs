@@ -74,6 +74,9 @@ impl peer::Sink for PeerService {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal> {
         self.cache.replica_drop(volume, gen).map_err(refusal)
     }
+    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal> {
+        self.cache.replica_held(volume, gen, from).map_err(refusal)
+    }
 }
 
 /// Polls every future to its end, concurrently (a volume has a handful of peers).
@@ -883,12 +886,40 @@ async fn replay_locked(
         .open_volume(&rec.spec())
         .await
         .map_err(|e| format!("datastore {:?}: {e}; retrying", rec.datastore))?;
+    // How far to go: no further than every other peer that could take over holds, so that
+    // whichever of them continues if this host dies midway can rewrite every block this
+    // host wrote (DESIGN §2: replay always completes the window in flight). Every completed
+    // write is on every listed peer, so only writes that never completed stay behind. A
+    // peer that cannot say is taken out of the vault first: it will not continue.
+    let (_, own) = cache
+        .replica_end(rec.id, vault.checkpoint)
+        .ok_or("this host's replicas went away")?;
+    let (upto, kept) = ask_other_peers(d, rec, &vault, own).await;
+    let mut vault = vault;
+    if kept.len() + 1 < vault.peers.len() {
+        let left: Vec<String> = vault
+            .peers
+            .iter()
+            .filter(|p| **p != me && !kept.contains(*p))
+            .cloned()
+            .collect();
+        vault.peers.retain(|p| *p == me || kept.contains(p));
+        d.coord.put_vault(&vault).await.map_err(|e| {
+            format!("take unreachable peer(s) {left:?} out of the vault: {e}; retrying")
+        })?;
+        warn!(
+            "volume {:?}: peer(s) {left:?} could not say what they hold; taken out of the \
+             vault before the replay, they will not continue it",
+            rec.name
+        );
+    }
     let n = cache
-        .promote_replicas(rec.id, vault.checkpoint)
+        .promote_replicas(rec.id, vault.checkpoint, upto)
         .map_err(|e| e.to_string())?;
     warn!(
         "volume {:?}: its owner {dead:?} is gone; replaying {n} write(s) from this host's \
-         replicas (generation {}, from checkpoint {})",
+         replicas (generation {}, from checkpoint {}, up to write {upto}, which peer(s) \
+         {kept:?} hold too)",
         rec.name,
         vault.gen,
         vault.checkpoint.max(set.checkpoint)
@@ -908,6 +939,58 @@ async fn replay_locked(
         done.gen
     );
     Ok(())
+}
+
+/// Asks every other peer the vault names how far it holds `rec`'s replicas (durably) above
+/// the vault's checkpoint. Returns how far all of them and this host (`own`) hold, and the
+/// peers that answered. A peer that is down, unreachable or holds no replicas of the vault's
+/// generation is left out.
+async fn ask_other_peers(
+    d: &Daemon,
+    rec: &VolumeRecord,
+    vault: &Vault,
+    own: u64,
+) -> (u64, Vec<String>) {
+    let me = d.coord.host().to_owned();
+    let others: Vec<&String> = vault.peers.iter().filter(|p| **p != me).collect();
+    if others.is_empty() {
+        return (own, Vec::new());
+    }
+    let hosts = d.coord.hosts().await.unwrap_or_default();
+    let key = d.peers.key.get();
+    let asks: Vec<BoxFuture<Result<(String, u64), String>>> = others
+        .into_iter()
+        .map(|name| {
+            let addr = hosts
+                .iter()
+                .find(|h| h.alive && h.record.name == *name)
+                .and_then(|h| h.record.peer.clone());
+            let (name, me, key) = (name.clone(), me.clone(), key.cloned());
+            let (id, gen, from) = (rec.id, vault.gen, vault.checkpoint);
+            Box::pin(async move {
+                let addr = addr.ok_or_else(|| format!("{name}: not alive"))?;
+                let key = key.ok_or("this host has not loaded the pod's peer key")?;
+                let link = Link::connect(&name, &addr, &me, &key)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let held = link.held(id, gen, from).await.map_err(|e| e.to_string());
+                link.close("asked what it holds");
+                Ok((name, held?))
+            }) as BoxFuture<_>
+        })
+        .collect();
+    let mut upto = own;
+    let mut kept = Vec::new();
+    for r in join_all(asks).await {
+        match r {
+            Ok((name, held)) => {
+                upto = upto.min(held);
+                kept.push(name);
+            }
+            Err(e) => warn!("volume {:?}: before replaying: {e}", rec.name),
+        }
+    }
+    (upto, kept)
 }
 
 /// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault

@@ -75,6 +75,16 @@ impl ReplicaSet {
         }
     }
 
+    /// The highest `ser` held without a gap above `from` (or above the checkpoint, if it is
+    /// higher: what lies below it is on the datastore); `from` or the checkpoint if none.
+    fn contiguous_end(&self, from: u64) -> u64 {
+        let mut end = from.max(self.checkpoint);
+        while self.writes.contains_key(&(end + 1)) {
+            end += 1;
+        }
+        end
+    }
+
     fn info(&self, volume: Uuid) -> ReplicaInfo {
         ReplicaInfo {
             volume,
@@ -386,6 +396,34 @@ impl CacheHost {
             .map_err(|e| ReplicaRefusal::Failed(format!("cache log: {e}")))
     }
 
+    /// For a host about to replay `volume` (DESIGN §4): makes every replica durable, then
+    /// says up to which `ser` this host holds generation `gen` without a gap above `from`.
+    /// The replaying host goes no further than every peer it keeps can go, so whichever of
+    /// them takes over if it dies can finish every write it started. Refused if this host
+    /// holds no replicas of that generation.
+    pub fn replica_held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, ReplicaRefusal> {
+        self.replica_sync()?;
+        let sets = lock(&self.replicas);
+        match sets.get(&volume) {
+            Some(set) if set.gen == gen => Ok(set.contiguous_end(from)),
+            Some(set) if set.gen > gen => Err(ReplicaRefusal::Stale(format!(
+                "this host holds generation {} of volume {volume}, newer than {gen}",
+                set.gen
+            ))),
+            _ => Err(ReplicaRefusal::Failed(format!(
+                "this host holds no replicas of generation {gen} of volume {volume}"
+            ))),
+        }
+    }
+
+    /// Up to which `ser` this host holds its own replicas of `volume` without a gap above
+    /// `from` (see [`CacheHost::replica_held`]); `None` if it holds none.
+    pub fn replica_end(&self, volume: Uuid, from: u64) -> Option<(u64, u64)> {
+        lock(&self.replicas)
+            .get(&volume)
+            .map(|s| (s.gen, s.contiguous_end(from)))
+    }
+
     /// Every volume this host holds replicas of.
     pub fn replica_sets(&self) -> Vec<ReplicaInfo> {
         lock(&self.replicas)
@@ -395,10 +433,16 @@ impl CacheHost {
     }
 
     /// Online replay, first step: the volume's replicas above `checkpoint` (the vault's, if
-    /// it is ahead of this host's) become recovered dirty data, which the volume replays when
-    /// it attaches here. Only the contiguous run above the checkpoint counts. Returns how
-    /// many writes will be replayed.
-    pub fn promote_replicas(&self, volume: Uuid, checkpoint: u64) -> Result<usize, Error> {
+    /// it is ahead of this host's) and up to `upto` become recovered dirty data, which the
+    /// volume replays when it attaches here. Only the contiguous run above the checkpoint
+    /// counts. Writes above `upto` are dropped: another peer that would take over lacks them,
+    /// so none of them ever completed. Returns how many writes will be replayed.
+    pub fn promote_replicas(
+        &self,
+        volume: Uuid,
+        checkpoint: u64,
+        upto: u64,
+    ) -> Result<usize, Error> {
         let mut sets = lock(&self.replicas);
         let Some(mut set) = sets.remove(&volume) else {
             return Err(Error::Cache(format!(
@@ -425,6 +469,20 @@ impl CacheHost {
         };
         let mut expect = from + 1;
         let mut rest = std::mem::take(&mut set.writes);
+        let beyond = match upto.max(from).checked_add(1) {
+            Some(above) => rest.split_off(&above),
+            None => BTreeMap::new(),
+        };
+        if !beyond.is_empty() {
+            info!(
+                "volume {volume}: {} write(s) above {upto} are not replayed: a peer that \
+                 would take over the replay lacks them, so none of them completed",
+                beyond.len()
+            );
+            for s in beyond.into_values().flatten() {
+                log.unpin(&s.loc);
+            }
+        }
         while let Some(parts) = rest.remove(&expect) {
             r.writes.push(parts.into_iter().map(as_owned).collect());
             expect += 1;
