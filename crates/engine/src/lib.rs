@@ -282,6 +282,18 @@ impl Volume {
         self.writes_held.load(Ordering::SeqCst)
     }
 
+    /// Holds writes (reads go on) until [`Volume::release_writes`]: its owner could not
+    /// record the volume as it is now, and the vault may still name peers of an older
+    /// generation, whose replicas a replay would put over what the volume writes meanwhile.
+    pub fn hold_writes(&self) {
+        if !self.writes_held.swap(true, Ordering::SeqCst) {
+            info!(
+                "volume {:?}: writes held until its vault is recorded",
+                self.name
+            );
+        }
+    }
+
     /// Lets held writes go on: the owner has recorded the volume as it is now.
     pub fn release_writes(&self) {
         if self.writes_held.swap(false, Ordering::SeqCst) {

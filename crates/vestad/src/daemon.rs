@@ -350,6 +350,7 @@ impl Daemon {
             .vault(rec.id)
             .await
             .map_err(|e| format!("read vault record: {e}"))?;
+        let named_peers = vault.as_ref().is_some_and(|v| !v.peers.is_empty());
         if let (Some(cache), Some(vault)) = (&self.cache, vault) {
             // Another host replayed the volume since this host's log was written (online
             // replay by a peer): its own dirty data is older than the datastore now, and
@@ -385,7 +386,7 @@ impl Daemon {
                 rec.name
             );
         }
-        self.record_vault(rec, &v).await;
+        self.record_vault_or_hold(rec, &v, named_peers).await;
         Ok(v)
     }
 
@@ -393,6 +394,27 @@ impl Daemon {
     /// logged: the record bounds a contender's replay, the cache log stays the truth.
     async fn record_vault(&self, rec: &VolumeRecord, v: &Volume) {
         if let Err(e) = self.try_record_vault(rec, v).await {
+            warn!("volume {:?}: {e}", rec.name);
+        }
+    }
+
+    /// Records the vault of a volume this host has just opened, before any client reaches
+    /// it. If that fails while the vault names peers (`named_peers`), their replicas are of
+    /// an older generation, and if this host died again one of them would replay them over
+    /// whatever the volume wrote meanwhile: so its writes are held (reads go on) until the
+    /// vault is recorded, which [`crate::peers`] retries every second.
+    async fn record_vault_or_hold(&self, rec: &VolumeRecord, v: &Volume, named_peers: bool) {
+        let Err(e) = self.try_record_vault(rec, v).await else {
+            return;
+        };
+        if named_peers {
+            v.hold_writes();
+            warn!(
+                "volume {:?}: {e}; its vault still names peers of an older generation, so its \
+                 writes wait until the vault is recorded (retried every second)",
+                rec.name
+            );
+        } else {
             warn!("volume {:?}: {e}", rec.name);
         }
     }
@@ -1204,8 +1226,20 @@ impl Daemon {
         )
         .map(Arc::new)
         .map_err(|e| format!("cannot open the relocated volume: {e}"));
-        if let Err(m) = &reopened {
-            warn!("volume {name:?}: {m}");
+        match &reopened {
+            Err(m) => warn!("volume {name:?}: {m}"),
+            Ok(r) => {
+                // The reopened volume starts a new generation, which the vault gets before
+                // any client reaches it; held writes (the vault could not be recorded since
+                // a switch) stay held until it is.
+                let named_peers = volume.writes_held()
+                    || self
+                        .coord
+                        .vault(rec.id)
+                        .await
+                        .map_or(true, |v| v.is_some_and(|v| !v.peers.is_empty()));
+                self.record_vault_or_hold(&rec, r, named_peers).await;
+            }
         }
         let new_entry = Arc::new(VolumeEntry::new(rec.clone(), reopened));
         self.volumes
@@ -1655,3 +1689,6 @@ async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::i
         None => dst.flush().await,
     }
 }
+
+#[cfg(test)]
+mod tests;

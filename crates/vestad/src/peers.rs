@@ -615,7 +615,7 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
 
 /// A volume whose policy switch could not record its new generation holds its writes
 /// (`engine::Volume::set_policy_with`): records it now, and lets them go once that worked.
-async fn release_held_writes(d: &Arc<Daemon>) {
+pub(crate) async fn release_held_writes(d: &Arc<Daemon>) {
     for e in d.entries() {
         let Ok(v) = &e.volume else { continue };
         if !v.writes_held() {

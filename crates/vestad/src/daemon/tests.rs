@@ -1,0 +1,308 @@
+//! The daemon against a coordinator that fails exactly where a test says: vault writes,
+//! which a real etcd fails only with timing no test can arrange (it answers the lock and the
+//! read just before).
+
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use cluster::local::LocalCoordinator;
+use cluster::{DatastoreLock, HostStatus, State, StatsDoc};
+use datastore::fence::Fence;
+
+use super::*;
+
+/// The `local` coordinator, whose vault writes fail while `fail_vault` is set.
+struct FailingVault {
+    inner: LocalCoordinator,
+    fail_vault: AtomicBool,
+}
+
+#[async_trait]
+impl Coordinator for FailingVault {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    async fn state(&self) -> cluster::Result<State> {
+        self.inner.state().await
+    }
+    async fn add_datastore(&self, d: DatastoreSpec) -> cluster::Result<()> {
+        self.inner.add_datastore(d).await
+    }
+    async fn update_datastore(&self, d: DatastoreSpec) -> cluster::Result<()> {
+        self.inner.update_datastore(d).await
+    }
+    async fn create_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
+        self.inner.create_volume(v).await
+    }
+    async fn update_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
+        self.inner.update_volume(v).await
+    }
+    async fn delete_volume(&self, name: &str) -> cluster::Result<()> {
+        self.inner.delete_volume(name).await
+    }
+    fn host(&self) -> &str {
+        self.inner.host()
+    }
+    async fn publish_host(&self, h: HostRecord) -> cluster::Result<()> {
+        self.inner.publish_host(h).await
+    }
+    async fn hosts(&self) -> cluster::Result<Vec<HostStatus>> {
+        self.inner.hosts().await
+    }
+    fn fence(&self) -> Arc<Fence> {
+        self.inner.fence()
+    }
+    async fn lock_vault(&self, volume: Uuid) -> cluster::Result<()> {
+        self.inner.lock_vault(volume).await
+    }
+    async fn unlock_vault(&self, volume: Uuid) -> cluster::Result<()> {
+        self.inner.unlock_vault(volume).await
+    }
+    async fn vault(&self, volume: Uuid) -> cluster::Result<Option<Vault>> {
+        self.inner.vault(volume).await
+    }
+    async fn put_vault(&self, v: &Vault) -> cluster::Result<()> {
+        if self.fail_vault.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: no answer (injected)".into(),
+            ));
+        }
+        self.inner.put_vault(v).await
+    }
+    async fn lock_datastore(&self, name: &str) -> cluster::Result<DatastoreLock> {
+        self.inner.lock_datastore(name).await
+    }
+    async fn unlock_datastore(&self, lock: DatastoreLock) -> cluster::Result<()> {
+        self.inner.unlock_datastore(lock).await
+    }
+    async fn put_stats(&self, kind: StatsDoc, doc: Vec<u8>) -> cluster::Result<()> {
+        self.inner.put_stats(kind, doc).await
+    }
+    async fn stats(&self, kind: StatsDoc) -> cluster::Result<Vec<(String, Vec<u8>)>> {
+        self.inner.stats(kind).await
+    }
+    async fn stats_aggregator(&self) -> cluster::Result<bool> {
+        self.inner.stats_aggregator().await
+    }
+    async fn put_pod_stats(&self, doc: Vec<u8>) -> cluster::Result<()> {
+        self.inner.put_pod_stats(doc).await
+    }
+    async fn pod_stats(&self) -> cluster::Result<Option<Vec<u8>>> {
+        self.inner.pod_stats().await
+    }
+    async fn peer_key(&self, fresh: [u8; 32]) -> cluster::Result<[u8; 32]> {
+        self.inner.peer_key(fresh).await
+    }
+}
+
+/// A data directory of its own, removed at the end.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!(
+            "vestad-{tag}-{}-{}",
+            std::process::id(),
+            now_unix()
+        ));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn config(dir: &TempDir) -> Config {
+    Config::parse(&format!(
+        "data_dir = \"{0}\"\n[[datastore]]\nname = \"default\"\nkind = \"dir\"\n\
+         path = \"{0}/ds\"\n[[datastore]]\nname = \"other\"\nkind = \"dir\"\n\
+         path = \"{0}/ds2\"\n",
+        dir.0.display()
+    ))
+    .unwrap()
+}
+
+fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
+    Arc::new(FailingVault {
+        inner: LocalCoordinator::open(&dir.0).unwrap(),
+        fail_vault: AtomicBool::new(false),
+    })
+}
+
+fn volume(d: &Daemon, name: &str) -> Arc<Volume> {
+    d.entry(name).unwrap().volume.clone().unwrap()
+}
+
+/// Whether a 4 KiB write to `v` completes within `wait`.
+async fn writes(v: &Volume, wait: Duration) -> bool {
+    let w = v.write(0, Bytes::from(vec![9u8; 4096]), false);
+    matches!(tokio::time::timeout(wait, w).await, Ok(Ok(())))
+}
+
+/// A host that opens a volume whose vault still names peers (it ran `wbp` before it died,
+/// and no peer replayed) must record the vault before it takes writes: if it wrote first and
+/// died again, a peer would replay its old replicas over those writes. When the record fails
+/// the writes wait, reads go on, and they go once the vault is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_whose_vault_names_old_peers_takes_no_write_before_the_vault_is_recorded() {
+    let dir = TempDir::new("held");
+    let coord = coordinator(&dir);
+    let d = Daemon::start(config(&dir), coord.clone(), None)
+        .await
+        .unwrap();
+    d.create_volume(api::CreateVolume {
+        name: "v".into(),
+        size: 1 << 20,
+        datastore: Some("default".into()),
+        policy: Some("uncached".into()),
+        hold_s: None,
+        max_dirty_age_s: None,
+        rpo_s: None,
+    })
+    .await
+    .unwrap();
+    let id = d.entry("v").unwrap().record.id;
+    drop(d);
+    // What a wbp owner that died leaves: peer b listed at generation 7.
+    let old = Vault {
+        volume: id,
+        policy: Policy::Wt,
+        checkpoint: 3,
+        gen: 7,
+        owner: "local".into(),
+        peers: vec!["b".into()],
+        previous_owner: None,
+        handoff: false,
+    };
+    coord.put_vault(&old).await.unwrap();
+
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    let d = Arc::new(
+        Daemon::start(config(&dir), coord.clone(), None)
+            .await
+            .unwrap(),
+    );
+    let v = volume(&d, "v");
+    assert!(v.writes_held(), "the vault could not be recorded");
+    assert!(
+        !writes(&v, Duration::from_millis(300)).await,
+        "a write completed while the vault still names peer b"
+    );
+    tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096))
+        .await
+        .expect("reads go on")
+        .unwrap();
+    assert_eq!(coord.vault(id).await.unwrap().unwrap().peers, vec!["b"]);
+
+    // The round that retries it: still failing, still held.
+    crate::peers::release_held_writes(&d).await;
+    assert!(v.writes_held());
+    coord.fail_vault.store(false, Ordering::SeqCst);
+    crate::peers::release_held_writes(&d).await;
+    assert!(!v.writes_held());
+    assert!(coord.vault(id).await.unwrap().unwrap().peers.is_empty());
+    assert!(
+        writes(&v, Duration::from_secs(5)).await,
+        "writes go once recorded"
+    );
+}
+
+/// Held writes survive a relocation: the reopened volume is another object, which must not
+/// start unheld while the vault still names old peers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_keeps_writes_held_until_the_vault_is_recorded() {
+    let dir = TempDir::new("relocate");
+    let coord = coordinator(&dir);
+    let d = Daemon::start(config(&dir), coord.clone(), None)
+        .await
+        .unwrap();
+    d.create_volume(api::CreateVolume {
+        name: "v".into(),
+        size: 1 << 20,
+        datastore: Some("default".into()),
+        policy: Some("uncached".into()),
+        hold_s: None,
+        max_dirty_age_s: None,
+        rpo_s: None,
+    })
+    .await
+    .unwrap();
+    let id = d.entry("v").unwrap().record.id;
+    drop(d);
+    coord
+        .put_vault(&Vault {
+            volume: id,
+            policy: Policy::Wt,
+            checkpoint: 0,
+            gen: 4,
+            owner: "local".into(),
+            peers: vec!["b".into()],
+            previous_owner: None,
+            handoff: false,
+        })
+        .await
+        .unwrap();
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    let d = Arc::new(
+        Daemon::start(config(&dir), coord.clone(), None)
+            .await
+            .unwrap(),
+    );
+    assert!(volume(&d, "v").writes_held());
+    d.relocate(
+        "v",
+        api::Relocate {
+            datastore: "other".into(),
+            offline: true,
+        },
+    )
+    .await
+    .unwrap();
+    let v = volume(&d, "v");
+    assert_eq!(d.entry("v").unwrap().record.datastore, "other");
+    assert!(
+        v.writes_held(),
+        "the relocated volume must keep its writes held"
+    );
+    assert!(!writes(&v, Duration::from_millis(300)).await);
+    coord.fail_vault.store(false, Ordering::SeqCst);
+    crate::peers::release_held_writes(&d).await;
+    assert!(coord.vault(id).await.unwrap().unwrap().peers.is_empty());
+    assert!(writes(&v, Duration::from_secs(5)).await);
+}
+
+/// Without peers in the vault a failed record only costs a log line: writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_whose_vault_names_no_peers_takes_writes_even_if_the_record_fails() {
+    let dir = TempDir::new("unheld");
+    let coord = coordinator(&dir);
+    let d = Daemon::start(config(&dir), coord.clone(), None)
+        .await
+        .unwrap();
+    d.create_volume(api::CreateVolume {
+        name: "v".into(),
+        size: 1 << 20,
+        datastore: Some("default".into()),
+        policy: Some("uncached".into()),
+        hold_s: None,
+        max_dirty_age_s: None,
+        rpo_s: None,
+    })
+    .await
+    .unwrap();
+    drop(d);
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    let d = Daemon::start(config(&dir), coord.clone(), None)
+        .await
+        .unwrap();
+    let v = volume(&d, "v");
+    assert!(!v.writes_held());
+    assert!(writes(&v, Duration::from_secs(5)).await);
+}
