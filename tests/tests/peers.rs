@@ -409,6 +409,50 @@ fn a_replaying_peer_goes_no_further_than_the_peer_that_would_continue_it() {
     one_writer_at_a_time(&lun);
 }
 
+/// The owner of a `wbp:1` volume dies and comes back at once (before its lease is gone, so
+/// its peer does not replay) on a new, empty cache device: its dirty data is only in the
+/// peer's replicas now. The owner must not take the volume over with nothing of its own and
+/// drop the peer's copies; it hands the volume to the peer, which replays it, and then serves
+/// it with every completed write there.
+#[test]
+fn an_owner_back_on_a_new_cache_device_lets_its_peer_replay_first() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 5 0 1M", "write -P 6 2M 64k"]);
+    a.kill9();
+    let cache = a.data_dir.join("cache.img");
+    std::fs::remove_file(&cache).expect("remove a's cache file");
+    a.launch();
+    wait_for(Duration::from_secs(TTL_S + 30), "b to replay", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to serve w again", || {
+        qemu_io_ok(&a.url("w")).then_some(())
+    });
+    qemu_io(&a.url("w"), &["read -P 5 0 1M", "read -P 6 2M 64k"]);
+    assert!(
+        on_datastore(&lun, 4 << 20) == expect(4 << 20, &[(0, 1 << 20, 5), (2 << 20, 64 << 10, 6)]),
+        "the datastore must hold every completed write"
+    );
+    one_writer_at_a_time(&lun);
+}
+
+/// Whether a one-sector read of `url` works.
+fn qemu_io_ok(url: &str) -> bool {
+    let out = vesta_tests::run(std::process::Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read 0 512",
+        url,
+    ]));
+    out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed")
+}
+
 /// The crash campaign of issue 3 with a peer: the owner of a `wbp:1` volume is killed at a
 /// random moment under a checker's writes, its peer replays online, and the datastore image
 /// itself (no daemon in between) must hold every completed write, each block as its last

@@ -351,6 +351,40 @@ impl Daemon {
             .await
             .map_err(|e| format!("read vault record: {e}"))?;
         let named_peers = vault.as_ref().is_some_and(|v| !v.peers.is_empty());
+        if let Some(v) = vault.as_ref().filter(|v| !v.peers.is_empty()) {
+            // The vault names peers of a generation this host's log never reached (a new cache
+            // device, a host that died before its log had the switch): the volume's newest
+            // writes may be only in their replicas. Serving it now would record a new
+            // generation and make them drop those. Hand it to them instead, as an owner whose
+            // cache device failed does; it serves here again once one of them has replayed.
+            let logged = self.cache.as_ref().and_then(|c| c.logged_gen(rec.id));
+            if logged.is_none_or(|g| g < v.gen) {
+                if !v.handoff {
+                    let h = Vault {
+                        handoff: true,
+                        ..v.clone()
+                    };
+                    self.coord
+                        .put_vault(&h)
+                        .await
+                        .map_err(|e| format!("hand the volume to its peers: {e}"))?;
+                    warn!(
+                        "volume {:?}: this host's cache log holds nothing of its generation {} \
+                         (a new cache device?); handing it to its peer(s) {:?}, which hold its \
+                         latest writes, to replay first",
+                        rec.name, v.gen, v.peers
+                    );
+                }
+                if let Err(e) = self.coord.unlock_vault(rec.id).await {
+                    warn!("volume {:?}: give the vault lock back: {e}", rec.name);
+                }
+                return Err(format!(
+                    "waiting for its peer(s) {:?} to replay it (this host's cache log holds \
+                     nothing of generation {}); it serves here again once they have",
+                    v.peers, v.gen
+                ));
+            }
+        }
         if let (Some(cache), Some(vault)) = (&self.cache, vault) {
             // Another host replayed the volume since this host's log was written (online
             // replay by a peer): its own dirty data is older than the datastore now, and

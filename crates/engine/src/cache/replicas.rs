@@ -518,6 +518,13 @@ impl CacheHost {
         r.writes.len()
     }
 
+    /// The newest generation of `volume` this host's own log recorded, dirty data or only
+    /// its metadata, until the volume attaches; `None` if the log holds nothing of it (a new
+    /// cache device, say).
+    pub fn logged_gen(&self, volume: Uuid) -> Option<u64> {
+        lock(&self.recovered).get(&volume).map(|r| r.gen)
+    }
+
     /// The generation the log's own dirty data of `volume` is in, if it holds any.
     pub fn recovered_gen(&self, volume: Uuid) -> Option<u64> {
         lock(&self.recovered)

@@ -136,6 +136,55 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
     })
 }
 
+/// A daemon on `dir`, its cache log in `dir/cache.img` (opened afresh, as at a restart).
+async fn start(dir: &TempDir, coord: &Arc<FailingVault>) -> Arc<Daemon> {
+    let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
+    let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
+    let coord: Arc<dyn Coordinator> = coord.clone();
+    Arc::new(
+        Daemon::start(config(dir), coord, Some(cache))
+            .await
+            .unwrap(),
+    )
+}
+
+/// Creates volume `v` in `wt` and stops the daemon; returns its id and the generation its
+/// cache log recorded.
+async fn create_and_stop(dir: &TempDir, coord: &Arc<FailingVault>) -> (Uuid, u64) {
+    let d = start(dir, coord).await;
+    d.create_volume(api::CreateVolume {
+        name: "v".into(),
+        size: 1 << 20,
+        datastore: Some("default".into()),
+        policy: Some("wt".into()),
+        hold_s: None,
+        max_dirty_age_s: None,
+        rpo_s: None,
+    })
+    .await
+    .unwrap();
+    let v = volume(&d, "v");
+    assert!(writes(&v, Duration::from_secs(5)).await);
+    d.flush_all().await;
+    let id = d.entry("v").unwrap().record.id;
+    let gen = v.cache_report().unwrap().gen;
+    (id, gen)
+}
+
+/// What a `wbp` owner that died leaves in the vault: peer b listed at generation `gen`.
+fn old_vault(id: Uuid, gen: u64) -> Vault {
+    Vault {
+        volume: id,
+        policy: Policy::Wt,
+        checkpoint: 0,
+        gen,
+        owner: "local".into(),
+        peers: vec!["b".into()],
+        previous_owner: None,
+        handoff: false,
+    }
+}
+
 fn volume(d: &Daemon, name: &str) -> Arc<Volume> {
     d.entry(name).unwrap().volume.clone().unwrap()
 }
@@ -154,41 +203,11 @@ async fn writes(v: &Volume, wait: Duration) -> bool {
 async fn a_volume_whose_vault_names_old_peers_takes_no_write_before_the_vault_is_recorded() {
     let dir = TempDir::new("held");
     let coord = coordinator(&dir);
-    let d = Daemon::start(config(&dir), coord.clone(), None)
-        .await
-        .unwrap();
-    d.create_volume(api::CreateVolume {
-        name: "v".into(),
-        size: 1 << 20,
-        datastore: Some("default".into()),
-        policy: Some("uncached".into()),
-        hold_s: None,
-        max_dirty_age_s: None,
-        rpo_s: None,
-    })
-    .await
-    .unwrap();
-    let id = d.entry("v").unwrap().record.id;
-    drop(d);
-    // What a wbp owner that died leaves: peer b listed at generation 7.
-    let old = Vault {
-        volume: id,
-        policy: Policy::Wt,
-        checkpoint: 3,
-        gen: 7,
-        owner: "local".into(),
-        peers: vec!["b".into()],
-        previous_owner: None,
-        handoff: false,
-    };
-    coord.put_vault(&old).await.unwrap();
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    coord.put_vault(&old_vault(id, gen)).await.unwrap();
 
     coord.fail_vault.store(true, Ordering::SeqCst);
-    let d = Arc::new(
-        Daemon::start(config(&dir), coord.clone(), None)
-            .await
-            .unwrap(),
-    );
+    let d = start(&dir, &coord).await;
     let v = volume(&d, "v");
     assert!(v.writes_held(), "the vault could not be recorded");
     assert!(
@@ -214,47 +233,29 @@ async fn a_volume_whose_vault_names_old_peers_takes_no_write_before_the_vault_is
     );
 }
 
+/// Without peers in the vault a failed record only costs a log line: writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_whose_vault_names_no_peers_takes_writes_even_if_the_record_fails() {
+    let dir = TempDir::new("unheld");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    let d = start(&dir, &coord).await;
+    let v = volume(&d, "v");
+    assert!(!v.writes_held());
+    assert!(writes(&v, Duration::from_secs(5)).await);
+}
+
 /// Held writes survive a relocation: the reopened volume is another object, which must not
 /// start unheld while the vault still names old peers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relocation_keeps_writes_held_until_the_vault_is_recorded() {
     let dir = TempDir::new("relocate");
     let coord = coordinator(&dir);
-    let d = Daemon::start(config(&dir), coord.clone(), None)
-        .await
-        .unwrap();
-    d.create_volume(api::CreateVolume {
-        name: "v".into(),
-        size: 1 << 20,
-        datastore: Some("default".into()),
-        policy: Some("uncached".into()),
-        hold_s: None,
-        max_dirty_age_s: None,
-        rpo_s: None,
-    })
-    .await
-    .unwrap();
-    let id = d.entry("v").unwrap().record.id;
-    drop(d);
-    coord
-        .put_vault(&Vault {
-            volume: id,
-            policy: Policy::Wt,
-            checkpoint: 0,
-            gen: 4,
-            owner: "local".into(),
-            peers: vec!["b".into()],
-            previous_owner: None,
-            handoff: false,
-        })
-        .await
-        .unwrap();
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    coord.put_vault(&old_vault(id, gen)).await.unwrap();
     coord.fail_vault.store(true, Ordering::SeqCst);
-    let d = Arc::new(
-        Daemon::start(config(&dir), coord.clone(), None)
-            .await
-            .unwrap(),
-    );
+    let d = start(&dir, &coord).await;
     assert!(volume(&d, "v").writes_held());
     d.relocate(
         "v",
@@ -278,31 +279,39 @@ async fn a_relocation_keeps_writes_held_until_the_vault_is_recorded() {
     assert!(writes(&v, Duration::from_secs(5)).await);
 }
 
-/// Without peers in the vault a failed record only costs a log line: writes go on.
+/// A vault naming peers of a generation this host's cache log never reached (the host came
+/// back on a new cache device): the volume's newest writes may be only in those peers'
+/// replicas, so the host does not serve it (which would record a new generation and make the
+/// peers drop them) but marks it for hand-off and gives the lock up; it serves once a peer
+/// has replayed and recorded a vault without peers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_volume_whose_vault_names_no_peers_takes_writes_even_if_the_record_fails() {
-    let dir = TempDir::new("unheld");
+async fn a_host_whose_log_lacks_the_vaults_generation_hands_the_volume_to_its_peers() {
+    let dir = TempDir::new("handoff");
     let coord = coordinator(&dir);
-    let d = Daemon::start(config(&dir), coord.clone(), None)
-        .await
-        .unwrap();
-    d.create_volume(api::CreateVolume {
-        name: "v".into(),
-        size: 1 << 20,
-        datastore: Some("default".into()),
-        policy: Some("uncached".into()),
-        hold_s: None,
-        max_dirty_age_s: None,
-        rpo_s: None,
-    })
-    .await
-    .unwrap();
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    coord.put_vault(&old_vault(id, gen + 1)).await.unwrap();
+    let d = start(&dir, &coord).await;
+    let Err(e) = d.entry("v").unwrap().volume.clone() else {
+        panic!("the volume must not serve here yet");
+    };
+    assert!(e.contains("waiting for its peer(s)"), "{e}");
+    let vault = coord.vault(id).await.unwrap().unwrap();
+    assert!(vault.handoff && vault.peers == vec!["b"], "{vault:?}");
     drop(d);
-    coord.fail_vault.store(true, Ordering::SeqCst);
-    let d = Daemon::start(config(&dir), coord.clone(), None)
+    // A peer replayed: the vault says wt, a newer generation, no peers.
+    coord
+        .put_vault(&Vault {
+            policy: Policy::Wt,
+            gen: gen + 2,
+            owner: "b".into(),
+            peers: Vec::new(),
+            handoff: false,
+            ..vault
+        })
         .await
         .unwrap();
+    let d = start(&dir, &coord).await;
     let v = volume(&d, "v");
-    assert!(!v.writes_held());
     assert!(writes(&v, Duration::from_secs(5)).await);
+    assert!(v.cache_report().unwrap().gen > gen + 2);
 }
