@@ -358,7 +358,22 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         }
     }
     // What the daemon asks before P replays: how far each holds above the vault's checkpoint.
-    assert_eq!(p.replica_end(id, 0), Some((gen, 4)));
+    assert_eq!(p.replica_seal(id, 0), Some((gen, 4)));
+    // Sealed: P takes no more of the owner's writes (so none can complete), nor a new
+    // generation from it.
+    {
+        use engine::cache::ReplicaRefusal;
+        let data = vec![5u8; 4096];
+        assert!(matches!(
+            p.replica_write(id, gen, 5, 0, 4096, Some(&data)),
+            Err(ReplicaRefusal::Stale(_))
+        ));
+        assert!(matches!(
+            p.replica_open("owner", id, gen + 1, 4),
+            Err(ReplicaRefusal::Stale(_))
+        ));
+        assert_eq!(p.replica_seal(id, 0), Some((gen, 4)), "nothing was taken");
+    }
     let q_held = q.replica_held(id, gen, 0).unwrap();
     assert_eq!(q_held, 2);
     assert!(

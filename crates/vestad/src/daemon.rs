@@ -93,6 +93,10 @@ pub struct VolumeEntry {
     /// The policy asked for; the volume's own is the one in effect (a `wbp` volume runs in
     /// `wt` while it has no peers).
     wanted: Mutex<Policy>,
+    /// Whether [`Daemon::retry_unavailable`] may open it again: only if it could not be
+    /// opened. A placeholder for a volume still open in this process (a relocation copying
+    /// it, a delete waiting for its IO) must never get a second `Volume`.
+    retry: bool,
 }
 
 impl VolumeEntry {
@@ -103,6 +107,15 @@ impl VolumeEntry {
             volume,
             attached: AtomicU32::new(0),
             stop: StopHandle::new(),
+            retry: true,
+        }
+    }
+
+    /// Shown, and refused, as `why` while an operation holds the volume's `Volume` elsewhere.
+    fn placeholder(record: VolumeRecord, why: String) -> VolumeEntry {
+        VolumeEntry {
+            retry: false,
+            ..VolumeEntry::new(record, Err(why))
         }
     }
 
@@ -1152,11 +1165,11 @@ impl Daemon {
             // Until the copy is done the volume is shown, and refused, as relocating.
             v.insert(
                 name.to_owned(),
-                Arc::new(VolumeEntry::new(
+                Arc::new(VolumeEntry::placeholder(
                     entry.record.clone(),
-                    Err(format!(
+                    format!(
                         "relocating to datastore {to:?}; it serves again when the copy is done"
-                    )),
+                    ),
                 )),
             );
         }
@@ -1352,9 +1365,12 @@ impl Daemon {
             if !volume.revoke(FORCE_DETACH_WAIT).await {
                 // Nothing is deleted: its dirty data still goes to the datastore.
                 volume.resume_destaging();
-                self.reinstate(
-                    &entry,
-                    Err("a delete is pending: IO was still in flight to the datastore".into()),
+                self.volumes.write().expect("lock").insert(
+                    entry.record.name.clone(),
+                    Arc::new(VolumeEntry::placeholder(
+                        entry.record.clone(),
+                        "a delete is pending: IO was still in flight to the datastore".into(),
+                    )),
                 );
                 return Err(OpError::Unavailable(format!(
                     "volume {name:?} still has IO in flight to datastore {ds:?} after \
@@ -1500,7 +1516,7 @@ impl Daemon {
         let broken: Vec<VolumeRecord> = self
             .entries()
             .into_iter()
-            .filter(|e| e.volume.is_err())
+            .filter(|e| e.volume.is_err() && e.retry)
             .map(|e| e.record.clone())
             .collect();
         for rec in broken {
@@ -1511,7 +1527,7 @@ impl Daemon {
             let mut v = self.volumes.write().expect("lock");
             // Only if it is still the same, unattachable entry (not deleted meanwhile).
             if v.get(&rec.name)
-                .is_some_and(|e| e.volume.is_err() && e.record.id == rec.id)
+                .is_some_and(|e| e.volume.is_err() && e.retry && e.record.id == rec.id)
             {
                 v.insert(
                     rec.name.clone(),

@@ -891,10 +891,18 @@ async fn replay_locked(
     // host wrote (DESIGN §2: replay always completes the window in flight). Every completed
     // write is on every listed peer, so only writes that never completed stay behind. A
     // peer that cannot say is taken out of the vault first: it will not continue.
-    let (_, own) = cache
-        .replica_end(rec.id, vault.checkpoint)
+    // Sealed first: from here no write of the owner completes (this host no longer takes
+    // them), so every completed write is at most what each listed peer holds now.
+    let (gen, own) = cache
+        .replica_seal(rec.id, vault.checkpoint)
         .ok_or("this host's replicas went away")?;
-    let (upto, kept) = ask_other_peers(d, rec, &vault, own).await;
+    if gen != vault.gen {
+        return Err(format!(
+            "this host's replicas are of generation {gen}, the vault's {}",
+            vault.gen
+        ));
+    }
+    let (upto, kept) = ask_other_peers(d, rec, &vault, own).await?;
     let mut vault = vault;
     if kept.len() + 1 < vault.peers.len() {
         let left: Vec<String> = vault
@@ -944,19 +952,24 @@ async fn replay_locked(
 /// Asks every other peer the vault names how far it holds `rec`'s replicas (durably) above
 /// the vault's checkpoint. Returns how far all of them and this host (`own`) hold, and the
 /// peers that answered. A peer that is down, unreachable or holds no replicas of the vault's
-/// generation is left out.
+/// generation is left out; if the host list cannot be read, nothing is decided (an error).
 async fn ask_other_peers(
     d: &Daemon,
     rec: &VolumeRecord,
     vault: &Vault,
     own: u64,
-) -> (u64, Vec<String>) {
+) -> Result<(u64, Vec<String>), String> {
     let me = d.coord.host().to_owned();
     let others: Vec<&String> = vault.peers.iter().filter(|p| **p != me).collect();
     if others.is_empty() {
-        return (own, Vec::new());
+        return Ok((own, Vec::new()));
     }
-    let hosts = d.coord.hosts().await.unwrap_or_default();
+    // Without the host list, every peer would look dead and be taken out: try again later.
+    let hosts = d
+        .coord
+        .hosts()
+        .await
+        .map_err(|e| format!("list the hosts: {e}; retrying"))?;
     let key = d.peers.key.get();
     let asks: Vec<BoxFuture<Result<(String, u64), String>>> = others
         .into_iter()
@@ -990,7 +1003,7 @@ async fn ask_other_peers(
             Err(e) => warn!("volume {:?}: before replaying: {e}", rec.name),
         }
     }
-    (upto, kept)
+    Ok((upto, kept))
 }
 
 /// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault

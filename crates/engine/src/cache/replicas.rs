@@ -36,6 +36,9 @@ pub(super) struct ReplicaSet {
     /// Writes above the checkpoint by `ser`, each with its records (parts), all pinned.
     writes: BTreeMap<u64, Vec<Scanned>>,
     bytes: u64,
+    /// This host is replaying the volume ([`CacheHost::replica_seal`]): it takes no more of
+    /// its writes, so no write of its owner can complete from then on.
+    sealed: bool,
 }
 
 /// What `vesta host` and the daemon's replay watcher see of one volume's replicas.
@@ -49,6 +52,13 @@ pub struct ReplicaInfo {
     pub last_ser: u64,
     pub writes: u64,
     pub bytes: u64,
+}
+
+/// The refusal of a write or an open of a volume this host is replaying.
+fn sealed(volume: Uuid) -> ReplicaRefusal {
+    ReplicaRefusal::Stale(format!(
+        "this host is replaying volume {volume}: its owner no longer holds it"
+    ))
 }
 
 /// A replica record as the owner's own would read: what replay stages.
@@ -190,6 +200,9 @@ impl CacheHost {
         let log = &self.shared.log;
         let mut sets = lock(&self.replicas);
         let set = sets.entry(volume).or_default();
+        if set.sealed {
+            return Err(sealed(volume));
+        }
         if set.gen > gen {
             return Err(ReplicaRefusal::Stale(format!(
                 "this host holds generation {} of volume {volume}, newer than {gen}",
@@ -241,6 +254,7 @@ impl CacheHost {
                         "volume {volume} was not opened for replication here"
                     )))
                 }
+                Some(s) if s.sealed => return Err(sealed(volume)),
                 Some(s) if s.gen > gen => {
                     return Err(ReplicaRefusal::Stale(format!(
                         "this host holds generation {} of volume {volume}, newer than {gen}",
@@ -318,8 +332,9 @@ impl CacheHost {
         }
         let mut sets = lock(&self.replicas);
         match sets.get_mut(&volume) {
-            // The set moved on meanwhile (a newer open or a drop): these are not wanted.
-            Some(s) if s.gen == gen && ser > s.checkpoint => {
+            // The set moved on meanwhile (a newer open, a drop, a replay): these are not
+            // wanted, and must not be acknowledged.
+            Some(s) if s.gen == gen && ser > s.checkpoint && !s.sealed => {
                 s.bytes += len * u64::from(data.is_some());
                 if let Some(old) = s.writes.insert(ser, out) {
                     for r in old {
@@ -416,12 +431,16 @@ impl CacheHost {
         }
     }
 
-    /// Up to which `ser` this host holds its own replicas of `volume` without a gap above
-    /// `from` (see [`CacheHost::replica_held`]); `None` if it holds none.
-    pub fn replica_end(&self, volume: Uuid, from: u64) -> Option<(u64, u64)> {
-        lock(&self.replicas)
-            .get(&volume)
-            .map(|s| (s.gen, s.contiguous_end(from)))
+    /// Online replay, before anything else: this host takes no more of `volume`'s writes
+    /// (nor a new generation of it), so no write of its owner can complete from here on (a
+    /// write completes only once every listed peer has it). Returns the generation of the
+    /// replicas and up to which `ser` this host holds them without a gap above `from` (see
+    /// [`CacheHost::replica_held`]); `None` if it holds none.
+    pub fn replica_seal(&self, volume: Uuid, from: u64) -> Option<(u64, u64)> {
+        let mut sets = lock(&self.replicas);
+        let set = sets.get_mut(&volume)?;
+        set.sealed = true;
+        Some((set.gen, set.contiguous_end(from)))
     }
 
     /// Every volume this host holds replicas of.
@@ -518,11 +537,13 @@ impl CacheHost {
         r.writes.len()
     }
 
-    /// The newest generation of `volume` this host's own log recorded, dirty data or only
-    /// its metadata, until the volume attaches; `None` if the log holds nothing of it (a new
-    /// cache device, say).
+    /// The newest generation of `volume` this host's log recorded (dirty data, or only its
+    /// metadata); `None` if the log never held anything of it (a new cache device, say).
     pub fn logged_gen(&self, volume: Uuid) -> Option<u64> {
-        lock(&self.recovered).get(&volume).map(|r| r.gen)
+        // The log's own memory of the volume, which outlives its attach and the end of
+        // recovery (unlike `recovered`).
+        let gen = self.shared.log.meta(volume).max_gen;
+        (gen > 0).then_some(gen)
     }
 
     /// The generation the log's own dirty data of `volume` is in, if it holds any.

@@ -315,3 +315,63 @@ async fn a_host_whose_log_lacks_the_vaults_generation_hands_the_volume_to_its_pe
     assert!(writes(&v, Duration::from_secs(5)).await);
     assert!(v.cache_report().unwrap().gen > gen + 2);
 }
+
+/// The hand-off above must not fire for a volume whose log entry was used up: here its
+/// datastore was down at start (the open failed, and recovery ended without it), and it
+/// opens when the datastore is back. The log still knows its generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_opened_late_is_not_handed_off_for_want_of_its_log_entry() {
+    let dir = TempDir::new("late");
+    let coord = coordinator(&dir);
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    coord.put_vault(&old_vault(id, gen)).await.unwrap();
+    // The datastore is away at start.
+    let ds = dir.0.join("ds");
+    let away = dir.0.join("ds.away");
+    std::fs::rename(&ds, &away).unwrap();
+    let d = start(&dir, &coord).await;
+    assert!(d.entry("v").unwrap().volume.is_err());
+    d.cache
+        .as_ref()
+        .unwrap()
+        .finish_recovery(&d.volume_ids())
+        .unwrap();
+    std::fs::rename(&away, &ds).unwrap();
+    d.retry_unavailable().await;
+    let v = volume(&d, "v");
+    assert!(writes(&v, Duration::from_secs(5)).await);
+    let vault = coord.vault(id).await.unwrap().unwrap();
+    assert!(!vault.handoff && vault.peers.is_empty(), "{vault:?}");
+}
+
+/// The every-3-s retry of volumes that could not open leaves placeholders alone: a volume
+/// being relocated (or with a delete pending) is still open in this process, and a second
+/// `Volume` of it would take writes the operation then loses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_of_unopened_volumes_leaves_placeholders_alone() {
+    let dir = TempDir::new("placeholder");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let rec = d.entry("v").unwrap().record.clone();
+    let _open = volume(&d, "v");
+    d.volumes.write().unwrap().insert(
+        "v".into(),
+        Arc::new(VolumeEntry::placeholder(rec.clone(), "relocating".into())),
+    );
+    d.retry_unavailable().await;
+    let Err(why) = d.entry("v").unwrap().volume.clone() else {
+        panic!("a placeholder was replaced by a second open of the volume");
+    };
+    assert_eq!(why, "relocating");
+    // A volume that could not open is tried again.
+    drop(_open);
+    d.volumes.write().unwrap().remove("v");
+    let d = start(&dir, &coord).await;
+    d.volumes.write().unwrap().insert(
+        "v".into(),
+        Arc::new(VolumeEntry::new(rec, Err("datastore was down".into()))),
+    );
+    d.retry_unavailable().await;
+    assert!(d.entry("v").unwrap().volume.is_ok());
+}
