@@ -48,6 +48,42 @@ fn pipelined_requests_complete_and_read_back() {
     });
 }
 
+/// Every volume on a LUN shares one client: a lost write must fail the next flush of each
+/// of them, not only of the first to flush (which may be another volume's destager, while
+/// the one whose write was lost then tells its VM the write is durable).
+#[test]
+fn a_lost_write_fails_the_next_flush_of_every_user_of_the_client() {
+    use std::sync::atomic::AtomicU64;
+    let mut k = Nbdkit::start(16 << 20, &[], &[]);
+    rt().block_on(async {
+        let c = Client::connect(&NbdUri::parse(&k.uri()).unwrap(), 1)
+            .await
+            .unwrap();
+        let (x, y) = (AtomicU64::new(c.losses()), AtomicU64::new(c.losses()));
+        c.write(4096, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        k.restart();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while c.read(0, 512).await.is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the client should reconnect"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for (who, seen) in [("y", &y), ("x", &x)] {
+            match c.flush_for(seen).await {
+                Err(ClientError::Server(nbd::Errno::EIO)) => {}
+                other => panic!("{who}'s flush after the loss must fail with EIO: {other:?}"),
+            }
+        }
+        // Once each.
+        c.flush_for(&x).await.unwrap();
+        c.flush_for(&y).await.unwrap();
+    });
+}
+
 #[test]
 fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
     let mut k = Nbdkit::start(16 << 20, &[], &[]);

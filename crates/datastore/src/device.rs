@@ -39,6 +39,18 @@ pub trait Device: Send + Sync + 'static {
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes>;
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()>;
     async fn flush(&self) -> io::Result<()>;
+    /// [`Device::flush`] for one of several users of the device (each volume's extent): it
+    /// fails with EIO if writes may have been lost since this user last flushed, even when
+    /// another user's flush was told first. `seen` starts at [`Device::losses`].
+    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64) -> io::Result<()> {
+        let _ = seen;
+        self.flush().await
+    }
+    /// How many times acknowledged writes may have been lost so far (see
+    /// [`Device::flush_for`]); devices that never lose them say 0.
+    fn losses(&self) -> u64 {
+        0
+    }
     /// A hint that the range is unused; it may read back as anything afterwards.
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     /// The range reads back as zeroes afterwards; `may_trim` lets the device deallocate it.
@@ -434,6 +446,14 @@ impl Device for NbdDevice {
 
     async fn flush(&self) -> io::Result<()> {
         self.client.flush().await.map_err(to_io)
+    }
+
+    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64) -> io::Result<()> {
+        self.client.flush_for(seen).await.map_err(to_io)
+    }
+
+    fn losses(&self) -> u64 {
+        self.client.losses()
     }
 
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {

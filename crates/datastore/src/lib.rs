@@ -313,11 +313,15 @@ pub struct Extent {
     base: u64,
     size: u64,
     gate: Arc<Gate>,
+    /// The device's write losses this extent's flushes have reported
+    /// ([`Device::flush_for`]): every volume on a shared LUN hears of each one.
+    losses_seen: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Extent {
     pub fn new(dev: Arc<dyn Device>, base: u64, size: u64, gate: Arc<Gate>) -> Extent {
         Extent {
+            losses_seen: Arc::new(std::sync::atomic::AtomicU64::new(dev.losses())),
             dev,
             base,
             size,
@@ -365,7 +369,9 @@ impl Extent {
     }
 
     pub async fn flush(&self) -> io::Result<()> {
-        self.gate.run(Op::Flush, 0, self.dev.flush()).await
+        self.gate
+            .run(Op::Flush, 0, self.dev.flush_for(&self.losses_seen))
+            .await
     }
 
     pub async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -56,16 +56,28 @@ async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
 }
 
 impl LunDatastore {
-    pub async fn open(mut spec: DatastoreSpec, mode: OpenMode) -> Result<LunDatastore> {
-        let Kind::Lun { target, lun_id } = &spec.kind else {
+    pub async fn open(spec: DatastoreSpec, mode: OpenMode) -> Result<LunDatastore> {
+        let Kind::Lun { target, .. } = &spec.kind else {
             unreachable!(
                 "LunDatastore::open called for a {} datastore",
                 spec.kind_name()
             );
         };
+        let dev = open_device(&spec.name, target).await?;
+        Self::open_on(dev, spec, mode).await
+    }
+
+    /// [`LunDatastore::open`] on a device already open (tests wrap one to watch its IO).
+    async fn open_on(
+        dev: Arc<dyn Device>,
+        mut spec: DatastoreSpec,
+        mode: OpenMode,
+    ) -> Result<LunDatastore> {
+        let Kind::Lun { target, lun_id } = &spec.kind else {
+            unreachable!("LunDatastore::open_on for a {} datastore", spec.kind_name());
+        };
         let (target, recorded_id) = (target.clone(), *lun_id);
         let name = spec.name.clone();
-        let dev = open_device(&name, &target).await?;
         if dev.size() < label::DATA_START + label::EXTENT_ALIGN {
             return Err(Error::Invalid(format!(
                 "datastore {name:?}: {target} has {} bytes; a LUN needs at least {} bytes",
@@ -309,11 +321,17 @@ impl Datastore for LunDatastore {
             offset,
             len: v.size,
         };
-        // A new volume reads as zeroes, not as whatever an earlier volume left there.
+        // A new volume reads as zeroes, not as whatever an earlier volume left there; and
+        // durably so before the table names it (the table's FUA write covers only itself on
+        // an NBD target, whose server may lose its cache).
         self.dev
             .write_zeroes(offset, v.size, true)
             .await
             .map_err(io_err(format!("zero new volume {:?}", v.name)))?;
+        self.dev.flush().await.map_err(io_err(format!(
+            "flush the zeroes of new volume {:?}",
+            v.name
+        )))?;
         let mut next = t.clone();
         next.generation += 1;
         next.entries.push(entry.clone());
@@ -324,10 +342,10 @@ impl Datastore for LunDatastore {
 
     async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
         let mut t = self.table.lock().await;
-        if !t.entries.iter().any(|e| e.volume_id == v.id) {
-            // Created by another host since this one read the table.
-            self.refresh(&mut t).await?;
-        }
+        // Always read again: another host may have created the volume since this one read
+        // the table, or moved it (a relocation keeps its id) to another extent, where this
+        // host's copy would send its writes into whatever volume took the old one.
+        self.refresh(&mut t).await?;
         let e = t
             .entries
             .iter()
@@ -379,5 +397,151 @@ impl Datastore for LunDatastore {
                 size: e.len,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Class;
+
+    fn spec(target: &std::path::Path) -> DatastoreSpec {
+        DatastoreSpec {
+            name: "san".into(),
+            kind: Kind::Lun {
+                target: target.display().to_string(),
+                lun_id: None,
+            },
+            class: Class::Hdd,
+            queue_depth: 4,
+        }
+    }
+
+    /// A device that records the order of its writes, zeroings and flushes.
+    struct Watched {
+        inner: crate::device::MemDevice,
+        ops: std::sync::Mutex<Vec<String>>,
+    }
+
+    #[async_trait]
+    impl Device for Watched {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn describe(&self) -> String {
+            "watched".into()
+        }
+        async fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
+            self.inner.read_at(offset, len).await
+        }
+        async fn write_at(
+            &self,
+            offset: u64,
+            data: bytes::Bytes,
+            fua: bool,
+        ) -> std::io::Result<()> {
+            self.ops
+                .lock()
+                .unwrap()
+                .push(format!("write {offset} fua={fua}"));
+            self.inner.write_at(offset, data, fua).await
+        }
+        async fn flush(&self) -> std::io::Result<()> {
+            self.ops.lock().unwrap().push("flush".into());
+            self.inner.flush().await
+        }
+        async fn trim(&self, offset: u64, len: u64) -> std::io::Result<()> {
+            self.inner.trim(offset, len).await
+        }
+        async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> std::io::Result<()> {
+            self.ops.lock().unwrap().push(format!("zero {offset}"));
+            self.inner.write_zeroes(offset, len, may_trim).await
+        }
+    }
+
+    /// A new volume's zeroes are flushed before the table that names it is written: over
+    /// NBD, the table's FUA covers only the table, and a server that loses its cache would
+    /// leave the new volume reading an old one's data.
+    #[tokio::test]
+    async fn a_new_volumes_zeroes_are_durable_before_the_table_names_it() {
+        let dev = Arc::new(Watched {
+            inner: crate::device::MemDevice::new(64 << 20),
+            ops: Default::default(),
+        });
+        let lun = LunDatastore::open_on(
+            dev.clone(),
+            spec(std::path::Path::new("watched")),
+            OpenMode::Add { force: false },
+        )
+        .await
+        .unwrap();
+        dev.ops.lock().unwrap().clear();
+        let v = VolumeSpec {
+            id: Uuid::new_v4(),
+            name: "v".into(),
+            size: 4 << 20,
+        };
+        lun.create_volume(&v).await.unwrap();
+        let ops = dev.ops.lock().unwrap().clone();
+        let zero = ops
+            .iter()
+            .position(|o| o.starts_with("zero"))
+            .expect("zeroed");
+        let table = ops
+            .iter()
+            .rposition(|o| o.starts_with("write"))
+            .expect("the table written");
+        assert!(
+            ops[zero..table].iter().any(|o| o == "flush"),
+            "no flush between the zeroing and the table write: {ops:?}"
+        );
+    }
+
+    /// Two hosts on one LUN: host B opened volume V once. Host A then moves V away, gives
+    /// its extent to W, and moves V back elsewhere (a relocation keeps the id). B, opening V
+    /// again (a peer replaying it), must get V's new extent, not write into W.
+    #[tokio::test]
+    async fn a_volume_moved_by_another_host_opens_at_its_new_extent() {
+        let dir = std::env::temp_dir().join(format!("vesta-lun-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("lun.img");
+        let f = std::fs::File::create(&img).unwrap();
+        f.set_len(64 << 20).unwrap();
+        let a = LunDatastore::open(spec(&img), OpenMode::Add { force: false })
+            .await
+            .unwrap();
+        let mut recorded = spec(&img);
+        recorded.kind = Kind::Lun {
+            target: img.display().to_string(),
+            lun_id: Some(a.lun_id()),
+        };
+        let b = LunDatastore::open(recorded, OpenMode::Reopen)
+            .await
+            .unwrap();
+        let v = VolumeSpec {
+            id: Uuid::new_v4(),
+            name: "v".into(),
+            size: 4 << 20,
+        };
+        let w = VolumeSpec {
+            id: Uuid::new_v4(),
+            name: "w".into(),
+            size: 4 << 20,
+        };
+        a.create_volume(&v).await.unwrap();
+        b.open_volume(&v).await.unwrap();
+        a.delete_volume(&v).await.unwrap();
+        let on_w = a.create_volume(&w).await.unwrap();
+        a.create_volume(&v).await.unwrap();
+        let on_v = b.open_volume(&v).await.unwrap();
+        on_v.write(0, bytes::Bytes::from(vec![7u8; 4096]), true)
+            .await
+            .unwrap();
+        let w_reads = on_w.read(0, 4096).await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            w_reads.iter().all(|b| *b == 0),
+            "host B wrote V's data into W, which took V's old extent"
+        );
     }
 }

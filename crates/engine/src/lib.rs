@@ -282,6 +282,11 @@ impl Volume {
         self.writes_held.load(Ordering::SeqCst)
     }
 
+    /// Where the volume's bytes are on its datastore.
+    pub fn extent(&self) -> &Extent {
+        &self.store
+    }
+
     /// Holds writes (reads go on) until [`Volume::release_writes`]: its owner could not
     /// record the volume as it is now, and the vault may still name peers of an older
     /// generation, whose replicas a replay would put over what the volume writes meanwhile.

@@ -74,6 +74,8 @@ pub struct Client {
     conns: Vec<Mutex<Option<Arc<Live>>>>,
     next: AtomicUsize,
     dur: Arc<Durability>,
+    /// The losses [`Client::flush`] has reported.
+    seen: AtomicU64,
 }
 
 /// Which acknowledged writes a FLUSH has covered. Writes are numbered as they are
@@ -82,8 +84,20 @@ pub struct Client {
 struct Durability {
     write_seq: AtomicU64,
     flushed_upto: AtomicU64,
-    /// A connection died holding acknowledged, unflushed writes.
-    lost: AtomicBool,
+    /// How many times a connection died holding acknowledged, unflushed writes. Each user of
+    /// the client (every volume on a LUN shares it) learns of each loss at its next flush
+    /// ([`Client::flush_for`]), not just the first to flush.
+    losses: AtomicU64,
+}
+
+impl Durability {
+    /// Counts a loss if some write acknowledged on a connection (up to number `acked`) is
+    /// not covered by a FLUSH yet.
+    fn note_loss(&self, acked: u64) {
+        if acked > self.flushed_upto.load(Ordering::SeqCst) {
+            self.losses.fetch_add(1, Ordering::SeqCst);
+        }
+    }
 }
 
 struct Pending {
@@ -116,9 +130,7 @@ impl Live {
             self.dead.store(true, Ordering::SeqCst);
             p.drain().map(|(_, v)| v).collect()
         };
-        if self.max_acked.load(Ordering::SeqCst) > self.dur.flushed_upto.load(Ordering::SeqCst) {
-            self.dur.lost.store(true, Ordering::SeqCst);
-        }
+        self.dur.note_loss(self.max_acked.load(Ordering::SeqCst));
         for p in drained {
             let _ = p.tx.send(Err(ClientError::Disconnected(why.to_owned())));
         }
@@ -157,6 +169,7 @@ impl Client {
             conns,
             next: AtomicUsize::new(0),
             dur,
+            seen: AtomicU64::new(0),
         })
     }
 
@@ -212,6 +225,12 @@ impl Client {
         if r.is_ok() && modifies && flags & proto::CMD_FLAG_FUA == 0 {
             let n = self.dur.write_seq.fetch_add(1, Ordering::SeqCst) + 1;
             live.max_acked.fetch_max(n, Ordering::SeqCst);
+            // The reply and the connection's end can arrive in one read, so `fail` may have
+            // looked at `max_acked` before this write was counted: then it is counted here
+            // (`fail` marks the connection dead before it reads, this reads after counting).
+            if live.dead.load(Ordering::SeqCst) {
+                self.dur.note_loss(n);
+            }
         }
         r
     }
@@ -316,17 +335,32 @@ impl Client {
     }
 
     /// Makes every acknowledged write durable, or fails with EIO if some acknowledged write
-    /// may have been lost with a connection (reported once, like a failed `fsync`).
+    /// may have been lost with a connection (reported once, like a failed `fsync`). For a
+    /// client with several users, each keeps its own count ([`Client::flush_for`]).
     pub async fn flush(&self) -> Result<(), ClientError> {
+        self.flush_for(&self.seen).await
+    }
+
+    /// [`Client::flush`] for one of the client's users, whose `seen` holds the number of
+    /// losses it was told of ([`Client::losses`] when it started): each user hears of each
+    /// loss once. A user that wrote nothing since may hear of it too; better a needless EIO
+    /// than a FLUSH that claims a lost write durable.
+    pub async fn flush_for(&self, seen: &AtomicU64) -> Result<(), ClientError> {
         let covered = self.dur.write_seq.load(Ordering::SeqCst);
         if self.export.flags & proto::FLAG_SEND_FLUSH != 0 {
             self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
         }
         self.dur.flushed_upto.fetch_max(covered, Ordering::SeqCst);
-        if self.dur.lost.swap(false, Ordering::SeqCst) {
+        let losses = self.dur.losses.load(Ordering::SeqCst);
+        if seen.swap(losses, Ordering::SeqCst) != losses {
             return Err(ClientError::Server(Errno::EIO));
         }
         Ok(())
+    }
+
+    /// How many times acknowledged, unflushed writes were lost with a connection so far.
+    pub fn losses(&self) -> u64 {
+        self.dur.losses.load(Ordering::SeqCst)
     }
 
     pub async fn trim(&self, offset: u64, len: u32) -> Result<(), ClientError> {

@@ -1195,10 +1195,9 @@ impl Daemon {
         rec.datastore = to.clone();
         rec.policy = volume.policy();
         rec.tuning = volume.tuning();
-        let src = match src_store.open_volume(&entry.record.spec()).await {
-            Ok(x) => x,
-            Err(e) => return Err(OpError::Unavailable(restore(e.to_string()))),
-        };
+        // The extent the volume has been writing (not the table read again, which a source
+        // failing its reads would not give).
+        let src = volume.extent().clone();
         // A copy of this volume already on the target is what an interrupted relocation left
         // (the record names the source, so nothing uses it): remove it, or the create fails.
         if let Ok(there) = dst_store.recorded_volumes().await {
@@ -1335,6 +1334,19 @@ impl Daemon {
                  or pass --force to cut them off and delete it"
             )));
         }
+        // Another host holding the vault lock is replaying the volume into its storage (its
+        // owner handed it off, or died): freeing the storage under it would let those writes
+        // land in whatever volume gets the space next.
+        match self.coord.lock_vault(entry.record.id).await {
+            Ok(()) => {}
+            Err(cluster::Error::Locked(who)) => {
+                return Err(OpError::Conflict(format!(
+                    "volume {name:?} cannot be deleted while another host replays it ({who}); \
+                     retry once its replay is done"
+                )))
+            }
+            Err(e) => return Err(OpError::Unavailable(format!("take the vault lock: {e}"))),
+        }
         let ds = &entry.record.datastore;
         let store = match self.store(ds) {
             Ok(s) => Some(s),
@@ -1363,15 +1375,11 @@ impl Daemon {
             // Clients' IO and the destager's both must be over before the storage goes.
             volume.stop_destaging().await;
             if !volume.revoke(FORCE_DETACH_WAIT).await {
-                // Nothing is deleted: its dirty data still goes to the datastore.
-                volume.resume_destaging();
-                self.volumes.write().expect("lock").insert(
-                    entry.record.name.clone(),
-                    Arc::new(VolumeEntry::placeholder(
-                        entry.record.clone(),
-                        "a delete is pending: IO was still in flight to the datastore".into(),
-                    )),
-                );
+                // Nothing is deleted: the volume goes back into service as it was (its dirty
+                // data still goes to the datastore), so a retried delete stops and revokes
+                // this same volume again rather than free storage it still writes.
+                volume.unrevoke();
+                self.reinstate(&entry, Ok(volume.clone()));
                 return Err(OpError::Unavailable(format!(
                     "volume {name:?} still has IO in flight to datastore {ds:?} after \
                      {FORCE_DETACH_WAIT:?}; its storage was kept. Retry the delete"
@@ -1520,6 +1528,18 @@ impl Daemon {
             .map(|e| e.record.clone())
             .collect();
         for rec in broken {
+            // One admin operation at a time: a delete must not free the storage, or a create
+            // take the name, while this opens the volume and starts its replay.
+            let _admin = self.admin.lock().await;
+            let still = self
+                .volumes
+                .read()
+                .expect("lock")
+                .get(&rec.name)
+                .is_some_and(|e| e.volume.is_err() && e.retry && e.record.id == rec.id);
+            if !still {
+                continue;
+            }
             let Ok(volume) = self.open_volume(&rec).await else {
                 continue;
             };

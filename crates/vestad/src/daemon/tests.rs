@@ -13,10 +13,12 @@ use datastore::fence::Fence;
 
 use super::*;
 
-/// The `local` coordinator, whose vault writes fail while `fail_vault` is set.
+/// The `local` coordinator, whose vault writes fail while `fail_vault` is set, and whose
+/// vault locks another host holds while `locked_by` names one.
 struct FailingVault {
     inner: LocalCoordinator,
     fail_vault: AtomicBool,
+    locked_by: std::sync::Mutex<Option<String>>,
 }
 
 #[async_trait]
@@ -55,6 +57,11 @@ impl Coordinator for FailingVault {
         self.inner.fence()
     }
     async fn lock_vault(&self, volume: Uuid) -> cluster::Result<()> {
+        if let Some(h) = self.locked_by.lock().unwrap().clone() {
+            return Err(cluster::Error::Locked(format!(
+                "volume {volume}'s vault lock is held by host {h:?}"
+            )));
+        }
         self.inner.lock_vault(volume).await
     }
     async fn unlock_vault(&self, volume: Uuid) -> cluster::Result<()> {
@@ -133,6 +140,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
     Arc::new(FailingVault {
         inner: LocalCoordinator::open(&dir.0).unwrap(),
         fail_vault: AtomicBool::new(false),
+        locked_by: Default::default(),
     })
 }
 
@@ -374,4 +382,26 @@ async fn the_retry_of_unopened_volumes_leaves_placeholders_alone() {
     );
     d.retry_unavailable().await;
     assert!(d.entry("v").unwrap().volume.is_ok());
+}
+
+/// A delete must not free a volume's storage while another host holds its vault lock: that
+/// host is replaying the volume into it (a hand-off, or its owner died), and its writes would
+/// land in whatever volume gets the space next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_waits_for_another_hosts_replay_of_the_volume() {
+    let dir = TempDir::new("delete");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let file = dir.0.join("ds");
+    let files = || std::fs::read_dir(&file).unwrap().count();
+    let before = files();
+    *coord.locked_by.lock().unwrap() = Some("b".into());
+    let e = d.delete_volume("v", true).await.unwrap_err();
+    assert!(e.to_string().contains("another host replays it"), "{e}");
+    assert!(d.entry("v").is_ok(), "the volume is still known");
+    assert_eq!(files(), before, "its storage is kept");
+    *coord.locked_by.lock().unwrap() = None;
+    d.delete_volume("v", true).await.unwrap();
+    assert!(files() < before, "deleted once the lock is free");
 }
