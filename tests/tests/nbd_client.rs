@@ -84,6 +84,58 @@ fn a_lost_write_fails_the_next_flush_of_every_user_of_the_client() {
     });
 }
 
+/// The datastore layer's fence reaches into the client: a write that waited out a
+/// reconnect is asked again right before it is sent, and one the guard refuses never
+/// reaches the server (a host whose lease lapsed meanwhile must not write).
+#[test]
+fn a_write_the_guard_refuses_is_not_sent_even_after_a_reconnect() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let mut k = Nbdkit::start(16 << 20, &[], &[]);
+    rt().block_on(async {
+        let c = Client::connect(&NbdUri::parse(&k.uri()).unwrap(), 1)
+            .await
+            .unwrap();
+        let open = std::sync::Arc::new(AtomicBool::new(true));
+        let o = open.clone();
+        c.set_write_guard(std::sync::Arc::new(move || {
+            (!o.load(Ordering::SeqCst)).then(|| "fenced".to_string())
+        }));
+        c.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        k.restart();
+        open.store(false, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match c.write(4096, Bytes::from(vec![2u8; 4096]), false).await {
+                Err(ClientError::Held(why)) => {
+                    assert_eq!(why, "fenced");
+                    break;
+                }
+                Ok(()) => panic!("a write went out while the guard said no"),
+                Err(_) => {} // the old connection's end, noticed by this request
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the client should reconnect"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(matches!(
+            c.write_zeroes(0, 4096, false).await,
+            Err(ClientError::Held(_))
+        ));
+        assert!(c.read(0, 8192).await.unwrap()[..]
+            .iter()
+            .enumerate()
+            .all(|(i, b)| *b == if i < 4096 { 1 } else { 0 }));
+        open.store(true, Ordering::SeqCst);
+        c.write(4096, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+    });
+}
+
 #[test]
 fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
     let mut k = Nbdkit::start(16 << 20, &[], &[]);

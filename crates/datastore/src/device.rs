@@ -51,6 +51,11 @@ pub trait Device: Send + Sync + 'static {
     fn losses(&self) -> u64 {
         0
     }
+    /// The host's fence, for a device whose writes can wait or run long after the gate let
+    /// them in (a reconnect, a long zeroing done in pieces): it asks again before each piece.
+    fn set_fence(&self, fence: Arc<Fence>) {
+        let _ = fence;
+    }
     /// A hint that the range is unused; it may read back as anything afterwards.
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     /// The range reads back as zeroes afterwards; `may_trim` lets the device deallocate it.
@@ -147,6 +152,8 @@ pub struct FileDevice {
     size: u64,
     path: PathBuf,
     regular: bool,
+    /// The host's fence, asked between the pieces of a long zeroing ([`Device::set_fence`]).
+    fence: std::sync::OnceLock<Arc<Fence>>,
 }
 
 impl FileDevice {
@@ -174,6 +181,7 @@ impl FileDevice {
             file: Arc::new(file),
             size,
             path: path.to_owned(),
+            fence: std::sync::OnceLock::new(),
             regular,
         })
     }
@@ -201,6 +209,7 @@ impl FileDevice {
             file: Arc::new(file),
             size,
             path: path.to_owned(),
+            fence: std::sync::OnceLock::new(),
             regular: true,
         })
     }
@@ -227,11 +236,18 @@ fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Resul
     }
 }
 
-fn write_zero_bytes(file: &File, offset: u64, len: u64) -> io::Result<()> {
+fn write_zero_bytes(
+    file: &File,
+    offset: u64,
+    len: u64,
+    fence: &Option<Arc<Fence>>,
+) -> io::Result<()> {
     const CHUNK: u64 = 1 << 20;
     let zeroes = vec![0u8; CHUNK.min(len) as usize];
     let mut done = 0;
     while done < len {
+        // A zeroing of gigabytes takes seconds: it stops where the lease lapses.
+        check_fence(fence)?;
         let n = (len - done).min(CHUNK) as usize;
         file.write_all_at(&zeroes[..n], offset + done)?;
         done += n as u64;
@@ -305,11 +321,16 @@ impl Device for FileDevice {
     async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
         let f = self.file.clone();
         let regular = self.regular;
-        on_pool(move || zero_range(&f, regular, offset, len, may_trim)).await
+        let fence = self.fence.get().cloned();
+        on_pool(move || zero_range(&f, regular, offset, len, may_trim, &fence)).await
     }
 
     fn prefers_batches(&self) -> bool {
         true
+    }
+
+    fn set_fence(&self, fence: Arc<Fence>) {
+        let _ = self.fence.set(fence);
     }
 
     async fn write_batch(
@@ -324,7 +345,7 @@ impl Device for FileDevice {
                 check_fence(&fence)?;
                 match &w.data {
                     Some(d) => f.write_all_at(d, w.offset)?,
-                    None => zero_range(&f, regular, w.offset, w.len, true)?,
+                    None => zero_range(&f, regular, w.offset, w.len, true, &fence)?,
                 }
             }
             Ok(())
@@ -335,7 +356,14 @@ impl Device for FileDevice {
 
 /// Zeroes a range of a file or block device: deallocated (`may_trim`) or zeroed in place by
 /// `fallocate` where the file system can, written out otherwise.
-fn zero_range(f: &File, regular: bool, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
+fn zero_range(
+    f: &File,
+    regular: bool,
+    offset: u64,
+    len: u64,
+    may_trim: bool,
+    fence: &Option<Arc<Fence>>,
+) -> io::Result<()> {
     if regular {
         let mode = if may_trim {
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
@@ -348,7 +376,7 @@ fn zero_range(f: &File, regular: bool, offset: u64, len: u64, may_trim: bool) ->
             Err(e) => return Err(e),
         }
     }
-    write_zero_bytes(f, offset, len)
+    write_zero_bytes(f, offset, len, fence)
 }
 
 /// An export on an NBD server, reached through a pipelined connection pool.
@@ -454,6 +482,12 @@ impl Device for NbdDevice {
 
     fn losses(&self) -> u64 {
         self.client.losses()
+    }
+
+    fn set_fence(&self, fence: Arc<Fence>) {
+        self.client.set_write_guard(Arc::new(move || {
+            (!fence.allows_writes()).then(|| crate::fence::FENCED.to_owned())
+        }));
     }
 
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {

@@ -178,6 +178,12 @@ pub trait Datastore: Send + Sync + 'static {
     /// The spec, including anything learnt when it was opened (a `lun`'s label UUID).
     fn spec(&self) -> &DatastoreSpec;
     fn gate(&self) -> &Arc<Gate>;
+    /// Makes every later write to this datastore wait on the host's `fence`: at the gate,
+    /// and in devices whose writes can wait or run long after it (see
+    /// [`device::Device::set_fence`]).
+    fn set_fence(&self, fence: Arc<Fence>) {
+        self.gate().set_fence(fence);
+    }
     async fn capacity(&self) -> Result<Capacity>;
     /// Creates a volume's storage; it reads as zeroes.
     async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent>;

@@ -278,6 +278,11 @@ impl Datastore for LunDatastore {
         &self.gate
     }
 
+    fn set_fence(&self, fence: Arc<crate::fence::Fence>) {
+        self.dev.set_fence(fence.clone());
+        self.gate.set_fence(fence);
+    }
+
     async fn capacity(&self) -> Result<Capacity> {
         let t = self.table.lock().await;
         let size = self.label.device_size;

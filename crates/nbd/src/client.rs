@@ -48,7 +48,14 @@ pub enum ClientError {
     Server(Errno),
     #[error("NBD connection lost: {0}")]
     Disconnected(String),
+    /// The write guard ([`Client::set_write_guard`]) refused the request; it was not sent.
+    #[error("{0}")]
+    Held(String),
 }
+
+/// Says, right before a write, trim or zeroing is sent, whether it may go: `None` if so,
+/// else why not.
+pub type WriteGuard = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 /// What the server told us about the export.
 #[derive(Debug, Clone, Copy)]
@@ -76,6 +83,7 @@ pub struct Client {
     dur: Arc<Durability>,
     /// The losses [`Client::flush`] has reported.
     seen: AtomicU64,
+    write_guard: std::sync::OnceLock<WriteGuard>,
 }
 
 /// Which acknowledged writes a FLUSH has covered. Writes are numbered as they are
@@ -170,6 +178,7 @@ impl Client {
             next: AtomicUsize::new(0),
             dur,
             seen: AtomicU64::new(0),
+            write_guard: std::sync::OnceLock::new(),
         })
     }
 
@@ -179,6 +188,13 @@ impl Client {
 
     pub fn uri(&self) -> &NbdUri {
         &self.uri
+    }
+
+    /// Asks `guard` before every write, trim and zeroing is sent (the datastore layer's
+    /// fence: a host whose lease lapsed while a write waited here must not send it). Set
+    /// once; a second call keeps the first.
+    pub fn set_write_guard(&self, guard: WriteGuard) {
+        let _ = self.write_guard.set(guard);
     }
 
     pub fn pool_size(&self) -> usize {
@@ -217,11 +233,18 @@ impl Client {
         payload: Option<Bytes>,
     ) -> Result<Bytes, ClientError> {
         let live = self.live().await?;
-        let r = self.call_on(&live, kind, flags, offset, len, payload).await;
         let modifies = matches!(
             kind,
             proto::CMD_WRITE | proto::CMD_TRIM | proto::CMD_WRITE_ZEROES
         );
+        // Asked here, after any wait for a connection and right before the request goes to
+        // the socket: a write that waited out a reconnect must not go once it may not.
+        if modifies {
+            if let Some(why) = self.write_guard.get().and_then(|g| g()) {
+                return Err(ClientError::Held(why));
+            }
+        }
+        let r = self.call_on(&live, kind, flags, offset, len, payload).await;
         if r.is_ok() && modifies && flags & proto::CMD_FLAG_FUA == 0 {
             let n = self.dur.write_seq.fetch_add(1, Ordering::SeqCst) + 1;
             live.max_acked.fetch_max(n, Ordering::SeqCst);

@@ -260,7 +260,7 @@ impl Daemon {
         for spec in state.datastores {
             let store = match datastore::open(&spec, OpenMode::Reopen).await {
                 Ok(s) => {
-                    s.gate().set_fence(d.coord.fence());
+                    s.set_fence(d.coord.fence());
                     Ok(s)
                 }
                 Err(e) => {
@@ -837,7 +837,7 @@ impl Daemon {
         };
         // A LUN must not be added twice under two names.
         let store = datastore::open(&spec, OpenMode::Add { force: req.force }).await?;
-        store.gate().set_fence(self.coord.fence());
+        store.set_fence(self.coord.fence());
         let spec = store.spec().clone();
         if let Kind::Lun {
             lun_id: Some(id), ..
@@ -1511,7 +1511,7 @@ impl Daemon {
             let Ok(store) = datastore::open(&spec, OpenMode::Reopen).await else {
                 continue;
             };
-            store.gate().set_fence(self.coord.fence());
+            store.set_fence(self.coord.fence());
             info!("datastore {:?} is available", spec.name);
             self.datastores.write().expect("lock").insert(
                 spec.name.clone(),
