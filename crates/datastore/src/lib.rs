@@ -236,7 +236,7 @@ impl Gate {
         let _ = self.fence.set(fence);
     }
 
-    fn fenced(&self, op: Op) -> bool {
+    pub(crate) fn fenced(&self, op: Op) -> bool {
         op != Op::Read && self.fence.get().is_some_and(|f| !f.allows_writes())
     }
 

@@ -195,7 +195,22 @@ impl LunDatastore {
 
     /// Writes `t` to its slot and makes it durable. The other slot keeps the previous table,
     /// so a crash in the middle leaves one valid copy.
+    /// Fails if this host's fence is closed. The table, and the space it hands out, are
+    /// shared by every host of the LUN, and changes to them are serialized by a lock bound to
+    /// this host's lease: past the fence another host may hold that lock, and may have given
+    /// the space this host is about to zero, trim or record to a volume of its own.
+    fn unfenced(&self, what: &str) -> Result<()> {
+        if self.gate.fenced(crate::Op::Write) {
+            return Err(Error::Io {
+                what: format!("{what} on datastore {:?}", self.spec.name),
+                source: std::io::Error::other(crate::fence::FENCED),
+            });
+        }
+        Ok(())
+    }
+
     async fn commit(&self, t: &Table) -> Result<()> {
+        self.unfenced("write the volume table")?;
         let slot = Table::slot_of(t.generation);
         self.dev
             .write_at(
@@ -326,6 +341,7 @@ impl Datastore for LunDatastore {
             offset,
             len: v.size,
         };
+        self.unfenced(&format!("zero new volume {:?}", v.name))?;
         // A new volume reads as zeroes, not as whatever an earlier volume left there; and
         // durably so before the table names it (the table's FUA write covers only itself on
         // an NBD target, whose server may lose its cache).
@@ -382,7 +398,11 @@ impl Datastore for LunDatastore {
         self.commit(&next).await?;
         *t = next;
         // Give the space back to a thin backend; a hint, so failure only costs space.
-        if let Err(e) = self.dev.trim(gone.offset, gone.len).await {
+        let trimmed = match self.unfenced("trim a deleted volume") {
+            Ok(()) => self.dev.trim(gone.offset, gone.len).await,
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        };
+        if let Err(e) = trimmed {
             warn!(
                 "datastore {:?}: trim of deleted volume {:?} failed: {e}",
                 self.spec.name, gone.name
@@ -500,6 +520,37 @@ mod tests {
             ops[zero..table].iter().any(|o| o == "flush"),
             "no flush between the zeroing and the table write: {ops:?}"
         );
+    }
+
+    /// Past the host's fence the volume table is not written: another host may hold the
+    /// datastore's lock by then.
+    #[tokio::test]
+    async fn a_fenced_host_does_not_write_the_volume_table() {
+        let dev = Arc::new(Watched {
+            inner: crate::device::MemDevice::new(64 << 20),
+            ops: Default::default(),
+        });
+        let lun = LunDatastore::open_on(
+            dev.clone(),
+            spec(std::path::Path::new("watched")),
+            OpenMode::Add { force: false },
+        )
+        .await
+        .unwrap();
+        lun.set_fence(Arc::new(crate::fence::Fence::closed()));
+        dev.ops.lock().unwrap().clear();
+        let v = VolumeSpec {
+            id: Uuid::new_v4(),
+            name: "v".into(),
+            size: 4 << 20,
+        };
+        let Err(e) = lun.create_volume(&v).await else {
+            panic!("a fenced host created a volume");
+        };
+        assert!(format!("{e:?}").contains("fenced"), "{e:?}");
+        let ops = dev.ops.lock().unwrap().clone();
+        assert!(ops.is_empty(), "a fenced host wrote the LUN: {ops:?}");
+        assert!(lun.recorded_volumes().await.unwrap().is_empty());
     }
 
     /// Two hosts on one LUN: host B opened volume V once. Host A then moves V away, gives
