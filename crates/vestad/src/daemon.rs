@@ -1252,12 +1252,43 @@ impl Daemon {
             ))));
         }
         if let Err(e) = self.coord.update_volume(rec.clone()).await {
-            if let Err(e2) = drop_copy().await {
-                warn!("volume {name:?}: the copy on {to:?} could not be removed: {e2}");
+            // The change may have been made with only its answer lost: look before undoing
+            // it, or the record could name a copy that was just deleted.
+            let recorded = self.coord.state().await.map(|s| {
+                s.volumes
+                    .into_iter()
+                    .find(|r| r.id == rec.id)
+                    .map(|r| r.datastore)
+            });
+            match recorded {
+                Ok(Some(ds)) if ds == to => warn!(
+                    "volume {name:?}: recording the new datastore answered {e}, but the record \
+                     names {to:?}: the relocation goes on"
+                ),
+                Ok(_) => {
+                    if let Err(e2) = drop_copy().await {
+                        warn!("volume {name:?}: the copy on {to:?} could not be removed: {e2}");
+                    }
+                    return Err(OpError::Internal(restore(format!(
+                        "cannot record the new datastore: {e}; the volume stays on {from:?}"
+                    ))));
+                }
+                Err(e2) => {
+                    // Which copy the record names is unknown: both are kept, and the volume
+                    // serves neither until vestad restarts and reads the record.
+                    let why = format!(
+                        "relocation to {to:?} not confirmed: recording it answered {e}, and the \
+                         record cannot be read ({e2}); both copies are kept. Restart vestad once \
+                         the coordinator answers: the volume then serves from the datastore its \
+                         record names"
+                    );
+                    self.volumes.write().expect("lock").insert(
+                        name.to_owned(),
+                        Arc::new(VolumeEntry::placeholder(entry.record.clone(), why.clone())),
+                    );
+                    return Err(OpError::Unavailable(why));
+                }
             }
-            return Err(OpError::Internal(restore(format!(
-                "cannot record the new datastore: {e}; the volume stays on {from:?}"
-            ))));
         }
         // From here the volume lives on `to`. Its cache data (clean, checked above) goes with
         // the old volume object; the reopened volume starts cold, in a new generation.

@@ -19,6 +19,8 @@ struct FailingVault {
     inner: LocalCoordinator,
     fail_vault: AtomicBool,
     locked_by: std::sync::Mutex<Option<String>>,
+    /// Volume record updates are made, but answered with an error (a lost answer).
+    lose_update_answers: AtomicBool,
 }
 
 #[async_trait]
@@ -39,7 +41,13 @@ impl Coordinator for FailingVault {
         self.inner.create_volume(v).await
     }
     async fn update_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
-        self.inner.update_volume(v).await
+        self.inner.update_volume(v).await?;
+        if self.lose_update_answers.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: the answer was lost (injected)".into(),
+            ));
+        }
+        Ok(())
     }
     async fn delete_volume(&self, name: &str) -> cluster::Result<()> {
         self.inner.delete_volume(name).await
@@ -141,6 +149,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         inner: LocalCoordinator::open(&dir.0).unwrap(),
         fail_vault: AtomicBool::new(false),
         locked_by: Default::default(),
+        lose_update_answers: AtomicBool::new(false),
     })
 }
 
@@ -404,4 +413,39 @@ async fn a_delete_waits_for_another_hosts_replay_of_the_volume() {
     *coord.locked_by.lock().unwrap() = None;
     d.delete_volume("v", true).await.unwrap();
     assert!(files() < before, "deleted once the lock is free");
+}
+
+/// A relocation whose record update was made but answered with an error: the record names
+/// the new datastore, so the copy there must be kept and the volume served from it (before,
+/// the copy was deleted and the volume served from the old place, against its record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() {
+    let dir = TempDir::new("lostanswer");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let v = volume(&d, "v");
+    v.write(8192, Bytes::from(vec![4u8; 4096]), true)
+        .await
+        .unwrap();
+    coord.lose_update_answers.store(true, Ordering::SeqCst);
+    d.relocate(
+        "v",
+        api::Relocate {
+            datastore: "other".into(),
+            offline: true,
+        },
+    )
+    .await
+    .unwrap();
+    coord.lose_update_answers.store(false, Ordering::SeqCst);
+    assert_eq!(d.entry("v").unwrap().record.datastore, "other");
+    drop(v);
+    drop(d);
+    // What a restart serves: the datastore the record names, with the data.
+    let d = start(&dir, &coord).await;
+    let v = volume(&d, "v");
+    assert_eq!(d.entry("v").unwrap().record.datastore, "other");
+    let got = v.read(8192, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 4), "the relocated data");
 }
