@@ -73,14 +73,14 @@ fn a_lost_write_fails_the_next_flush_of_every_user_of_the_client() {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         for (who, seen) in [("y", &y), ("x", &x)] {
-            match c.flush_for(seen).await {
+            match c.flush_for(seen, true).await {
                 Err(ClientError::Server(nbd::Errno::EIO)) => {}
                 other => panic!("{who}'s flush after the loss must fail with EIO: {other:?}"),
             }
         }
         // Once each.
-        c.flush_for(&x).await.unwrap();
-        c.flush_for(&y).await.unwrap();
+        c.flush_for(&x, true).await.unwrap();
+        c.flush_for(&y, true).await.unwrap();
     });
 }
 
@@ -133,6 +133,53 @@ fn a_write_the_guard_refuses_is_not_sent_even_after_a_reconnect() {
         c.write(4096, Bytes::from(vec![2u8; 4096]), false)
             .await
             .unwrap();
+    });
+}
+
+/// Two volumes' extents on one LUN. A lost write is reported to the extent that wrote it,
+/// both to Vesta's own flushes (the destager's, a switch's) and, separately, to its clients:
+/// Vesta's flush hearing first must not use up the report a VM's FLUSH is owed. An extent
+/// whose writes were all flushed before the loss hears nothing: its data is safe, and an
+/// EIO would only make its VM's file system give up.
+#[test]
+fn a_lost_write_reaches_the_volumes_clients_and_spares_a_volume_with_none_unflushed() {
+    use datastore::device::NbdDevice;
+    use datastore::{Extent, Gate};
+    use std::sync::Arc;
+    let mut k = Nbdkit::start(16 << 20, &[], &[]);
+    rt().block_on(async {
+        let uri = NbdUri::parse(&k.uri()).unwrap();
+        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
+        let gate = Arc::new(Gate::new(4));
+        let a = Extent::new(dev.clone(), 0, 1 << 20, gate.clone());
+        let idle = Extent::new(dev.clone(), 1 << 20, 1 << 20, gate.clone());
+        idle.write(0, Bytes::from(vec![9u8; 4096]), false)
+            .await
+            .unwrap();
+        idle.flush().await.unwrap();
+        idle.flush_internal().await.unwrap();
+        a.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        k.restart();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while a.read(0, 512).await.is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the client should reconnect"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let eio = |r: std::io::Result<()>| r.is_err_and(|e| e.raw_os_error() == Some(libc::EIO));
+        assert!(
+            eio(a.flush_internal().await),
+            "Vesta's own flush hears of the loss"
+        );
+        assert!(eio(a.flush().await), "and so does the VM's, after it");
+        a.flush().await.unwrap();
+        a.flush_internal().await.unwrap();
+        idle.flush().await.unwrap();
+        idle.flush_internal().await.unwrap();
     });
 }
 

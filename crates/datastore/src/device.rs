@@ -40,10 +40,11 @@ pub trait Device: Send + Sync + 'static {
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()>;
     async fn flush(&self) -> io::Result<()>;
     /// [`Device::flush`] for one of several users of the device (each volume's extent): it
-    /// fails with EIO if writes may have been lost since this user last flushed, even when
-    /// another user's flush was told first. `seen` starts at [`Device::losses`].
-    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64) -> io::Result<()> {
-        let _ = seen;
+    /// fails with EIO if writes were lost since this user last flushed and it `wrote` since
+    /// then, even when another user's flush was told first. `seen` starts at
+    /// [`Device::losses`].
+    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64, wrote: bool) -> io::Result<()> {
+        let _ = (seen, wrote);
         self.flush().await
     }
     /// How many times acknowledged writes may have been lost so far (see
@@ -476,8 +477,8 @@ impl Device for NbdDevice {
         self.client.flush().await.map_err(to_io)
     }
 
-    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64) -> io::Result<()> {
-        self.client.flush_for(seen).await.map_err(to_io)
+    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64, wrote: bool) -> io::Result<()> {
+        self.client.flush_for(seen, wrote).await.map_err(to_io)
     }
 
     fn losses(&self) -> u64 {

@@ -319,20 +319,59 @@ pub struct Extent {
     base: u64,
     size: u64,
     gate: Arc<Gate>,
-    /// The device's write losses this extent's flushes have reported
-    /// ([`Device::flush_for`]): every volume on a shared LUN hears of each one.
-    losses_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// Who flushes this extent ([`Extent::flush`], [`Extent::flush_internal`]), shared by
+    /// its clones: each hears once of every write the device lost that it may have had.
+    flushers: Arc<[Flusher; 2]>,
 }
+
+/// One of an extent's flushers: the device's write losses it was told of
+/// ([`Device::flush_for`]), and whether the extent wrote since its last flush succeeded.
+struct Flusher {
+    seen: std::sync::atomic::AtomicU64,
+    wrote: std::sync::atomic::AtomicBool,
+}
+
+/// The volume's clients: FLUSH, and FUA on a zeroing or trim.
+const CLIENTS: usize = 0;
+/// Vesta's own flushes: the destager's, a switch into `wb`.
+const INTERNAL: usize = 1;
 
 impl Extent {
     pub fn new(dev: Arc<dyn Device>, base: u64, size: u64, gate: Arc<Gate>) -> Extent {
+        let flusher = || Flusher {
+            seen: std::sync::atomic::AtomicU64::new(dev.losses()),
+            wrote: std::sync::atomic::AtomicBool::new(false),
+        };
         Extent {
-            losses_seen: Arc::new(std::sync::atomic::AtomicU64::new(dev.losses())),
+            flushers: Arc::new([flusher(), flusher()]),
             dev,
             base,
             size,
             gate,
         }
+    }
+
+    /// Notes a write, zeroing or trim done (or tried) through this extent: the next flush of
+    /// each flusher covers it. Noted after the device answered, so a flush that began before
+    /// (and may not cover it) does not take the note.
+    fn wrote(&self) {
+        for f in self.flushers.iter() {
+            f.wrote.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    async fn flush_as(&self, who: usize) -> io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let f = &self.flushers[who];
+        let wrote = f.wrote.swap(false, SeqCst);
+        let r = self
+            .gate
+            .run(Op::Flush, 0, self.dev.flush_for(&f.seen, wrote))
+            .await;
+        if r.is_err() && wrote {
+            f.wrote.store(true, SeqCst);
+        }
+        r
     }
 
     pub fn size(&self) -> u64 {
@@ -369,27 +408,44 @@ impl Extent {
         let at = self.check(offset, data.len() as u64)?;
         let n = data.len() as u64;
         self.gate.stats.locate(Op::Write, at, n);
-        self.gate
+        let r = self
+            .gate
             .run(Op::Write, n, self.dev.write_at(at, data, fua))
-            .await
+            .await;
+        self.wrote();
+        r
     }
 
+    /// Makes every write through the extent durable, for the volume's clients. Fails with
+    /// EIO once for each write loss of the device (a connection to an NBD datastore that
+    /// died with acknowledged, unflushed writes) that may have taken a write of this extent,
+    /// even when another volume, or Vesta's own flushes ([`Extent::flush_internal`]), heard
+    /// of it first.
     pub async fn flush(&self) -> io::Result<()> {
-        self.gate
-            .run(Op::Flush, 0, self.dev.flush_for(&self.losses_seen))
-            .await
+        self.flush_as(CLIENTS).await
+    }
+
+    /// [`Extent::flush`] for Vesta's own needs (the destager, a policy switch), which learn
+    /// of losses on their own account, so they never use up the report a client is owed.
+    pub async fn flush_internal(&self) -> io::Result<()> {
+        self.flush_as(INTERNAL).await
     }
 
     pub async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         let at = self.check(offset, len)?;
-        self.gate.run(Op::Trim, 0, self.dev.trim(at, len)).await
+        let r = self.gate.run(Op::Trim, 0, self.dev.trim(at, len)).await;
+        self.wrote();
+        r
     }
 
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
         let at = self.check(offset, len)?;
-        self.gate
+        let r = self
+            .gate
             .run(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, may_trim))
-            .await
+            .await;
+        self.wrote();
+        r
     }
 
     /// A write (`Some(data)`) or zeroing of `len` bytes, returning its service time at the
@@ -404,7 +460,7 @@ impl Extent {
             Ok(at) => at,
             Err(e) => return (Err(e), Duration::ZERO),
         };
-        match data {
+        let r = match data {
             Some(d) => {
                 self.gate.stats.locate(Op::Write, at, len);
                 self.gate
@@ -416,7 +472,9 @@ impl Extent {
                     .run_timed(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, true))
                     .await
             }
-        }
+        };
+        self.wrote();
+        r
     }
 }
 
@@ -449,12 +507,15 @@ impl Extent {
             }
             at.push(w);
         }
-        self.gate
+        let r = self
+            .gate
             .run_batch_timed(
                 &ios,
                 self.dev.write_batch(at, self.gate.fence.get().cloned()),
             )
-            .await
+            .await;
+        self.wrote();
+        r
     }
 }
 

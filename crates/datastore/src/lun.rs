@@ -342,6 +342,8 @@ impl Datastore for LunDatastore {
             len: v.size,
         };
         self.unfenced(&format!("zero new volume {:?}", v.name))?;
+        // Losses before now took no write of this volume.
+        let seen = std::sync::atomic::AtomicU64::new(self.dev.losses());
         // A new volume reads as zeroes, not as whatever an earlier volume left there; and
         // durably so before the table names it (the table's FUA write covers only itself on
         // an NBD target, whose server may lose its cache).
@@ -349,10 +351,13 @@ impl Datastore for LunDatastore {
             .write_zeroes(offset, v.size, true)
             .await
             .map_err(io_err(format!("zero new volume {:?}", v.name)))?;
-        self.dev.flush().await.map_err(io_err(format!(
-            "flush the zeroes of new volume {:?}",
-            v.name
-        )))?;
+        self.dev
+            .flush_for(&seen, true)
+            .await
+            .map_err(io_err(format!(
+                "flush the zeroes of new volume {:?}",
+                v.name
+            )))?;
         let mut next = t.clone();
         next.generation += 1;
         next.entries.push(entry.clone());

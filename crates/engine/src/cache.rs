@@ -2704,7 +2704,7 @@ impl VolCache {
         read: Duration,
     ) -> Result<(), Error> {
         let flushing = Instant::now();
-        let r = self.store.flush().await.map_err(Error::Datastore);
+        let r = self.store.flush_internal().await.map_err(Error::Datastore);
         tracing::debug!(
             "volume {:?}: window of {} writes ({} IOs) waited {read:?} for its records, \
              written in {:?}, flushed in {:?}",

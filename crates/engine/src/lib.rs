@@ -435,7 +435,10 @@ impl Volume {
             // cache, and a wb FLUSH only syncs the cache log. Flush the datastore first so a
             // later FLUSH covers them too.
             if mode_of(new) == Some(Mode::Wb) {
-                self.store.flush().await.map_err(Error::Datastore)?;
+                self.store
+                    .flush_internal()
+                    .await
+                    .map_err(Error::Datastore)?;
             }
             let route = match (&route, mode_of(new)) {
                 (Route::Uncached, Some(_)) => {

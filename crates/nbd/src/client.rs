@@ -361,21 +361,21 @@ impl Client {
     /// may have been lost with a connection (reported once, like a failed `fsync`). For a
     /// client with several users, each keeps its own count ([`Client::flush_for`]).
     pub async fn flush(&self) -> Result<(), ClientError> {
-        self.flush_for(&self.seen).await
+        self.flush_for(&self.seen, true).await
     }
 
     /// [`Client::flush`] for one of the client's users, whose `seen` holds the number of
     /// losses it was told of ([`Client::losses`] when it started): each user hears of each
-    /// loss once. A user that wrote nothing since may hear of it too; better a needless EIO
-    /// than a FLUSH that claims a lost write durable.
-    pub async fn flush_for(&self, seen: &AtomicU64) -> Result<(), ClientError> {
+    /// loss once, if it `wrote` since its last flush that succeeded (before that, all its
+    /// writes were durable, so no loss can have taken one).
+    pub async fn flush_for(&self, seen: &AtomicU64, wrote: bool) -> Result<(), ClientError> {
         let covered = self.dur.write_seq.load(Ordering::SeqCst);
         if self.export.flags & proto::FLAG_SEND_FLUSH != 0 {
             self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
         }
         self.dur.flushed_upto.fetch_max(covered, Ordering::SeqCst);
         let losses = self.dur.losses.load(Ordering::SeqCst);
-        if seen.swap(losses, Ordering::SeqCst) != losses {
+        if seen.swap(losses, Ordering::SeqCst) != losses && wrote {
             return Err(ClientError::Server(Errno::EIO));
         }
         Ok(())
