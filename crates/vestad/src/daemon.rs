@@ -1365,19 +1365,6 @@ impl Daemon {
                  or pass --force to cut them off and delete it"
             )));
         }
-        // Another host holding the vault lock is replaying the volume into its storage (its
-        // owner handed it off, or died): freeing the storage under it would let those writes
-        // land in whatever volume gets the space next.
-        match self.coord.lock_vault(entry.record.id).await {
-            Ok(()) => {}
-            Err(cluster::Error::Locked(who)) => {
-                return Err(OpError::Conflict(format!(
-                    "volume {name:?} cannot be deleted while another host replays it ({who}); \
-                     retry once its replay is done"
-                )))
-            }
-            Err(e) => return Err(OpError::Unavailable(format!("take the vault lock: {e}"))),
-        }
         let ds = &entry.record.datastore;
         let store = match self.store(ds) {
             Ok(s) => Some(s),
@@ -1391,14 +1378,34 @@ impl Daemon {
             Err(OpError::Unavailable(_)) => None,
             Err(e) => return Err(e),
         };
-        {
-            let mut v = self.volumes.write().expect("lock");
-            if v.get(name).is_some_and(|e| e.connections() > 0) && !force {
+        // Another host holding the vault lock is replaying the volume into its storage (its
+        // owner handed it off, or died): freeing the storage under it would let those writes
+        // land in whatever volume gets the space next. Taken after the checks that need
+        // nothing of it; a volume not open here (handed to its peers, say) gives it back if
+        // the delete fails after all.
+        match self.coord.lock_vault(entry.record.id).await {
+            Ok(()) => {}
+            Err(cluster::Error::Locked(who)) => {
                 return Err(OpError::Conflict(format!(
-                    "volume {name:?} was attached meanwhile; retry, or pass --force"
-                )));
+                    "volume {name:?} cannot be deleted while another host replays it ({who}); \
+                     retry once its replay is done"
+                )))
             }
-            v.remove(name); // no new connection can attach from here on
+            Err(e) => return Err(OpError::Unavailable(format!("take the vault lock: {e}"))),
+        }
+        let attached = {
+            let mut v = self.volumes.write().expect("lock");
+            let attached = v.get(name).is_some_and(|e| e.connections() > 0) && !force;
+            if !attached {
+                v.remove(name); // no new connection can attach from here on
+            }
+            attached
+        };
+        if attached {
+            self.unlock_if_not_open(&entry).await;
+            return Err(OpError::Conflict(format!(
+                "volume {name:?} was attached meanwhile; retry, or pass --force"
+            )));
         }
         let info = self.volume_info(&entry);
         entry.stop.stop();
@@ -1430,6 +1437,7 @@ impl Daemon {
                         v.unrevoke();
                     }
                     self.reinstate(&entry, entry.volume.clone());
+                    self.unlock_if_not_open(&entry).await;
                     return Err(e);
                 }
             }
@@ -1505,6 +1513,19 @@ impl Daemon {
         Ok(self.volume_info(&entry))
     }
 
+    /// Gives back the vault lock a failed delete took for a volume that is not open here (its
+    /// peers may need it to replay); an open volume keeps it, as its owner.
+    async fn unlock_if_not_open(&self, entry: &VolumeEntry) {
+        if entry.volume.is_err() {
+            if let Err(e) = self.coord.unlock_vault(entry.record.id).await {
+                warn!(
+                    "volume {:?}: give the vault lock back: {e}",
+                    entry.record.name
+                );
+            }
+        }
+    }
+
     /// Puts a volume whose deletion failed back into service, as a fresh entry (its old stop
     /// signal has fired).
     fn reinstate(&self, old: &VolumeEntry, volume: Result<Arc<Volume>, String>) {
@@ -1559,6 +1580,10 @@ impl Daemon {
             .map(|e| e.record.clone())
             .collect();
         for rec in broken {
+            // Still down: nothing to try (and no reason to hold up admin operations).
+            if self.store(&rec.datastore).is_err() {
+                continue;
+            }
             // One admin operation at a time: a delete must not free the storage, or a create
             // take the name, while this opens the volume and starts its replay.
             let _admin = self.admin.lock().await;
