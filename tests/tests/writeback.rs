@@ -183,11 +183,13 @@ fn policy_changes_under_io_lose_nothing() {
     assert!(v.terminate().success());
     v.launch();
     assert_eq!(show(&v, "p")["policy"], "wb");
-    let e = v.vesta_err(&["volume", "policy", "p", "wbp:2"]);
+    let e = v.vesta_err(&["volume", "policy", "p", "wbp:2", "--rpo", "9"]);
     assert!(
         e.contains("needs peer hosts") && e.contains("[cluster] etcd"),
         "{e}"
     );
+    // A refused change changes nothing, tuning included.
+    assert_eq!(show(&v, "p")["tuning"]["rpo_s"], 2.0);
 }
 
 #[test]

@@ -1479,27 +1479,33 @@ impl Daemon {
             .clone();
         let policy: Policy = req.policy.parse().map_err(OpError::BadRequest)?;
         self.check_cache_for(policy)?;
-        let tuning = tuning_from(volume.tuning(), req.hold_s, req.max_dirty_age_s, req.rpo_s)?;
+        let old_tuning = volume.tuning();
+        let tuning = tuning_from(old_tuning, req.hold_s, req.max_dirty_age_s, req.rpo_s)?;
+        if matches!(policy, Policy::Wbp { .. }) && self.coord.kind() == "local" {
+            return Err(OpError::BadRequest(format!(
+                "policy {policy} needs peer hosts: configure a cluster ([cluster] etcd) with \
+                 enough other hosts"
+            )));
+        }
         volume.set_tuning(tuning);
-        if let Policy::Wbp { .. } = policy {
-            if self.coord.kind() == "local" {
-                return Err(OpError::BadRequest(format!(
-                    "policy {policy} needs peer hosts: configure a cluster ([cluster] etcd) \
-                     with enough other hosts"
-                )));
-            }
+        let switched = if let Policy::Wbp { .. } = policy {
             crate::peers::establish(self, name, &volume, policy)
                 .await
-                .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+                .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))
         } else {
             // Leaving wbp (or any switch): the vault says so before the volume switches.
-            let hook = crate::peers::switch_hook(self, volume.id(), policy)
-                .await
-                .map_err(OpError::Unavailable)?;
-            volume
-                .set_policy_with(policy, None, Some(hook))
-                .await
-                .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}")))?;
+            match crate::peers::switch_hook(self, volume.id(), policy).await {
+                Ok(hook) => volume
+                    .set_policy_with(policy, None, Some(hook))
+                    .await
+                    .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}"))),
+                Err(e) => Err(OpError::Unavailable(e)),
+            }
+        };
+        if let Err(e) = switched {
+            // The record keeps the old tuning, and so does the volume.
+            volume.set_tuning(old_tuning);
+            return Err(e);
         }
         *entry.wanted.lock().expect("lock") = policy;
         // The record follows the volume only once the change is complete: a crash before that
