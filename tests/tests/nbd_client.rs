@@ -6,6 +6,19 @@ use nbd::client::{Client, ClientError};
 use nbd::uri::NbdUri;
 use vesta_tests::Nbdkit;
 
+/// Waits (up to 5 s) until `read_works` says a read goes through again: requests notice a
+/// restarted server's dead connection and reconnect once the new one accepts.
+async fn reconnected<F: std::future::Future<Output = bool>>(mut read_works: impl FnMut() -> F) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !read_works().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the client should reconnect"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -64,14 +77,7 @@ fn a_lost_write_fails_the_next_flush_of_every_user_of_the_client() {
             .await
             .unwrap();
         k.restart();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while c.read(0, 512).await.is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the client should reconnect"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        reconnected(|| async { c.read(0, 512).await.is_ok() }).await;
         for (who, seen) in [("y", &y), ("x", &x)] {
             match c.flush_for(seen, true).await {
                 Err(ClientError::Server(nbd::Errno::EIO)) => {}
@@ -162,14 +168,7 @@ fn a_lost_write_reaches_the_volumes_clients_and_spares_a_volume_with_none_unflus
             .await
             .unwrap();
         k.restart();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while a.read(0, 512).await.is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the client should reconnect"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        reconnected(|| async { a.read(0, 512).await.is_ok() }).await;
         let eio = |r: std::io::Result<()>| r.is_err_and(|e| e.raw_os_error() == Some(libc::EIO));
         assert!(
             eio(a.flush_internal().await),
@@ -200,14 +199,7 @@ fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
             .unwrap();
         k.restart();
         // Requests notice the dead connection and reconnect (once the new server accepts).
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while c.read(0, 512).await.is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the client should reconnect"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        reconnected(|| async { c.read(0, 512).await.is_ok() }).await;
         match c.flush().await {
             Err(ClientError::Server(nbd::Errno::EIO)) => {}
             other => panic!("flush after losing unflushed writes must fail with EIO: {other:?}"),
@@ -222,14 +214,7 @@ fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
             .await
             .unwrap();
         k.restart();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while c.read(0, 512).await.is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the client should reconnect"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        reconnected(|| async { c.read(0, 512).await.is_ok() }).await;
         c.flush().await.unwrap();
     });
 }

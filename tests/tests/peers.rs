@@ -21,6 +21,31 @@ fn host(etcd: &Etcd, name: &str, fault_domain: &str, ip: &str, lun: &Nbdkit) -> 
     etcd.host(lun, Host::new(name, fault_domain, ip))
 }
 
+/// A host whose peer listener other hosts reach only through a fault proxy on `proxy_ip`.
+fn host_behind_proxy(
+    etcd: &Etcd,
+    name: &str,
+    fault_domain: &str,
+    ip: &str,
+    proxy_ip: &str,
+    lun: &Nbdkit,
+) -> (Vestad, vesta_tests::proxy::FaultProxy) {
+    let listen = format!("{ip}:{}", vesta_tests::free_port());
+    let proxy = vesta_tests::proxy::FaultProxy::start(proxy_ip, &listen);
+    let cluster = format!(
+        "peer_listen = \"{listen}\"\npeer_advertise = \"{}\"\n",
+        proxy.addr
+    );
+    let v = etcd.host(
+        lun,
+        Host {
+            cluster: &cluster,
+            ..Host::new(name, fault_domain, ip)
+        },
+    );
+    (v, proxy)
+}
+
 /// An 8 MiB volume whose destaging is held back (600 s): what it is written stays dirty in
 /// the owner's cache and the peers' replicas until something forces it out.
 fn create_held(v: &Vestad, name: &str, policy: &str) {
@@ -340,18 +365,7 @@ fn a_replaying_peer_goes_no_further_than_the_peer_that_would_continue_it() {
     let lun = Nbdkit::start(128 << 20, &[], &[]);
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    let c_peer = format!("127.0.0.4:{}", vesta_tests::free_port());
-    let proxy = vesta_tests::proxy::FaultProxy::start("127.0.0.5", &c_peer);
-    let c = etcd.host(
-        &lun,
-        Host {
-            cluster: &format!(
-                "peer_listen = \"{c_peer}\"\npeer_advertise = \"{}\"\n",
-                proxy.addr
-            ),
-            ..Host::new("c", "rack2", "127.0.0.4")
-        },
-    );
+    let (c, proxy) = host_behind_proxy(&etcd, "c", "rack2", "127.0.0.4", "127.0.0.5", &lun);
     create_held(&a, "w", "wbp:2");
     wait_replicating(&a, "w", &["b", "c"]);
     qemu_io(&a.url("w"), &["write -P 1 0 64k"]);
@@ -666,18 +680,7 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
     let etcd = Etcd::start();
     let lun = Nbdkit::start(128 << 20, &[], &[]);
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
-    let b_peer = format!("127.0.0.3:{}", vesta_tests::free_port());
-    let proxy = vesta_tests::proxy::FaultProxy::start("127.0.0.5", &b_peer);
-    let b = etcd.host(
-        &lun,
-        Host {
-            cluster: &format!(
-                "peer_listen = \"{b_peer}\"\npeer_advertise = \"{}\"\n",
-                proxy.addr
-            ),
-            ..Host::new("b", "rack2", "127.0.0.3")
-        },
-    );
+    let (b, proxy) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
     create_held(&a, "w", "wbp:1:remote");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 1 0 1M"]);

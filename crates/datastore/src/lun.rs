@@ -489,11 +489,8 @@ mod tests {
         }
     }
 
-    /// A new volume's zeroes are flushed before the table that names it is written: over
-    /// NBD, the table's FUA covers only the table, and a server that loses its cache would
-    /// leave the new volume reading an old one's data.
-    #[tokio::test]
-    async fn a_new_volumes_zeroes_are_durable_before_the_table_names_it() {
+    /// A LUN formatted on a [`Watched`] memory device.
+    async fn watched_lun() -> (Arc<Watched>, LunDatastore) {
         let dev = Arc::new(Watched {
             inner: crate::device::MemDevice::new(64 << 20),
             ops: Default::default(),
@@ -505,12 +502,25 @@ mod tests {
         )
         .await
         .unwrap();
-        dev.ops.lock().unwrap().clear();
-        let v = VolumeSpec {
+        (dev, lun)
+    }
+
+    fn volume(name: &str) -> VolumeSpec {
+        VolumeSpec {
             id: Uuid::new_v4(),
-            name: "v".into(),
+            name: name.into(),
             size: 4 << 20,
-        };
+        }
+    }
+
+    /// A new volume's zeroes are flushed before the table that names it is written: over
+    /// NBD, the table's FUA covers only the table, and a server that loses its cache would
+    /// leave the new volume reading an old one's data.
+    #[tokio::test]
+    async fn a_new_volumes_zeroes_are_durable_before_the_table_names_it() {
+        let (dev, lun) = watched_lun().await;
+        dev.ops.lock().unwrap().clear();
+        let v = volume("v");
         lun.create_volume(&v).await.unwrap();
         let ops = dev.ops.lock().unwrap().clone();
         let zero = ops
@@ -531,24 +541,10 @@ mod tests {
     /// datastore's lock by then.
     #[tokio::test]
     async fn a_fenced_host_does_not_write_the_volume_table() {
-        let dev = Arc::new(Watched {
-            inner: crate::device::MemDevice::new(64 << 20),
-            ops: Default::default(),
-        });
-        let lun = LunDatastore::open_on(
-            dev.clone(),
-            spec(std::path::Path::new("watched")),
-            OpenMode::Add { force: false },
-        )
-        .await
-        .unwrap();
+        let (dev, lun) = watched_lun().await;
         lun.set_fence(Arc::new(crate::fence::Fence::closed()));
         dev.ops.lock().unwrap().clear();
-        let v = VolumeSpec {
-            id: Uuid::new_v4(),
-            name: "v".into(),
-            size: 4 << 20,
-        };
+        let v = volume("v");
         let Err(e) = lun.create_volume(&v).await else {
             panic!("a fenced host created a volume");
         };
@@ -579,16 +575,8 @@ mod tests {
         let b = LunDatastore::open(recorded, OpenMode::Reopen)
             .await
             .unwrap();
-        let v = VolumeSpec {
-            id: Uuid::new_v4(),
-            name: "v".into(),
-            size: 4 << 20,
-        };
-        let w = VolumeSpec {
-            id: Uuid::new_v4(),
-            name: "w".into(),
-            size: 4 << 20,
-        };
+        let v = volume("v");
+        let w = volume("w");
         a.create_volume(&v).await.unwrap();
         b.open_volume(&v).await.unwrap();
         a.delete_volume(&v).await.unwrap();

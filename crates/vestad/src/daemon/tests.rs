@@ -188,6 +188,19 @@ async fn create_and_stop(dir: &TempDir, coord: &Arc<FailingVault>) -> (Uuid, u64
     (id, gen)
 }
 
+/// Relocates volume `v` to datastore `other`, offline.
+async fn relocate_to_other(d: &Daemon) {
+    d.relocate(
+        "v",
+        api::Relocate {
+            datastore: "other".into(),
+            offline: true,
+        },
+    )
+    .await
+    .unwrap();
+}
+
 /// What a `wbp` owner that died leaves in the vault: peer b listed at generation `gen`.
 fn old_vault(id: Uuid, gen: u64) -> Vault {
     Vault {
@@ -274,15 +287,7 @@ async fn a_relocation_keeps_writes_held_until_the_vault_is_recorded() {
     coord.fail_vault.store(true, Ordering::SeqCst);
     let d = start(&dir, &coord).await;
     assert!(volume(&d, "v").writes_held());
-    d.relocate(
-        "v",
-        api::Relocate {
-            datastore: "other".into(),
-            offline: true,
-        },
-    )
-    .await
-    .unwrap();
+    relocate_to_other(&d).await;
     let v = volume(&d, "v");
     assert_eq!(d.entry("v").unwrap().record.datastore, "other");
     assert!(
@@ -429,15 +434,7 @@ async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() 
         .await
         .unwrap();
     coord.lose_update_answers.store(true, Ordering::SeqCst);
-    d.relocate(
-        "v",
-        api::Relocate {
-            datastore: "other".into(),
-            offline: true,
-        },
-    )
-    .await
-    .unwrap();
+    relocate_to_other(&d).await;
     coord.lose_update_answers.store(false, Ordering::SeqCst);
     assert_eq!(d.entry("v").unwrap().record.datastore, "other");
     drop(v);
