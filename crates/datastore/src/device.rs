@@ -38,17 +38,14 @@ pub trait Device: Send + Sync + 'static {
     fn describe(&self) -> String;
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes>;
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()>;
+    /// Makes every write the device answered durable. Writes it lost before (see
+    /// [`Device::losses`]) are not reported here: each user of the device decides whether
+    /// a loss concerns it ([`Extent::flush`](crate::Extent::flush), [`flush_since`]).
     async fn flush(&self) -> io::Result<()>;
-    /// [`Device::flush`] for one of several users of the device (each volume's extent): it
-    /// fails with EIO if writes were lost since this user last flushed and it `wrote` since
-    /// then, even when another user's flush was told first. `seen` starts at
-    /// [`Device::losses`].
-    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64, wrote: bool) -> io::Result<()> {
-        let _ = (seen, wrote);
-        self.flush().await
-    }
-    /// How many times acknowledged writes may have been lost so far (see
-    /// [`Device::flush_for`]); devices that never lose them say 0.
+    /// How many times written data the device answered for may have been lost so far (a
+    /// connection to an NBD datastore that died with acknowledged, unflushed writes); it
+    /// only grows, and is counted before any later [`Device::flush`] answers. Devices that
+    /// never lose answered writes say 0.
     fn losses(&self) -> u64 {
         0
     }
@@ -418,6 +415,16 @@ impl NbdDevice {
 }
 
 /// Maps NBD client errors to `io::Error`, keeping the server's errno where there is one.
+/// Flushes `dev` for a user whose writes since the device's loss count was `before` must
+/// all be durable: EIO if a loss was counted since (it may have taken one of them).
+pub async fn flush_since(dev: &dyn Device, before: u64) -> io::Result<()> {
+    dev.flush().await?;
+    if dev.losses() != before {
+        return Err(io::Error::from_raw_os_error(libc::EIO));
+    }
+    Ok(())
+}
+
 pub fn to_io(e: ClientError) -> io::Error {
     match e {
         ClientError::Server(errno) => {
@@ -474,11 +481,7 @@ impl Device for NbdDevice {
     }
 
     async fn flush(&self) -> io::Result<()> {
-        self.client.flush().await.map_err(to_io)
-    }
-
-    async fn flush_for(&self, seen: &std::sync::atomic::AtomicU64, wrote: bool) -> io::Result<()> {
-        self.client.flush_for(seen, wrote).await.map_err(to_io)
+        self.client.flush_acked().await.map_err(to_io)
     }
 
     fn losses(&self) -> u64 {

@@ -13,6 +13,7 @@ pub mod device;
 pub mod dir;
 pub mod fence;
 pub mod label;
+mod losses;
 pub mod lun;
 pub mod stats;
 
@@ -320,15 +321,8 @@ pub struct Extent {
     size: u64,
     gate: Arc<Gate>,
     /// Who flushes this extent ([`Extent::flush`], [`Extent::flush_internal`]), shared by
-    /// its clones: each hears once of every write the device lost that it may have had.
-    flushers: Arc<[Flusher; 2]>,
-}
-
-/// One of an extent's flushers: the device's write losses it was told of
-/// ([`Device::flush_for`]), and whether the extent wrote since its last flush succeeded.
-struct Flusher {
-    seen: std::sync::atomic::AtomicU64,
-    wrote: std::sync::atomic::AtomicBool,
+    /// its clones: each hears of every write the device lost that it covered ([`losses`]).
+    flushers: Arc<[losses::Flusher; 2]>,
 }
 
 /// The volume's clients: FLUSH, and FUA on a zeroing or trim.
@@ -338,12 +332,8 @@ const INTERNAL: usize = 1;
 
 impl Extent {
     pub fn new(dev: Arc<dyn Device>, base: u64, size: u64, gate: Arc<Gate>) -> Extent {
-        let flusher = || Flusher {
-            seen: std::sync::atomic::AtomicU64::new(dev.losses()),
-            wrote: std::sync::atomic::AtomicBool::new(false),
-        };
         Extent {
-            flushers: Arc::new([flusher(), flusher()]),
+            flushers: Arc::new(Default::default()),
             dev,
             base,
             size,
@@ -351,27 +341,33 @@ impl Extent {
         }
     }
 
-    /// Notes a write, zeroing or trim done (or tried) through this extent: the next flush of
-    /// each flusher covers it. Noted after the device answered, so a flush that began before
-    /// (and may not cover it) does not take the note.
-    fn wrote(&self) {
+    /// What a write, zeroing or trim notes before it is sent: the device's loss count, so
+    /// a loss counted later is known to maybe have taken it ([`losses`]).
+    fn sending(&self) -> u64 {
+        self.dev.losses()
+    }
+
+    /// Notes a write, zeroing or trim done (or tried) through this extent, sent at loss
+    /// count `sent`: the next flush of each flusher covers it. Noted after the device
+    /// answered, so a flush that began before (and may not cover it) does not take the note.
+    fn wrote(&self, sent: u64) {
         for f in self.flushers.iter() {
-            f.wrote.store(true, std::sync::atomic::Ordering::SeqCst);
+            f.wrote(sent);
         }
     }
 
     async fn flush_as(&self, who: usize) -> io::Result<()> {
-        use std::sync::atomic::Ordering::SeqCst;
         let f = &self.flushers[who];
-        let wrote = f.wrote.swap(false, SeqCst);
-        let r = self
-            .gate
-            .run(Op::Flush, 0, self.dev.flush_for(&f.seen, wrote))
-            .await;
-        if r.is_err() && wrote {
-            f.wrote.store(true, SeqCst);
+        let flush = f.begin();
+        let r = self.gate.run(Op::Flush, 0, self.dev.flush()).await;
+        // Read after the FLUSH answered: a connection that died before it did is counted.
+        let lost = r.is_ok() && flush.may_have_lost(self.dev.losses());
+        f.end(flush, r.is_ok());
+        r?;
+        if lost {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
         }
-        r
+        Ok(())
     }
 
     pub fn size(&self) -> u64 {
@@ -408,19 +404,23 @@ impl Extent {
         let at = self.check(offset, data.len() as u64)?;
         let n = data.len() as u64;
         self.gate.stats.locate(Op::Write, at, n);
+        let sent = self.sending();
         let r = self
             .gate
             .run(Op::Write, n, self.dev.write_at(at, data, fua))
             .await;
-        self.wrote();
+        // A FUA write the device answered is durable: no loss can take it.
+        if !(fua && r.is_ok()) {
+            self.wrote(sent);
+        }
         r
     }
 
     /// Makes every write through the extent durable, for the volume's clients. Fails with
-    /// EIO once for each write loss of the device (a connection to an NBD datastore that
-    /// died with acknowledged, unflushed writes) that may have taken a write of this extent,
-    /// even when another volume, or Vesta's own flushes ([`Extent::flush_internal`]), heard
-    /// of it first.
+    /// EIO if the device lost writes (a connection to an NBD datastore died with
+    /// acknowledged, unflushed writes) that may include one this flush covers and no earlier
+    /// flush reported: every flush running at the time reports it, even when another volume,
+    /// or Vesta's own flushes ([`Extent::flush_internal`]), heard of it first ([`losses`]).
     pub async fn flush(&self) -> io::Result<()> {
         self.flush_as(CLIENTS).await
     }
@@ -433,18 +433,20 @@ impl Extent {
 
     pub async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
         let at = self.check(offset, len)?;
+        let sent = self.sending();
         let r = self.gate.run(Op::Trim, 0, self.dev.trim(at, len)).await;
-        self.wrote();
+        self.wrote(sent);
         r
     }
 
     pub async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
         let at = self.check(offset, len)?;
+        let sent = self.sending();
         let r = self
             .gate
             .run(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, may_trim))
             .await;
-        self.wrote();
+        self.wrote(sent);
         r
     }
 
@@ -460,6 +462,7 @@ impl Extent {
             Ok(at) => at,
             Err(e) => return (Err(e), Duration::ZERO),
         };
+        let sent = self.sending();
         let r = match data {
             Some(d) => {
                 self.gate.stats.locate(Op::Write, at, len);
@@ -473,7 +476,7 @@ impl Extent {
                     .await
             }
         };
-        self.wrote();
+        self.wrote(sent);
         r
     }
 }
@@ -507,6 +510,7 @@ impl Extent {
             }
             at.push(w);
         }
+        let sent = self.sending();
         let r = self
             .gate
             .run_batch_timed(
@@ -514,7 +518,7 @@ impl Extent {
                 self.dev.write_batch(at, self.gate.fence.get().cloned()),
             )
             .await;
-        self.wrote();
+        self.wrote(sent);
         r
     }
 }

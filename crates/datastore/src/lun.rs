@@ -264,6 +264,7 @@ impl LunDatastore {
 }
 
 async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
+    let before = dev.losses();
     // Clear both table slots first so a stale table from an earlier life is never read back.
     for off in label::TABLE_SLOT_OFFSETS {
         dev.write_zeroes(off, label::TABLE_SLOT_LEN as u64, false)
@@ -276,11 +277,11 @@ async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
         false,
     )
     .await?;
-    dev.flush().await?;
+    crate::device::flush_since(dev, before).await?;
     // The label goes last: a device with a label always has a valid table.
     dev.write_at(0, bytes::Bytes::from(l.encode()), true)
         .await?;
-    dev.flush().await
+    crate::device::flush_since(dev, before).await
 }
 
 #[async_trait]
@@ -343,7 +344,7 @@ impl Datastore for LunDatastore {
         };
         self.unfenced(&format!("zero new volume {:?}", v.name))?;
         // Losses before now took no write of this volume.
-        let seen = std::sync::atomic::AtomicU64::new(self.dev.losses());
+        let before = self.dev.losses();
         // A new volume reads as zeroes, not as whatever an earlier volume left there; and
         // durably so before the table names it (the table's FUA write covers only itself on
         // an NBD target, whose server may lose its cache).
@@ -351,8 +352,7 @@ impl Datastore for LunDatastore {
             .write_zeroes(offset, v.size, true)
             .await
             .map_err(io_err(format!("zero new volume {:?}", v.name)))?;
-        self.dev
-            .flush_for(&seen, true)
+        crate::device::flush_since(&*self.dev, before)
             .await
             .map_err(io_err(format!(
                 "flush the zeroes of new volume {:?}",

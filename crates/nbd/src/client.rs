@@ -93,8 +93,8 @@ struct Durability {
     write_seq: AtomicU64,
     flushed_upto: AtomicU64,
     /// How many times a connection died holding acknowledged, unflushed writes. Each user of
-    /// the client (every volume on a LUN shares it) learns of each loss at its next flush
-    /// ([`Client::flush_for`]), not just the first to flush.
+    /// the client (every volume on a LUN shares it) must learn of each loss that may have
+    /// taken one of its writes, not just the first to flush.
     losses: AtomicU64,
 }
 
@@ -136,9 +136,12 @@ impl Live {
         let drained: Vec<Pending> = {
             let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             self.dead.store(true, Ordering::SeqCst);
+            // Counted under the lock: whoever replaces this connection takes the lock first
+            // ([`Client::live`]), so no FLUSH on its successor can answer before the loss is
+            // counted.
+            self.dur.note_loss(self.max_acked.load(Ordering::SeqCst));
             p.drain().map(|(_, v)| v).collect()
         };
-        self.dur.note_loss(self.max_acked.load(Ordering::SeqCst));
         for p in drained {
             let _ = p.tx.send(Err(ClientError::Disconnected(why.to_owned())));
         }
@@ -208,6 +211,8 @@ impl Client {
             if !l.dead.load(Ordering::SeqCst) {
                 return Ok(l.clone());
             }
+            // Waits for `fail` to have counted the dead connection's losses.
+            drop(l.pending.lock().unwrap_or_else(|e| e.into_inner()));
         }
         let (export, live) = open_live(&self.uri, &self.dur).await?;
         if export.size != self.export.size {
@@ -337,6 +342,8 @@ impl Client {
             0
         };
         let max = self.max_chunk() as usize;
+        // With FUA emulated by a FLUSH, a loss counted from here on may have taken the write.
+        let before = self.losses();
         let mut done = 0usize;
         while done < data.len() {
             let n = (data.len() - done).min(max);
@@ -352,32 +359,37 @@ impl Client {
             done += n;
         }
         if fua && !send_fua {
-            self.flush().await?;
+            self.flush_acked().await?;
+            if self.losses() != before {
+                return Err(ClientError::Server(Errno::EIO));
+            }
         }
         Ok(())
     }
 
     /// Makes every acknowledged write durable, or fails with EIO if some acknowledged write
-    /// may have been lost with a connection (reported once, like a failed `fsync`). For a
-    /// client with several users, each keeps its own count ([`Client::flush_for`]).
+    /// may have been lost with a connection since the last flush that said so (each loss
+    /// is reported once, like a failed `fsync`, to whichever flush ends first). For a
+    /// client shared by several users, or flushes that run at once, use
+    /// [`Client::flush_acked`] and [`Client::losses`], and decide per user.
     pub async fn flush(&self) -> Result<(), ClientError> {
-        self.flush_for(&self.seen, true).await
+        self.flush_acked().await?;
+        let losses = self.losses();
+        if self.seen.swap(losses, Ordering::SeqCst) != losses {
+            return Err(ClientError::Server(Errno::EIO));
+        }
+        Ok(())
     }
 
-    /// [`Client::flush`] for one of the client's users, whose `seen` holds the number of
-    /// losses it was told of ([`Client::losses`] when it started): each user hears of each
-    /// loss once, if it `wrote` since its last flush that succeeded (before that, all its
-    /// writes were durable, so no loss can have taken one).
-    pub async fn flush_for(&self, seen: &AtomicU64, wrote: bool) -> Result<(), ClientError> {
+    /// FLUSH: makes every write acknowledged so far durable. It says nothing of writes
+    /// lost before it ran: a connection that died with acknowledged, unflushed writes is
+    /// counted in [`Client::losses`] before this returns.
+    pub async fn flush_acked(&self) -> Result<(), ClientError> {
         let covered = self.dur.write_seq.load(Ordering::SeqCst);
         if self.export.flags & proto::FLAG_SEND_FLUSH != 0 {
             self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
         }
         self.dur.flushed_upto.fetch_max(covered, Ordering::SeqCst);
-        let losses = self.dur.losses.load(Ordering::SeqCst);
-        if seen.swap(losses, Ordering::SeqCst) != losses && wrote {
-            return Err(ClientError::Server(Errno::EIO));
-        }
         Ok(())
     }
 
