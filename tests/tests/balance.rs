@@ -473,7 +473,7 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
     let e = v.vesta_err(&["volume", "relocate", "k", "--datastore", "src", "--offline"]);
     assert!(e.contains("under way") || e.contains("relocating"), "{e}");
     let e = v.vesta_err(&["volume", "delete", "k", "--force"]);
-    assert!(e.contains("being relocated"), "{e}");
+    assert!(e.contains("relocation under way"), "{e}");
     v.vesta_ok(&[
         "volume",
         "create",

@@ -198,6 +198,8 @@ fn now_unix() -> u64 {
 
 /// How long a delete waits for the volume's in-flight datastore IO to finish.
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
+/// How long a delete waits for another change of its volume to finish before it is refused.
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
 
 impl Daemon {
     /// Opens every datastore and volume the coordinator records, adding configured datastores
@@ -1101,6 +1103,30 @@ impl Daemon {
         })
     }
 
+    /// [`Daemon::claim`], waiting up to `wait` for a claim of the once-a-second round to go
+    /// (usually short); an operator's relocation or policy change refuses at once.
+    async fn claim_within(
+        &self,
+        name: &str,
+        what: &'static str,
+        wait: Duration,
+    ) -> OpResult<Busy<'_>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let r = self.claim(name, what);
+            let by_operator = || {
+                matches!(
+                    self.busy.lock().expect("lock").get(name),
+                    Some(&"relocation" | &"policy change")
+                )
+            };
+            if r.is_ok() || std::time::Instant::now() >= deadline || by_operator() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Relocations done since start, for the planner's ping-pong rule.
     pub fn recent_moves(&self) -> Vec<balance::RecentMove> {
         self.recent_moves.lock().expect("lock").clone()
@@ -1351,13 +1377,12 @@ impl Daemon {
     /// them off. The volume is revoked and its in-flight datastore IO drained before its
     /// storage is freed, so no late write can land in a volume created there afterwards.
     pub async fn delete_volume(&self, name: &str, force: bool) -> OpResult<api::VolumeInfo> {
+        // One change per volume at a time: a policy change, relocation or peer change still
+        // running would write the volume (a drain, a copy) or its vault record after the
+        // delete. Taken before the admin lock, as they take it.
+        let _busy = self.claim_within(name, "delete", CLAIM_WAIT).await?;
         let _admin = self.admin.lock().await;
         let entry = self.local_entry(name).await?;
-        if self.busy.lock().expect("lock").get(name) == Some(&"relocation") {
-            return Err(OpError::Conflict(format!(
-                "volume {name:?} is being relocated; delete it once the relocation completes"
-            )));
-        }
         let n = entry.connections();
         if n > 0 && !force {
             return Err(OpError::Conflict(format!(

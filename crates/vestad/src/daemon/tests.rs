@@ -446,3 +446,42 @@ async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() 
     let got = v.read(8192, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 4), "the relocated data");
 }
+
+/// A delete waits for another change of the volume and is refused if it goes on: a policy
+/// change still draining, or a peer change, would write the volume's storage or its vault
+/// record after the delete freed them. A short claim (the once-a-second round's) is waited
+/// out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
+    let dir = TempDir::new("deleteclaim");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let file = dir.0.join("ds");
+    let files = || std::fs::read_dir(&file).unwrap().count();
+    let before = files();
+    {
+        let _busy = d.try_claim("v", "policy change").unwrap();
+        let e = d.delete_volume("v", true).await.unwrap_err();
+        assert!(e.to_string().contains("policy change under way"), "{e}");
+        assert!(d.entry("v").is_ok(), "the volume is still known");
+        assert_eq!(files(), before, "its storage is kept");
+        assert!(
+            d.try_claim("v", "vault record").is_none(),
+            "the refused delete left the other change's claim alone"
+        );
+    }
+    // A claim given up within the wait: the delete goes ahead.
+    let busy = d.try_claim("v", "vault record").unwrap();
+    let d2 = d.clone();
+    let deleting = tokio::spawn(async move { d2.delete_volume("v", true).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!deleting.is_finished(), "the delete waits for the claim");
+    drop(busy);
+    deleting.await.unwrap().unwrap();
+    assert!(files() < before, "deleted");
+    assert!(
+        d.try_claim("v", "policy change").is_some(),
+        "the delete gave its own claim back"
+    );
+}
