@@ -187,13 +187,23 @@ impl FileDevice {
     /// Creates a new sparse file of `size` bytes; fails if the path exists, and leaves nothing
     /// behind if it fails after creating the file.
     pub fn create(path: &Path, size: u64) -> io::Result<FileDevice> {
+        FileDevice::create_with(path, size, |_| Ok(()))
+    }
+
+    /// [`FileDevice::create`], running `prepare` on the new, empty file first (before it is
+    /// sized and synced, so what it sets is durable with the file).
+    pub fn create_with(
+        path: &Path,
+        size: u64,
+        prepare: impl FnOnce(&File) -> io::Result<()>,
+    ) -> io::Result<FileDevice> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(path)?;
-        let sized = file
-            .set_len(size)
+        let sized = prepare(&file)
+            .and_then(|_| file.set_len(size))
             .and_then(|_| file.sync_all())
             .and_then(|_| match path.parent() {
                 Some(dir) => File::open(dir)?.sync_all(),

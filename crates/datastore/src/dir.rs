@@ -1,5 +1,8 @@
 //! Kind `dir`: a directory (local disk or a shared filesystem such as NFS) in which each volume
-//! is a sparse raw image file named `<volume>.raw`, readable by any tool.
+//! is a sparse raw image file named `<volume>.raw`, readable by any tool. Each file is tagged
+//! with its volume's id (extended attribute `user.vesta.volume`, where the file system has
+//! them), so a copy left by an interrupted relocation, or a datastore added again, is known
+//! by the volume it holds.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
@@ -72,6 +75,42 @@ impl DirDatastore {
     }
 }
 
+/// The extended attribute that names the volume an image file was created for.
+const TAG: &std::ffi::CStr = c"user.vesta.volume";
+
+/// Tags a new image file with its volume's id. A file system without user extended
+/// attributes (some NFS servers) gets no tag: the volume works the same, but a copy an
+/// interrupted relocation left there is not recognized (the retry says so, and names it).
+fn tag(file: &std::fs::File, id: uuid::Uuid) -> std::io::Result<()> {
+    use std::os::unix::io::AsRawFd;
+    let v = id.to_string();
+    // SAFETY: the name is a valid C string and the value a live buffer of the length given.
+    let r = unsafe {
+        libc::fsetxattr(
+            file.as_raw_fd(),
+            TAG.as_ptr(),
+            v.as_ptr().cast(),
+            v.len(),
+            0,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        tracing::debug!("image file not tagged with volume {id}: {e}");
+    }
+    Ok(())
+}
+
+/// The volume an image file was created for, if it was tagged ([`tag`]).
+fn tag_of(path: &Path) -> Option<uuid::Uuid> {
+    let c = CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut buf = [0u8; 64];
+    // SAFETY: both are valid C strings; the buffer is ours and its length is given.
+    let n = unsafe { libc::getxattr(c.as_ptr(), TAG.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = usize::try_from(n).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.parse().ok()
+}
+
 fn statvfs(path: &Path) -> std::io::Result<Capacity> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::other("path contains NUL"))?;
@@ -122,8 +161,8 @@ impl Datastore for DirDatastore {
         if i64::try_from(size).is_err() {
             return Err(too_large());
         }
-        let f = file.clone();
-        let dev = blocking(move || FileDevice::create(&f, size))
+        let (f, id) = (file.clone(), v.id);
+        let dev = blocking(move || FileDevice::create_with(&f, size, |file| tag(file, id)))
             .await
             .map_err(|e| {
                 if e.kind() == std::io::ErrorKind::AlreadyExists {
@@ -174,6 +213,38 @@ impl Datastore for DirDatastore {
             )));
         }
         Ok(Extent::new(Arc::new(dev), 0, v.size, self.gate.clone()))
+    }
+
+    /// The image files tagged with the volume they were created for: what an interrupted
+    /// relocation left is known by its volume's id and removed when the relocation is retried.
+    async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
+        let dir = self.path.clone();
+        blocking(move || {
+            let mut found = Vec::new();
+            for e in std::fs::read_dir(&dir)? {
+                let e = e?;
+                let path = e.path();
+                let Some(name) = path
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .and_then(|n| n.strip_suffix(".raw"))
+                else {
+                    continue;
+                };
+                if crate::check_name("volume", name).is_err() {
+                    continue;
+                }
+                let Some(id) = tag_of(&path) else { continue };
+                found.push(VolumeSpec {
+                    id,
+                    name: name.to_owned(),
+                    size: e.metadata()?.len(),
+                });
+            }
+            Ok(found)
+        })
+        .await
+        .map_err(io_err(format!("list {}", self.path.display())))
     }
 
     async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {

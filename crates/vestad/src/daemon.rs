@@ -884,8 +884,9 @@ impl Daemon {
         Ok(datastore_info(&spec, "ok".into(), cap, n))
     }
 
-    /// A re-added LUN brings its volumes back: each volume in its table that the coordinator
-    /// does not know is recorded again (policy `uncached`), unless its name is taken.
+    /// A re-added datastore brings its volumes back: each volume in a LUN's table, or image
+    /// file of a `dir` tagged with its volume's id, that the coordinator does not know is
+    /// recorded again (policy `uncached`), unless its name is taken.
     async fn import_recorded_volumes(&self, store: &Arc<dyn Datastore>) {
         let Ok(found) = store.recorded_volumes().await else {
             return;

@@ -485,3 +485,90 @@ async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
         "the delete gave its own claim back"
     );
 }
+
+/// A relocation to a `dir` datastore cut short leaves its copy there, tagged with the
+/// volume's id: the retry knows it for what it is, removes it and completes (before, it
+/// failed with "already exists" until the operator removed the file). A file of that name
+/// not made for this volume is left alone and named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_retried_after_a_crash_replaces_its_own_stale_copy_on_a_dir() {
+    let dir = TempDir::new("stalecopy");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let v = volume(&d, "v");
+    v.write(8192, Bytes::from(vec![6u8; 4096]), true)
+        .await
+        .unwrap();
+    let spec = d.entry("v").unwrap().record.spec();
+    let stale = dir.0.join("ds2").join("v.raw");
+
+    // Someone else's file of that name: refused, and kept.
+    std::fs::write(&stale, b"not a volume").unwrap();
+    let e = d
+        .relocate(
+            "v",
+            api::Relocate {
+                datastore: "other".into(),
+                offline: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already exists"), "{e}");
+    assert_eq!(std::fs::read(&stale).unwrap(), b"not a volume");
+    std::fs::remove_file(&stale).unwrap();
+
+    // What a crash in the middle of the copy leaves: the volume's own copy, half written.
+    let copy = d
+        .store("other")
+        .unwrap()
+        .create_volume(&spec)
+        .await
+        .unwrap();
+    copy.write(8192, Bytes::from(vec![1u8; 4096]), true)
+        .await
+        .unwrap();
+    drop(copy);
+    relocate_to_other(&d).await;
+    assert_eq!(d.entry("v").unwrap().record.datastore, "other");
+    let got = volume(&d, "v").read(8192, 4096).await.unwrap();
+    assert!(
+        got.iter().all(|b| *b == 6),
+        "the volume's data, not the stale copy's"
+    );
+}
+
+/// A `dir` datastore added to a host that does not know its volumes (its state was lost)
+/// brings them back, as a LUN does: its image files name their volumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dir_datastore_added_again_brings_its_volumes_back() {
+    let dir = TempDir::new("dirimport");
+    let coord = coordinator(&dir);
+    let (id, _) = create_and_stop(&dir, &coord).await;
+    {
+        let d = start(&dir, &coord).await;
+        volume(&d, "v")
+            .write(4096, Bytes::from(vec![3u8; 4096]), true)
+            .await
+            .unwrap();
+    }
+    let fresh = TempDir::new("dirimport-host");
+    let coord = coordinator(&fresh);
+    let d = start(&fresh, &coord).await;
+    assert!(d.entry("v").is_err(), "a new host knows no volume yet");
+    d.add_datastore(api::AddDatastore {
+        name: "old".into(),
+        dir: Some(dir.0.join("ds").display().to_string()),
+        lun: None,
+        class: None,
+        queue_depth: None,
+        force: false,
+    })
+    .await
+    .unwrap();
+    let e = d.entry("v").unwrap();
+    assert_eq!((e.record.id, e.record.datastore.as_str()), (id, "old"));
+    let got = volume(&d, "v").read(4096, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 3));
+}
