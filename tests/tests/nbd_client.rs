@@ -98,6 +98,140 @@ fn two_flushes_in_flight_on_one_volume_both_hear_of_a_lost_write() {
     });
 }
 
+/// A unix-socket proxy in front of nbdkit whose connections a test can hold silent (no
+/// byte through, no end: a server host that died) and then close, one by one, in the order
+/// they were accepted.
+struct UnixProxy {
+    path: std::path::PathBuf,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<ProxyConn>>>,
+}
+
+struct ProxyConn {
+    silent: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sides: [std::os::unix::net::UnixStream; 2],
+}
+
+impl UnixProxy {
+    fn start(path: std::path::PathBuf, upstream: std::path::PathBuf) -> UnixProxy {
+        use std::os::unix::net::{UnixListener, UnixStream};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let l = UnixListener::bind(&path).unwrap();
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::<ProxyConn>::new()));
+        let cs = conns.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(c) = c else { continue };
+                let Ok(u) = UnixStream::connect(&upstream) else {
+                    continue;
+                };
+                let silent = std::sync::Arc::new(AtomicBool::new(false));
+                cs.lock().unwrap().push(ProxyConn {
+                    silent: silent.clone(),
+                    sides: [c.try_clone().unwrap(), u.try_clone().unwrap()],
+                });
+                for (mut from, mut to) in [(c.try_clone().unwrap(), u.try_clone().unwrap()), (u, c)]
+                {
+                    let silent = silent.clone();
+                    std::thread::spawn(move || {
+                        use std::io::{Read, Write};
+                        let mut buf = vec![0u8; 64 << 10];
+                        while let Ok(n @ 1..) = from.read(&mut buf) {
+                            while silent.load(Ordering::SeqCst) {
+                                std::thread::sleep(std::time::Duration::from_millis(10));
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        UnixProxy { path, conns }
+    }
+
+    fn uri(&self) -> String {
+        format!("nbd+unix:///?socket={}", self.path.display())
+    }
+
+    fn silence(&self, i: usize) {
+        let c = &self.conns.lock().unwrap()[i];
+        c.silent.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn close(&self, i: usize) {
+        for s in &self.conns.lock().unwrap()[i].sides {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A pool of two connections: a write acknowledged on the first, then the server dies, and
+/// the client notices on the second connection first (the first one hears nothing, as from a
+/// host that crashed). A FLUSH answered on the second connection's replacement reaches a new
+/// server, not the one that held the write: it must not count for it. Before, it did, and
+/// the flush returned OK at once; the write was never reported. Now the first connection gets
+/// a FLUSH of its own, which fails when that connection's end is found.
+#[test]
+fn a_flush_after_a_reconnect_covers_the_writes_of_every_connection() {
+    use datastore::device::NbdDevice;
+    use datastore::{Extent, Gate};
+    use std::sync::Arc;
+    let k = Nbdkit::start(16 << 20, &[], &[]);
+    let dir = vesta_tests::Scratch::new("unixproxy");
+    let upstream = k.uri().rsplit_once("socket=").unwrap().1.to_owned();
+    let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+    rt().block_on(async {
+        let uri = NbdUri::parse(&proxy.uri()).unwrap();
+        let dev = Arc::new(NbdDevice::connect(&uri, 2).await.unwrap());
+        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        // Requests take the pool's connections in turn: 0 (opened by connect), then 1.
+        a.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        a.read(0, 4096).await.unwrap();
+        a.read(0, 4096).await.unwrap();
+        assert_eq!(proxy.conns.lock().unwrap().len(), 2, "a pool of two");
+        proxy.silence(0);
+        proxy.close(1);
+        // Time for the client to notice the second connection's end, so that it is the
+        // one replaced (the first stays silent, and is not).
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let closer = std::thread::spawn({
+            let conns = proxy.conns.clone();
+            move || {
+                std::thread::sleep(std::time::Duration::from_secs(2));
+                for s in &conns.lock().unwrap()[0].sides {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        });
+        let r = tokio::time::timeout(std::time::Duration::from_secs(30), a.flush())
+            .await
+            .expect("the flush should end once the silent connection closes");
+        assert!(
+            r.is_err(),
+            "the write on the silent connection was taken as flushed"
+        );
+        closer.join().unwrap();
+        // That flush failed without an answer, so its write is still owed a report: the
+        // loss, once; then the client goes on with new connections.
+        let r = a.flush().await;
+        assert!(
+            r.as_ref()
+                .is_err_and(|e| e.raw_os_error() == Some(libc::EIO)),
+            "{r:?}"
+        );
+        a.flush().await.unwrap();
+        a.write(4096, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        a.flush().await.unwrap();
+    });
+    drop(proxy);
+}
+
 /// The datastore layer's fence reaches into the client: a write that waited out a
 /// reconnect is asked again right before it is sent, and one the guard refuses never
 /// reaches the server (a host whose lease lapsed meanwhile must not write).

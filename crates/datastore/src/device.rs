@@ -424,7 +424,6 @@ impl NbdDevice {
     }
 }
 
-/// Maps NBD client errors to `io::Error`, keeping the server's errno where there is one.
 /// Flushes `dev` for a user whose writes since the device's loss count was `before` must
 /// all be durable: EIO if a loss was counted since (it may have taken one of them).
 pub async fn flush_since(dev: &dyn Device, before: u64) -> io::Result<()> {
@@ -435,6 +434,7 @@ pub async fn flush_since(dev: &dyn Device, before: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Maps NBD client errors to `io::Error`, keeping the server's errno where there is one.
 pub fn to_io(e: ClientError) -> io::Error {
     match e {
         ClientError::Server(errno) => {

@@ -78,16 +78,14 @@ impl Flusher {
     }
 
     /// A flush ended. If its FLUSH succeeded (`answered`), its writes are durable or
-    /// reported by it; otherwise they stay for the next flush.
+    /// reported by it; otherwise they stay for the next flush (as they are: merging them
+    /// with the entries of earlier flushes still running would keep those flushes' writes
+    /// past their own success).
     pub(crate) fn end(&self, f: Flush, answered: bool) {
-        let mut u = self.lock();
-        let rest = u.taken.split_off(&(f.id + 1));
-        let mine = std::mem::replace(&mut u.taken, rest);
-        if !answered {
-            // Kept as one entry, so a long outage of failing flushes stays one entry.
-            if let Some(l) = mine.values().min() {
-                u.taken.insert(f.id, *l);
-            }
+        if answered {
+            let mut u = self.lock();
+            let rest = u.taken.split_off(&(f.id + 1));
+            u.taken = rest;
         }
     }
 
@@ -173,9 +171,24 @@ mod tests {
             let a = f.begin();
             f.end(a, false);
         }
-        assert_eq!(f.pending(), 1, "kept as one entry");
         assert!(flush(&f, 1));
         assert_eq!(f.pending(), 0);
+    }
+
+    #[test]
+    fn a_failed_flush_keeps_nothing_an_earlier_flush_answered_for() {
+        let f = Flusher::default();
+        f.wrote(0);
+        let a = f.begin();
+        let b = f.begin();
+        f.end(b, false);
+        f.end(a, true);
+        assert!(!a.may_have_lost(0));
+        assert_eq!(f.pending(), 0, "a answered for its writes");
+        assert!(
+            !flush(&f, 1),
+            "a later loss took nothing a flush had not answered for"
+        );
     }
 
     #[test]

@@ -86,26 +86,15 @@ pub struct Client {
     write_guard: std::sync::OnceLock<WriteGuard>,
 }
 
-/// Which acknowledged writes a FLUSH has covered. Writes are numbered as they are
-/// acknowledged; `flushed_upto` is the highest number known covered by a successful FLUSH.
+/// Which acknowledged writes may still be lost. Writes are numbered as they are acknowledged;
+/// each connection knows the newest it acknowledged and the newest a FLUSH on it covered.
 #[derive(Default)]
 struct Durability {
     write_seq: AtomicU64,
-    flushed_upto: AtomicU64,
     /// How many times a connection died holding acknowledged, unflushed writes. Each user of
     /// the client (every volume on a LUN shares it) must learn of each loss that may have
     /// taken one of its writes, not just the first to flush.
     losses: AtomicU64,
-}
-
-impl Durability {
-    /// Counts a loss if some write acknowledged on a connection (up to number `acked`) is
-    /// not covered by a FLUSH yet.
-    fn note_loss(&self, acked: u64) {
-        if acked > self.flushed_upto.load(Ordering::SeqCst) {
-            self.losses.fetch_add(1, Ordering::SeqCst);
-        }
-    }
 }
 
 struct Pending {
@@ -128,9 +117,26 @@ struct Live {
     dur: Arc<Durability>,
     /// Number of the newest write acknowledged on this connection without FUA.
     max_acked: AtomicU64,
+    /// Number of the newest write a FLUSH answered on this connection covered. Only a FLUSH
+    /// on the connection itself counts: another connection of the pool may reach a server
+    /// that restarted (its cache gone) while this one has not noticed yet.
+    flushed: AtomicU64,
 }
 
 impl Live {
+    /// Counts a loss if a write acknowledged here (up to number `acked`) is not covered by
+    /// a FLUSH on this connection.
+    fn note_loss(&self, acked: u64) {
+        if acked > self.flushed.load(Ordering::SeqCst) {
+            self.dur.losses.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Waits until a `fail` that marked the connection dead has counted its losses.
+    fn counted(&self) {
+        drop(self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
     /// Marks the connection dead and fails everything in flight on it.
     fn fail(&self, why: &str) {
         let drained: Vec<Pending> = {
@@ -139,7 +145,7 @@ impl Live {
             // Counted under the lock: whoever replaces this connection takes the lock first
             // ([`Client::live`]), so no FLUSH on its successor can answer before the loss is
             // counted.
-            self.dur.note_loss(self.max_acked.load(Ordering::SeqCst));
+            self.note_loss(self.max_acked.load(Ordering::SeqCst));
             p.drain().map(|(_, v)| v).collect()
         };
         for p in drained {
@@ -211,8 +217,7 @@ impl Client {
             if !l.dead.load(Ordering::SeqCst) {
                 return Ok(l.clone());
             }
-            // Waits for `fail` to have counted the dead connection's losses.
-            drop(l.pending.lock().unwrap_or_else(|e| e.into_inner()));
+            l.counted();
         }
         let (export, live) = open_live(&self.uri, &self.dur).await?;
         if export.size != self.export.size {
@@ -257,7 +262,7 @@ impl Client {
             // looked at `max_acked` before this write was counted: then it is counted here
             // (`fail` marks the connection dead before it reads, this reads after counting).
             if live.dead.load(Ordering::SeqCst) {
-                self.dur.note_loss(n);
+                live.note_loss(n);
             }
         }
         r
@@ -272,42 +277,8 @@ impl Client {
         len: u32,
         payload: Option<Bytes>,
     ) -> Result<Bytes, ClientError> {
-        let cookie = live.next_cookie.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        {
-            let mut p = live.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if live.dead.load(Ordering::SeqCst) {
-                return Err(ClientError::Disconnected("connection failed".into()));
-            }
-            let read_len = if kind == proto::CMD_READ { len } else { 0 };
-            p.insert(cookie, Pending { read_len, tx });
-        }
-        let mut b = BytesMut::with_capacity(proto::REQUEST_LEN);
-        Request {
-            flags,
-            kind,
-            cookie,
-            offset,
-            len,
-        }
-        .encode(&mut b);
-        let mut header = [0u8; proto::REQUEST_LEN];
-        header.copy_from_slice(&b);
-        if live.tx.send(Outgoing { header, payload }).is_err() {
-            live.fail("writer stopped");
-        }
-        match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
-            Ok(r) => r.unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into()))),
-            Err(_) => {
-                let why = format!(
-                    "no reply to {} within {}s",
-                    proto::command_name(kind),
-                    REQUEST_TIMEOUT.as_secs()
-                );
-                live.fail(&why);
-                Err(ClientError::Disconnected(why))
-            }
-        }
+        let rx = send_on(live, kind, flags, offset, len, payload)?;
+        reply_of(live, kind, rx).await
     }
 
     fn max_chunk(&self) -> u32 {
@@ -384,13 +355,58 @@ impl Client {
     /// FLUSH: makes every write acknowledged so far durable. It says nothing of writes
     /// lost before it ran: a connection that died with acknowledged, unflushed writes is
     /// counted in [`Client::losses`] before this returns.
+    ///
+    /// Each connection holding acknowledged writes no FLUSH covered gets a FLUSH of its own
+    /// (at once, so usually one): one FLUSH covers a multi-conn server's every connection,
+    /// but after a reconnect the pool may span a restarted server and the one before it.
     pub async fn flush_acked(&self) -> Result<(), ClientError> {
         let covered = self.dur.write_seq.load(Ordering::SeqCst);
-        if self.export.flags & proto::FLAG_SEND_FLUSH != 0 {
-            self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
+        let mut lives = Vec::with_capacity(self.conns.len());
+        for slot in &self.conns {
+            if let Some(l) = slot.lock().await.clone() {
+                if l.dead.load(Ordering::SeqCst) {
+                    l.counted();
+                } else {
+                    lives.push(l);
+                }
+            }
         }
-        self.dur.flushed_upto.fetch_max(covered, Ordering::SeqCst);
-        Ok(())
+        if self.export.flags & proto::FLAG_SEND_FLUSH == 0 {
+            // The server has no write cache to lose.
+            for l in &lives {
+                l.flushed.fetch_max(covered, Ordering::SeqCst);
+            }
+            return Ok(());
+        }
+        let unflushed: Vec<&Arc<Live>> = lives
+            .iter()
+            .filter(|l| l.max_acked.load(Ordering::SeqCst) > l.flushed.load(Ordering::SeqCst))
+            .collect();
+        if unflushed.is_empty() {
+            self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
+            return Ok(());
+        }
+        // All sent before any answer is awaited.
+        let sent: Vec<_> = unflushed
+            .iter()
+            .map(|l| send_on(l, proto::CMD_FLUSH, 0, 0, 0, None))
+            .collect();
+        let mut first_err = None;
+        for (l, rx) in unflushed.iter().zip(sent) {
+            let answer = match rx {
+                Ok(rx) => reply_of(l, proto::CMD_FLUSH, rx).await,
+                Err(e) => Err(e),
+            };
+            match answer {
+                Ok(_) => {
+                    l.flushed.fetch_max(covered, Ordering::SeqCst);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// How many times acknowledged, unflushed writes were lost with a connection so far.
@@ -478,6 +494,61 @@ async fn dial_now(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
     })
 }
 
+type Reply = oneshot::Receiver<Result<Bytes, ClientError>>;
+
+/// Puts a request on `live`'s way out; [`reply_of`] waits for its answer.
+fn send_on(
+    live: &Arc<Live>,
+    kind: u16,
+    flags: u16,
+    offset: u64,
+    len: u32,
+    payload: Option<Bytes>,
+) -> Result<Reply, ClientError> {
+    let cookie = live.next_cookie.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut p = live.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if live.dead.load(Ordering::SeqCst) {
+            return Err(ClientError::Disconnected("connection failed".into()));
+        }
+        let read_len = if kind == proto::CMD_READ { len } else { 0 };
+        p.insert(cookie, Pending { read_len, tx });
+    }
+    let mut b = BytesMut::with_capacity(proto::REQUEST_LEN);
+    Request {
+        flags,
+        kind,
+        cookie,
+        offset,
+        len,
+    }
+    .encode(&mut b);
+    let mut header = [0u8; proto::REQUEST_LEN];
+    header.copy_from_slice(&b);
+    if live.tx.send(Outgoing { header, payload }).is_err() {
+        live.fail("writer stopped");
+    }
+    Ok(rx)
+}
+
+/// The answer to a request [`send_on`] sent on `live`; the connection fails if it takes
+/// longer than [`REQUEST_TIMEOUT`].
+async fn reply_of(live: &Live, kind: u16, rx: Reply) -> Result<Bytes, ClientError> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+        Ok(r) => r.unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into()))),
+        Err(_) => {
+            let why = format!(
+                "no reply to {} within {}s",
+                proto::command_name(kind),
+                REQUEST_TIMEOUT.as_secs()
+            );
+            live.fail(&why);
+            Err(ClientError::Disconnected(why))
+        }
+    }
+}
+
 async fn open_live(
     uri: &NbdUri,
     dur: &Arc<Durability>,
@@ -508,6 +579,7 @@ async fn open_live(
         tasks: StdMutex::new(Vec::new()),
         dur: dur.clone(),
         max_acked: AtomicU64::new(0),
+        flushed: AtomicU64::new(0),
     });
     {
         // Registered before either task can call `fail`, which takes this lock to abort them.
