@@ -75,6 +75,19 @@ impl DirDatastore {
     }
 }
 
+/// Whether two paths name one directory (a second datastore name for it, through a symlink
+/// or a bind mount, would let one volume's image be taken for another's copy).
+pub async fn same_dir(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (a, b) = (a.to_owned(), b.to_owned());
+    blocking(move || {
+        let (x, y) = (std::fs::metadata(&a)?, std::fs::metadata(&b)?);
+        Ok((x.dev(), x.ino()) == (y.dev(), y.ino()))
+    })
+    .await
+    .unwrap_or(false)
+}
+
 /// The extended attribute that names the volume an image file was created for.
 const TAG: &std::ffi::CStr = c"user.vesta.volume";
 
@@ -106,7 +119,9 @@ fn tag_of(path: &Path) -> Option<uuid::Uuid> {
     let c = CString::new(path.as_os_str().as_bytes()).ok()?;
     let mut buf = [0u8; 64];
     // SAFETY: both are valid C strings; the buffer is ours and its length is given.
-    let n = unsafe { libc::getxattr(c.as_ptr(), TAG.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    // Not through a symlink: a link to another volume's image does not name that volume.
+    let n =
+        unsafe { libc::lgetxattr(c.as_ptr(), TAG.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
     let n = usize::try_from(n).ok()?;
     std::str::from_utf8(&buf[..n]).ok()?.parse().ok()
 }
@@ -249,8 +264,17 @@ impl Datastore for DirDatastore {
 
     async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {
         let file = self.file_of(v);
-        let f = file.clone();
-        match blocking(move || std::fs::remove_file(&f)).await {
+        let (f, id) = (file.clone(), v.id);
+        let removed = blocking(move || match tag_of(&f) {
+            // Made for another volume: not this one's to remove (a second name for this
+            // directory, or a file put in place by hand).
+            Some(other) if other != id => Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("it holds volume {other}, not {id}; left in place"),
+            )),
+            _ => std::fs::remove_file(&f),
+        });
+        match removed.await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(Error::Io {
@@ -258,5 +282,87 @@ impl Datastore for DirDatastore {
                 source: e,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A datastore on a new scratch directory, removed at the end.
+    struct Scratch(PathBuf, DirDatastore);
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    async fn scratch(tag: &str) -> Scratch {
+        let p = std::env::temp_dir().join(format!("vesta-dir-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        let spec = DatastoreSpec {
+            name: "d".into(),
+            kind: Kind::Dir { path: p.clone() },
+            class: Default::default(),
+            queue_depth: 4,
+        };
+        let ds = DirDatastore::open(spec, OpenMode::Add { force: false })
+            .await
+            .unwrap();
+        Scratch(p, ds)
+    }
+
+    fn spec(name: &str) -> VolumeSpec {
+        VolumeSpec {
+            id: uuid::Uuid::new_v4(),
+            name: name.into(),
+            size: 1 << 20,
+        }
+    }
+
+    #[tokio::test]
+    async fn image_files_name_their_volumes() {
+        let s = scratch("tags").await;
+        let v = spec("v");
+        s.1.create_volume(&v).await.unwrap();
+        std::fs::write(s.0.join("hand.raw"), b"not made by vesta").unwrap();
+        std::fs::write(s.0.join("notes.txt"), b"").unwrap();
+        std::os::unix::fs::symlink(s.0.join("v.raw"), s.0.join("link.raw")).unwrap();
+        assert_eq!(s.1.recorded_volumes().await.unwrap(), vec![v]);
+    }
+
+    /// A delete removes only the image made for its volume: a file of that name tagged with
+    /// another volume (the same directory under a second datastore name) stays.
+    #[tokio::test]
+    async fn a_delete_leaves_a_file_made_for_another_volume() {
+        let s = scratch("delete").await;
+        let v = spec("v");
+        s.1.create_volume(&v).await.unwrap();
+        let other = VolumeSpec {
+            id: uuid::Uuid::new_v4(),
+            ..v.clone()
+        };
+        let e = s.1.delete_volume(&other).await.unwrap_err();
+        assert!(e.to_string().contains("left in place"), "{e}");
+        assert!(s.0.join("v.raw").exists());
+        s.1.delete_volume(&v).await.unwrap();
+        assert!(!s.0.join("v.raw").exists());
+        // An untagged file (made before tags, or on a file system without them) goes as before.
+        std::fs::write(s.0.join("w.raw"), b"").unwrap();
+        s.1.delete_volume(&spec("w")).await.unwrap();
+        assert!(!s.0.join("w.raw").exists());
+    }
+
+    #[tokio::test]
+    async fn a_directory_is_known_under_another_path() {
+        let s = scratch("alias").await;
+        let link = s.0.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&s.0, &link).unwrap();
+        assert!(same_dir(&s.0, &link).await);
+        assert!(!same_dir(&s.0, &std::env::temp_dir()).await);
+        std::fs::remove_file(&link).unwrap();
     }
 }

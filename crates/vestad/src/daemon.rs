@@ -6,7 +6,7 @@
 //! The IO path never takes that lock: connections look volumes up in a read-locked map.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -856,6 +856,14 @@ impl Daemon {
                 )));
             }
         }
+        if let Kind::Dir { path } = &spec.kind {
+            if let Some(other) = self.dir_datastore_at(path).await {
+                return Err(OpError::Conflict(format!(
+                    "directory {} is already datastore {other:?}",
+                    path.display()
+                )));
+            }
+        }
         self.coord.add_datastore(spec.clone()).await?;
         info!(
             "added datastore {:?} ({} {}, class {}, queue depth {})",
@@ -884,6 +892,26 @@ impl Daemon {
         Ok(datastore_info(&spec, "ok".into(), cap, n))
     }
 
+    /// The `dir` datastore whose directory is `path`, under any name.
+    async fn dir_datastore_at(&self, path: &Path) -> Option<String> {
+        let dirs: Vec<(String, PathBuf)> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .filter_map(|e| match &e.spec.kind {
+                Kind::Dir { path } => Some((e.spec.name.clone(), path.clone())),
+                Kind::Lun { .. } => None,
+            })
+            .collect();
+        for (name, p) in dirs {
+            if datastore::dir::same_dir(&p, path).await {
+                return Some(name);
+            }
+        }
+        None
+    }
+
     /// A re-added datastore brings its volumes back: each volume in a LUN's table, or image
     /// file of a `dir` tagged with its volume's id, that the coordinator does not know is
     /// recorded again (policy `uncached`), unless its name is taken.
@@ -895,7 +923,25 @@ impl Daemon {
         let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
             return;
         };
-        for v in found {
+        for v in &found {
+            let alike: Vec<&str> = found
+                .iter()
+                .filter(|w| w.id == v.id)
+                .map(|w| w.name.as_str())
+                .collect();
+            if alike.len() > 1 && alike[0] == v.name {
+                warn!(
+                    "datastore {:?} holds volume {} under several names ({}): a copy kept                      with its attributes; none is imported until only one is left",
+                    store.spec().name,
+                    v.id,
+                    alike.join(", ")
+                );
+            }
+        }
+        for v in found
+            .iter()
+            .filter(|v| found.iter().filter(|w| w.id == v.id).count() == 1)
+        {
             let (id_known, name_taken) = (
                 recorded.iter().any(|r| r.id == v.id),
                 recorded.iter().any(|r| r.name == v.name),
@@ -1090,6 +1136,20 @@ impl Daemon {
         self.claim(name, what).ok()
     }
 
+    /// [`Daemon::try_claim`] for a task that chose the volume from an earlier look at the
+    /// entries: the claim only if `e` is still the volume's entry (not deleted, relocated
+    /// or reopened since), so nothing acts on a volume that is gone.
+    pub(crate) fn claim_entry(&self, e: &Arc<VolumeEntry>, what: &'static str) -> Option<Busy<'_>> {
+        let busy = self.try_claim(&e.record.name, what)?;
+        let current = self
+            .volumes
+            .read()
+            .expect("lock")
+            .get(&e.record.name)
+            .is_some_and(|now| Arc::ptr_eq(now, e));
+        current.then_some(busy)
+    }
+
     fn claim(&self, name: &str, what: &'static str) -> OpResult<Busy<'_>> {
         let mut set = self.busy.lock().expect("lock");
         if let Some(other) = set.get(name) {
@@ -1168,6 +1228,18 @@ impl Daemon {
             .clone();
         let src_store = self.store(&from)?;
         let dst_store = self.store(&to)?;
+        // Two names for one directory: the copy's stale-copy check would take the volume's
+        // own image for a leftover and remove it.
+        if let (Kind::Dir { path: a }, Kind::Dir { path: b }) =
+            (&src_store.spec().kind, &dst_store.spec().kind)
+        {
+            if datastore::dir::same_dir(a, b).await {
+                return Err(OpError::BadRequest(format!(
+                    "datastores {from:?} and {to:?} are one directory ({}): nothing to move",
+                    b.display()
+                )));
+            }
+        }
         let n = entry.connections();
         if n > 0 {
             return Err(OpError::Conflict(format!(
@@ -1616,9 +1688,13 @@ impl Daemon {
             if self.store(&rec.datastore).is_err() {
                 continue;
             }
-            // One admin operation at a time: a delete must not free the storage, or a create
-            // take the name, while this opens the volume and starts its replay.
-            let _admin = self.admin.lock().await;
+            // The volume's claim, not the admin lock: a delete must not free the storage
+            // while this opens the volume and starts its replay (it waits for the claim), but
+            // an open that takes long (a slow NBD server: up to 40 s) must not hold up every
+            // other admin operation. A create cannot take the name: the entry holds it.
+            let Some(_busy) = self.try_claim(&rec.name, "reopen") else {
+                continue;
+            };
             let still = self
                 .volumes
                 .read()

@@ -623,7 +623,7 @@ pub(crate) async fn release_held_writes(d: &Arc<Daemon>) {
         }
         // One change per volume at a time: an `establish` running now records the vault
         // itself (with its new peers, which this record would drop).
-        let Some(_busy) = d.try_claim(&e.record.name, "vault record") else {
+        let Some(_busy) = d.claim_entry(&e, "vault record") else {
             continue;
         };
         if !v.writes_held() {
@@ -659,7 +659,7 @@ async fn keep_replicated(d: &Arc<Daemon>) {
         // keeps one change per volume at a time.
         let (d, e, v) = (d.clone(), e.clone(), v.clone());
         tokio::spawn(async move {
-            let Some(_busy) = d.try_claim(&e.record.name, "peer change") else {
+            let Some(_busy) = d.claim_entry(&e, "peer change") else {
                 return;
             };
             let name = &e.record.name;

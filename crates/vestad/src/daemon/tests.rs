@@ -394,6 +394,29 @@ async fn the_retry_of_unopened_volumes_leaves_placeholders_alone() {
         "v".into(),
         Arc::new(VolumeEntry::new(rec, Err("datastore was down".into()))),
     );
+    // Not under the admin lock (an admin operation running meanwhile), which an open that
+    // takes long would hold up: under the volume's claim, which a delete waits for.
+    let admin = d.admin.lock().await;
+    tokio::time::timeout(Duration::from_secs(10), d.retry_unavailable())
+        .await
+        .expect("the retry waited for the admin lock");
+    drop(admin);
+    assert!(d.entry("v").unwrap().volume.is_ok());
+    // A claim held elsewhere: the retry leaves the volume for the next round.
+    let rec = d.entry("v").unwrap().record.clone();
+    d.volumes.write().unwrap().remove("v");
+    let d = start(&dir, &coord).await;
+    d.volumes.write().unwrap().insert(
+        "v".into(),
+        Arc::new(VolumeEntry::new(rec, Err("datastore was down".into()))),
+    );
+    let busy = d.try_claim("v", "delete").unwrap();
+    d.retry_unavailable().await;
+    assert!(
+        d.entry("v").unwrap().volume.is_err(),
+        "opened under a delete"
+    );
+    drop(busy);
     d.retry_unavailable().await;
     assert!(d.entry("v").unwrap().volume.is_ok());
 }
@@ -571,4 +594,80 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
     assert_eq!((e.record.id, e.record.datastore.as_str()), (id, "old"));
     let got = volume(&d, "v").read(4096, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 3));
+
+    // A copy kept with its attributes is tagged alike: which file is the volume is unknown,
+    // so neither becomes one (before, both did, two records with one id).
+    let ds = dir.0.join("ds");
+    let copied = std::process::Command::new("cp")
+        .arg("--preserve=xattr")
+        .arg(ds.join("v.raw"))
+        .arg(ds.join("v-copy.raw"))
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let other = TempDir::new("dirimport-third");
+    let coord = coordinator(&other);
+    let d = start(&other, &coord).await;
+    d.add_datastore(api::AddDatastore {
+        name: "old".into(),
+        dir: Some(ds.display().to_string()),
+        lun: None,
+        class: None,
+        queue_depth: None,
+        force: false,
+    })
+    .await
+    .unwrap();
+    assert!(d.entry("v").is_err() && d.entry("v-copy").is_err());
+}
+
+/// One directory under two datastore names is refused when added, and a relocation between
+/// two such names (configured by hand) is refused: its stale-copy check would take the
+/// volume's own image for a copy left behind and remove it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_directory_is_never_two_datastores() {
+    let dir = TempDir::new("alias");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let link = dir.0.join("ds-link");
+    std::os::unix::fs::symlink(dir.0.join("ds"), &link).unwrap();
+    let e = d
+        .add_datastore(api::AddDatastore {
+            name: "alias".into(),
+            dir: Some(link.display().to_string()),
+            lun: None,
+            class: None,
+            queue_depth: None,
+            force: false,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("already datastore \"default\""),
+        "{e}"
+    );
+
+    // The same, configured: "other" is made a second name of "default"'s directory.
+    drop(d);
+    std::fs::remove_dir_all(dir.0.join("ds2")).unwrap();
+    std::os::unix::fs::symlink(dir.0.join("ds"), dir.0.join("ds2")).unwrap();
+    let d = start(&dir, &coord).await;
+    volume(&d, "v")
+        .write(0, Bytes::from(vec![5u8; 4096]), true)
+        .await
+        .unwrap();
+    let e = d
+        .relocate(
+            "v",
+            api::Relocate {
+                datastore: "other".into(),
+                offline: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("are one directory"), "{e}");
+    let got = volume(&d, "v").read(0, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 5), "the volume is untouched");
 }
