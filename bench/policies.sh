@@ -17,6 +17,7 @@
 #   bench/policies.sh            # 10 s per run
 #   RUNTIME=30 bench/policies.sh
 #   ONLY=overhead bench/policies.sh   # part 1 only (for A/B runs of the write path)
+#   ONLY=table bench/policies.sh      # part 2 only (for A/B runs of the datastore path)
 #   CACHE=6G bench/policies.sh        # cache file size (default 12G)
 #   CACHE_PREP=written bench/policies.sh  # a cache file whose blocks were all written before,
 #                                         # as after the log has wrapped (default: sparse)
@@ -67,6 +68,7 @@ fresh() {
     vesta volume delete --force "$name" >/dev/null
 }
 
+if [ "${ONLY:-}" != table ]; then
 echo "### Write-back overhead (local disk)"
 echo
 echo "| workload | vestad wb | nbdkit file | **ratio** |"
@@ -92,6 +94,7 @@ rows = [("4k randwrite QD1, mean latency (us)", $wl, $kl),
 for what, v, k in rows:
     print(f"| {what} | {v} | {k} | **{v / k:.2f}** |")
 EOF
+fi
 [ "${ONLY:-}" = overhead ] && exit 0
 echo
 echo "### Policies on a 1 ms datastore"
