@@ -108,6 +108,8 @@ struct UnixProxy {
 
 struct ProxyConn {
     silent: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Bytes that arrived while the connection was silent (held back, never delivered).
+    held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     sides: [std::os::unix::net::UnixStream; 2],
 }
 
@@ -125,17 +127,22 @@ impl UnixProxy {
                     continue;
                 };
                 let silent = std::sync::Arc::new(AtomicBool::new(false));
+                let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 cs.lock().unwrap().push(ProxyConn {
                     silent: silent.clone(),
+                    held: held.clone(),
                     sides: [c.try_clone().unwrap(), u.try_clone().unwrap()],
                 });
                 for (mut from, mut to) in [(c.try_clone().unwrap(), u.try_clone().unwrap()), (u, c)]
                 {
-                    let silent = silent.clone();
+                    let (silent, held) = (silent.clone(), held.clone());
                     std::thread::spawn(move || {
                         use std::io::{Read, Write};
                         let mut buf = vec![0u8; 64 << 10];
                         while let Ok(n @ 1..) = from.read(&mut buf) {
+                            if silent.load(Ordering::SeqCst) {
+                                held.fetch_add(n, Ordering::SeqCst);
+                            }
                             while silent.load(Ordering::SeqCst) {
                                 std::thread::sleep(std::time::Duration::from_millis(10));
                             }
@@ -198,23 +205,28 @@ fn a_flush_after_a_reconnect_covers_the_writes_of_every_connection() {
         // Time for the client to notice the second connection's end, so that it is the
         // one replaced (the first stays silent, and is not).
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-        let closer = std::thread::spawn({
-            let conns = proxy.conns.clone();
-            move || {
-                std::thread::sleep(std::time::Duration::from_secs(2));
-                for s in &conns.lock().unwrap()[0].sides {
-                    let _ = s.shutdown(std::net::Shutdown::Both);
-                }
-            }
+        // The silent connection ends once a request reached it (the FLUSH of its own the
+        // flush must send it), not before: then the flush cannot be answered from it.
+        let flushing = tokio::spawn({
+            let a = a.clone();
+            async move { a.flush().await }
         });
-        let r = tokio::time::timeout(std::time::Duration::from_secs(30), a.flush())
-            .await
-            .expect("the flush should end once the silent connection closes");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !flushing.is_finished() {
+            assert!(std::time::Instant::now() < deadline, "the flush hangs");
+            let held = proxy.conns.lock().unwrap()[0]
+                .held
+                .load(std::sync::atomic::Ordering::SeqCst);
+            if held > 0 {
+                proxy.close(0);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let r = flushing.await.unwrap();
         assert!(
             r.is_err(),
             "the write on the silent connection was taken as flushed"
         );
-        closer.join().unwrap();
         // That flush failed without an answer, so its write is still owed a report: the
         // loss, once; then the client goes on with new connections.
         let r = a.flush().await;

@@ -200,6 +200,13 @@ fn now_unix() -> u64 {
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
 /// How long a delete waits for another change of its volume to finish before it is refused.
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
+/// How long a delete waits for the reopen of a volume that could not open: as long as that
+/// can take (an NBD server that accepts but does not answer: 40 s to connect and negotiate,
+/// then 60 s for a request), since deleting such a volume is the way out of it.
+const REOPEN_WAIT: Duration = Duration::from_secs(110);
+/// How long a datastore add waits for an existing `dir` datastore to answer whether it is
+/// the same directory.
+const SAME_DIR_WAIT: Duration = Duration::from_secs(2);
 
 impl Daemon {
     /// Opens every datastore and volume the coordinator records, adding configured datastores
@@ -892,21 +899,31 @@ impl Daemon {
         Ok(datastore_info(&spec, "ok".into(), cap, n))
     }
 
-    /// The `dir` datastore whose directory is `path`, under any name.
+    /// The available `dir` datastore whose directory is `path`, under any name. A directory
+    /// that does not answer within [`SAME_DIR_WAIT`] (a hung NFS mount) is passed over, with
+    /// a warning, so the admin lock this runs under is not held up by it.
     async fn dir_datastore_at(&self, path: &Path) -> Option<String> {
         let dirs: Vec<(String, PathBuf)> = self
             .datastores
             .read()
             .expect("lock")
             .values()
+            .filter(|e| e.store.is_ok())
             .filter_map(|e| match &e.spec.kind {
                 Kind::Dir { path } => Some((e.spec.name.clone(), path.clone())),
                 Kind::Lun { .. } => None,
             })
             .collect();
         for (name, p) in dirs {
-            if datastore::dir::same_dir(&p, path).await {
-                return Some(name);
+            match tokio::time::timeout(SAME_DIR_WAIT, datastore::dir::same_dir(&p, path)).await {
+                Ok(true) => return Some(name),
+                Ok(false) => {}
+                Err(_) => warn!(
+                    "datastore {name:?}: {} did not answer within {SAME_DIR_WAIT:?}; not checked \
+                     for being the same directory as {}",
+                    p.display(),
+                    path.display()
+                ),
             }
         }
         None
@@ -931,7 +948,8 @@ impl Daemon {
                 .collect();
             if alike.len() > 1 && alike[0] == v.name {
                 warn!(
-                    "datastore {:?} holds volume {} under several names ({}): a copy kept                      with its attributes; none is imported until only one is left",
+                    "datastore {:?} holds volume {} under several names ({}): a copy kept \
+                     with its attributes; none is imported until only one is left",
                     store.spec().name,
                     v.id,
                     alike.join(", ")
@@ -1164,24 +1182,28 @@ impl Daemon {
         })
     }
 
-    /// [`Daemon::claim`], waiting up to `wait` for a claim of the once-a-second round to go
-    /// (usually short); an operator's relocation or policy change refuses at once.
+    /// [`Daemon::claim`], waiting for a claim of the background rounds to go: up to `wait`
+    /// (usually short), or [`REOPEN_WAIT`] for the reopen of a volume that could not open;
+    /// an operator's relocation or policy change refuses at once.
     async fn claim_within(
         &self,
         name: &str,
         what: &'static str,
         wait: Duration,
     ) -> OpResult<Busy<'_>> {
-        let deadline = std::time::Instant::now() + wait;
+        let start = std::time::Instant::now();
         loop {
             let r = self.claim(name, what);
-            let by_operator = || {
-                matches!(
-                    self.busy.lock().expect("lock").get(name),
-                    Some(&"relocation" | &"policy change")
-                )
+            if r.is_ok() {
+                return r;
+            }
+            let limit = match self.busy.lock().expect("lock").get(name).copied() {
+                None => continue, // given up just now
+                Some("relocation" | "policy change") => Duration::ZERO,
+                Some("reopen") => REOPEN_WAIT,
+                Some(_) => wait,
             };
-            if r.is_ok() || std::time::Instant::now() >= deadline || by_operator() {
+            if start.elapsed() >= limit {
                 return r;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1677,13 +1699,13 @@ impl Daemon {
                 },
             );
         }
-        let broken: Vec<VolumeRecord> = self
+        let broken: Vec<Arc<VolumeEntry>> = self
             .entries()
             .into_iter()
             .filter(|e| e.volume.is_err() && e.retry)
-            .map(|e| e.record.clone())
             .collect();
-        for rec in broken {
+        for e in broken {
+            let rec = &e.record;
             // Still down: nothing to try (and no reason to hold up admin operations).
             if self.store(&rec.datastore).is_err() {
                 continue;
@@ -1691,33 +1713,20 @@ impl Daemon {
             // The volume's claim, not the admin lock: a delete must not free the storage
             // while this opens the volume and starts its replay (it waits for the claim), but
             // an open that takes long (a slow NBD server: up to 40 s) must not hold up every
-            // other admin operation. A create cannot take the name: the entry holds it.
-            let Some(_busy) = self.try_claim(&rec.name, "reopen") else {
+            // other admin operation. A create cannot take the name: the entry holds it. The
+            // claim is had only while `e` is still the volume's entry (not deleted since).
+            let Some(_busy) = self.claim_entry(&e, "reopen") else {
                 continue;
             };
-            let still = self
-                .volumes
-                .read()
-                .expect("lock")
-                .get(&rec.name)
-                .is_some_and(|e| e.volume.is_err() && e.retry && e.record.id == rec.id);
-            if !still {
-                continue;
-            }
-            let Ok(volume) = self.open_volume(&rec).await else {
+            let Ok(volume) = self.open_volume(rec).await else {
                 continue;
             };
             info!("volume {:?} can serve IO again", rec.name);
-            let mut v = self.volumes.write().expect("lock");
-            // Only if it is still the same, unattachable entry (not deleted meanwhile).
-            if v.get(&rec.name)
-                .is_some_and(|e| e.volume.is_err() && e.retry && e.record.id == rec.id)
-            {
-                v.insert(
-                    rec.name.clone(),
-                    Arc::new(VolumeEntry::new(rec, Ok(volume))),
-                );
-            }
+            // Under the claim nothing else replaces the entry.
+            self.volumes.write().expect("lock").insert(
+                rec.name.clone(),
+                Arc::new(VolumeEntry::new(rec.clone(), Ok(volume))),
+            );
         }
     }
 

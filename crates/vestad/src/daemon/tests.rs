@@ -509,6 +509,25 @@ async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
     );
 }
 
+/// The reopen of a volume that could not open can take as long as a slow NBD server makes
+/// it; a delete (the way out of such a volume) waits for it beyond the short wait it gives
+/// the other background claims, rather than fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_waits_out_a_slow_reopen() {
+    let dir = TempDir::new("deletereopen");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let busy = d.try_claim("v", "reopen").unwrap();
+    let d2 = d.clone();
+    let deleting = tokio::spawn(async move { d2.delete_volume("v", true).await });
+    tokio::time::sleep(CLAIM_WAIT + Duration::from_millis(500)).await;
+    assert!(!deleting.is_finished(), "the delete gave up on the reopen");
+    drop(busy);
+    deleting.await.unwrap().unwrap();
+    assert!(d.entry("v").is_err());
+}
+
 /// A relocation to a `dir` datastore cut short leaves its copy there, tagged with the
 /// volume's id: the retry knows it for what it is, removes it and completes (before, it
 /// failed with "already exists" until the operator removed the file). A file of that name
