@@ -99,6 +99,9 @@ struct Durability {
 
 struct Pending {
     read_len: u32,
+    /// For a FLUSH: the newest write number acknowledged when it was sent, which its
+    /// answer covers on this connection.
+    covers: u64,
     tx: oneshot::Sender<Result<Bytes, ClientError>>,
 }
 
@@ -513,7 +516,21 @@ fn send_on(
             return Err(ClientError::Disconnected("connection failed".into()));
         }
         let read_len = if kind == proto::CMD_READ { len } else { 0 };
-        p.insert(cookie, Pending { read_len, tx });
+        // Writes are numbered once answered, so every write numbered now was answered
+        // before this FLUSH goes out.
+        let covers = if kind == proto::CMD_FLUSH {
+            live.dur.write_seq.load(Ordering::SeqCst)
+        } else {
+            0
+        };
+        p.insert(
+            cookie,
+            Pending {
+                read_len,
+                covers,
+                tx,
+            },
+        );
     }
     let mut b = BytesMut::with_capacity(proto::REQUEST_LEN);
     Request {
@@ -638,6 +655,9 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
             continue;
         }
         if p.read_len == 0 {
+            // Counted here, before this task can read the connection's end: a server that
+            // answers a FLUSH and then closes (a graceful restart) lost nothing it covered.
+            live.flushed.fetch_max(p.covers, Ordering::SeqCst);
             let _ = p.tx.send(Ok(Bytes::new()));
             continue;
         }
