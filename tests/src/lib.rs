@@ -843,7 +843,10 @@ fn spawn_nbdkit(scratch: &Scratch, args: &[String], socket: &Path, extra: &[Stri
                 read_string(&scratch.join("nbdkit.log"))
             );
         }
-        socket.exists().then_some(())
+        // Bound is not yet listening: a connect between the two is refused.
+        std::os::unix::net::UnixStream::connect(socket)
+            .is_ok()
+            .then_some(())
     });
     child
 }

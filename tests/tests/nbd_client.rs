@@ -110,9 +110,11 @@ struct ProxyConn {
     silent: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Bytes that arrived while the connection was silent (held back, never delivered).
     held: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    /// Ends the connection right after the server's next answer reaches the client, as a
-    /// server that answers and then shuts down does.
-    end_after_answer: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Chunks passed from the server to the client so far (counted before each is passed).
+    answers: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Ends the connection right after the chunk of this number reaches the client (0: never),
+    /// as a server that answers and then shuts down does.
+    end_after: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     sides: [std::os::unix::net::UnixStream; 2],
 }
 
@@ -131,16 +133,19 @@ impl UnixProxy {
                 };
                 let silent = std::sync::Arc::new(AtomicBool::new(false));
                 let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-                let end = std::sync::Arc::new(AtomicBool::new(false));
+                let answers = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let end = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
                 cs.lock().unwrap().push(ProxyConn {
                     silent: silent.clone(),
                     held: held.clone(),
-                    end_after_answer: end.clone(),
+                    answers: answers.clone(),
+                    end_after: end.clone(),
                     sides: [c.try_clone().unwrap(), u.try_clone().unwrap()],
                 });
                 let up = (c.try_clone().unwrap(), u.try_clone().unwrap());
                 for (downstream, (mut from, mut to)) in [(false, up), (true, (u, c))] {
-                    let (silent, held, end) = (silent.clone(), held.clone(), end.clone());
+                    let (silent, held) = (silent.clone(), held.clone());
+                    let (answers, end) = (answers.clone(), end.clone());
                     std::thread::spawn(move || {
                         use std::io::{Read, Write};
                         let mut buf = vec![0u8; 64 << 10];
@@ -151,10 +156,18 @@ impl UnixProxy {
                             while silent.load(Ordering::SeqCst) {
                                 std::thread::sleep(std::time::Duration::from_millis(10));
                             }
+                            // Counted before the client can have it, so a test that saw an
+                            // answer and then asks to end after the next one is not early.
+                            let nth = if downstream {
+                                answers.fetch_add(1, Ordering::SeqCst) + 1
+                            } else {
+                                0
+                            };
                             if to.write_all(&buf[..n]).is_err() {
                                 break;
                             }
-                            if downstream && end.load(Ordering::SeqCst) {
+                            let last = end.load(Ordering::SeqCst);
+                            if downstream && last != 0 && nth >= last {
                                 let _ = from.shutdown(std::net::Shutdown::Both);
                                 break;
                             }
@@ -176,10 +189,11 @@ impl UnixProxy {
         c.silent.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
-    fn end_after_answer(&self, i: usize) {
+    /// Ends connection `i` right after the server's next answer on it reaches the client.
+    fn end_after_next_answer(&self, i: usize) {
+        use std::sync::atomic::Ordering::SeqCst;
         let c = &self.conns.lock().unwrap()[i];
-        c.end_after_answer
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        c.end_after.store(c.answers.load(SeqCst) + 1, SeqCst);
     }
 
     fn close(&self, i: usize) {
@@ -280,7 +294,7 @@ fn a_server_that_answers_a_flush_and_then_closes_lost_nothing() {
             a.write(0, Bytes::from(vec![round; 4096]), false)
                 .await
                 .unwrap();
-            proxy.end_after_answer(usize::from(round));
+            proxy.end_after_next_answer(usize::from(round));
             a.flush().await.unwrap();
             reconnected(|| async { a.read(0, 512).await.is_ok() }).await;
             a.flush().await.unwrap_or_else(|e| {
