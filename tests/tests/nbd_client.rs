@@ -305,6 +305,40 @@ fn a_server_that_answers_a_flush_and_then_closes_lost_nothing() {
     drop(proxy);
 }
 
+/// A write answered right before the connection ends (answer and end in one read, as when a
+/// server answers and then dies) was not flushed, so it may be lost: the next flush says so.
+/// The reader numbers each write as it takes the answer, before it can read the end.
+#[test]
+fn a_write_answered_just_before_the_connection_ends_is_reported() {
+    use datastore::device::NbdDevice;
+    use datastore::{Extent, Gate};
+    use std::sync::Arc;
+    let k = Nbdkit::start(16 << 20, &[], &[]);
+    let dir = vesta_tests::Scratch::new("unixproxy-write");
+    let upstream = k.uri().rsplit_once("socket=").unwrap().1.to_owned();
+    let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+    rt().block_on(async {
+        let uri = NbdUri::parse(&proxy.uri()).unwrap();
+        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
+        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        for round in 0..10u8 {
+            a.flush().await.unwrap();
+            proxy.end_after_next_answer(usize::from(round));
+            a.write(0, Bytes::from(vec![round; 4096]), false)
+                .await
+                .unwrap();
+            reconnected(|| async { a.read(0, 512).await.is_ok() }).await;
+            let r = a.flush().await;
+            assert!(
+                r.as_ref()
+                    .is_err_and(|e| e.raw_os_error() == Some(libc::EIO)),
+                "round {round}: {r:?}"
+            );
+        }
+    });
+    drop(proxy);
+}
+
 /// The datastore layer's fence reaches into the client: a write that waited out a
 /// reconnect is asked again right before it is sent, and one the guard refuses never
 /// reaches the server (a host whose lease lapsed meanwhile must not write).

@@ -99,6 +99,9 @@ struct Durability {
 
 struct Pending {
     read_len: u32,
+    /// A write, zeroing or trim without FUA: numbered when its answer arrives, as one a
+    /// FLUSH must cover.
+    numbered: bool,
     /// For a FLUSH: the newest write number acknowledged when it was sent, which its
     /// answer covers on this connection.
     covers: u64,
@@ -257,18 +260,7 @@ impl Client {
                 return Err(ClientError::Held(why));
             }
         }
-        let r = self.call_on(&live, kind, flags, offset, len, payload).await;
-        if r.is_ok() && modifies && flags & proto::CMD_FLAG_FUA == 0 {
-            let n = self.dur.write_seq.fetch_add(1, Ordering::SeqCst) + 1;
-            live.max_acked.fetch_max(n, Ordering::SeqCst);
-            // The reply and the connection's end can arrive in one read, so `fail` may have
-            // looked at `max_acked` before this write was counted: then it is counted here
-            // (`fail` marks the connection dead before it reads, this reads after counting).
-            if live.dead.load(Ordering::SeqCst) {
-                live.note_loss(n);
-            }
-        }
-        r
+        self.call_on(&live, kind, flags, offset, len, payload).await
     }
 
     async fn call_on(
@@ -523,10 +515,15 @@ fn send_on(
         } else {
             0
         };
+        let numbered = matches!(
+            kind,
+            proto::CMD_WRITE | proto::CMD_TRIM | proto::CMD_WRITE_ZEROES
+        ) && flags & proto::CMD_FLAG_FUA == 0;
         p.insert(
             cookie,
             Pending {
                 read_len,
+                numbered,
                 covers,
                 tx,
             },
@@ -655,8 +652,21 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
             continue;
         }
         if p.read_len == 0 {
-            // Counted here, before this task can read the connection's end: a server that
-            // answers a FLUSH and then closes (a graceful restart) lost nothing it covered.
+            // Both counted here, before this task can read the connection's end (which it
+            // hands to `fail`): a write answered just before the end is known to be unflushed,
+            // and a server that answers a FLUSH and then closes (a graceful restart) lost
+            // nothing it covered.
+            if p.numbered {
+                let n = live.dur.write_seq.fetch_add(1, Ordering::SeqCst) + 1;
+                live.max_acked.fetch_max(n, Ordering::SeqCst);
+                // Another task (the writer's, a timeout) may have failed the connection since
+                // this answer was taken from `pending`, and looked at `max_acked` before it
+                // held this write: then it is counted here (`fail` marks the connection dead
+                // before it reads, this reads after counting).
+                if live.dead.load(Ordering::SeqCst) {
+                    live.note_loss(n);
+                }
+            }
             live.flushed.fetch_max(p.covers, Ordering::SeqCst);
             let _ = p.tx.send(Ok(Bytes::new()));
             continue;
