@@ -373,3 +373,68 @@ fn status_reports_addresses_and_counts() {
     let out = run_ok(Command::new(bin("vesta")).args(["--api", &v.api, "status"]));
     assert!(out.contains("coordinator  local"), "{out}");
 }
+
+/// A forced delete whose volume still has a write in flight at the datastore after the
+/// wait (a SAN that stopped answering) frees nothing: the same volume goes back into service
+/// and serves again, and a delete once the write is done frees the storage. nbdkit's pause
+/// filter holds the write.
+#[test]
+fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
+    use std::io::{Read, Write};
+    let dir = Scratch::new("pausectl");
+    let ctl = dir.join("pause.sock");
+    let lun = Nbdkit::start(
+        64 << 20,
+        &["--filter=pause"],
+        &[&format!("pause-control={}", ctl.display())],
+    );
+    let v = Vestad::start();
+    v.add_lun("san", &lun, 4);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "stuck",
+        "--size",
+        "8M",
+        "--datastore",
+        "san",
+    ]);
+    let mut pause = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+    let mut said = [0u8; 1];
+    pause.write_all(b"p").unwrap();
+    pause.read_exact(&mut said).unwrap();
+    assert_eq!(&said, b"P", "nbdkit paused");
+    let mut writer = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x5a 0 4k", &v.url("stuck")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(Duration::from_secs(10), "the write to be in flight", || {
+        let s = v.vesta_json(&["stats", "stuck"]);
+        let ds = &s["datastores"]
+            .as_array()?
+            .iter()
+            .find(|d| d["name"] == "san")?["io"];
+        (ds["outstanding"].as_u64()? >= 1).then_some(())
+    });
+    let e = v.vesta_err(&["volume", "delete", "stuck", "--force"]);
+    assert!(
+        e.contains("still has IO in flight") && e.contains("storage was kept"),
+        "{e}"
+    );
+    pause.write_all(b"r").unwrap();
+    pause.read_exact(&mut said).unwrap();
+    assert_eq!(&said, b"R", "nbdkit resumed");
+    let _ = writer.wait();
+    // The same volume serves again, with its data.
+    let s = v.vesta_json(&["volume", "show", "stuck"]);
+    assert_eq!(s["status"], "ok", "{s:#}");
+    vesta_tests::qemu_io(
+        &v.url("stuck"),
+        &["write -P 0x6b 4k 4k", "read -P 0x6b 4k 4k"],
+    );
+    v.vesta_ok(&["volume", "delete", "stuck"]);
+    let e = v.vesta_err(&["volume", "show", "stuck"]);
+    assert!(e.contains("no volume named"), "{e}");
+}
