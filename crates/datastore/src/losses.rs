@@ -20,16 +20,32 @@
 //! Pure bookkeeping; [`Extent::flush`](crate::Extent::flush) does the IO.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// One flusher's writes not yet answered for.
-#[derive(Default)]
-pub(crate) struct Flusher(Mutex<Uncovered>);
+pub(crate) struct Flusher {
+    /// The least loss count among writes done since the newest flush began ([`NONE`]: no
+    /// write). Kept apart from the rest so a write (every write through the extent, the
+    /// destager's included) notes itself without a lock.
+    since_last: AtomicU64,
+    flushes: Mutex<Flushes>,
+}
+
+/// No write noted.
+const NONE: u64 = u64::MAX;
+
+impl Default for Flusher {
+    fn default() -> Flusher {
+        Flusher {
+            since_last: AtomicU64::new(NONE),
+            flushes: Mutex::default(),
+        }
+    }
+}
 
 #[derive(Default)]
-struct Uncovered {
-    /// The least loss count among writes done since the newest flush began.
-    since_last: Option<u64>,
+struct Flushes {
     /// The least loss count among the writes each running (or failed) flush took on, by
     /// the flush's number. A flush answers for the writes of every entry up to its own.
     taken: BTreeMap<u64, u64>,
@@ -53,22 +69,23 @@ impl Flush {
 }
 
 impl Flusher {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Uncovered> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Flushes> {
+        self.flushes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Notes a write (zeroing, trim) done, sent when the device's loss count was `losses`.
     pub(crate) fn wrote(&self, losses: u64) {
-        let mut u = self.lock();
-        u.since_last = Some(u.since_last.map_or(losses, |l| l.min(losses)));
+        self.since_last.fetch_min(losses, Ordering::SeqCst);
     }
 
-    /// A flush begins: it covers every write done so far that no flush answered for.
+    /// A flush begins: it covers every write done so far that no flush answered for (a
+    /// write noted before this takes `since_last` is in it; one noted after, in the next).
     pub(crate) fn begin(&self) -> Flush {
         let mut u = self.lock();
         let id = u.next;
         u.next += 1;
-        if let Some(l) = u.since_last.take() {
+        let l = self.since_last.swap(NONE, Ordering::SeqCst);
+        if l != NONE {
             u.taken.insert(id, l);
         }
         Flush {
@@ -91,8 +108,8 @@ impl Flusher {
 
     #[cfg(test)]
     fn pending(&self) -> usize {
-        let u = self.lock();
-        u.taken.len() + usize::from(u.since_last.is_some())
+        let noted = self.since_last.load(Ordering::SeqCst) != NONE;
+        self.lock().taken.len() + usize::from(noted)
     }
 }
 

@@ -355,7 +355,6 @@ impl Client {
     /// (at once, so usually one): one FLUSH covers a multi-conn server's every connection,
     /// but after a reconnect the pool may span a restarted server and the one before it.
     pub async fn flush_acked(&self) -> Result<(), ClientError> {
-        let covered = self.dur.write_seq.load(Ordering::SeqCst);
         let mut lives = Vec::with_capacity(self.conns.len());
         for slot in &self.conns {
             if let Some(l) = slot.lock().await.clone() {
@@ -368,6 +367,7 @@ impl Client {
         }
         if self.export.flags & proto::FLAG_SEND_FLUSH == 0 {
             // The server has no write cache to lose.
+            let covered = self.dur.write_seq.load(Ordering::SeqCst);
             for l in &lives {
                 l.flushed.fetch_max(covered, Ordering::SeqCst);
             }
@@ -381,7 +381,7 @@ impl Client {
             self.call(proto::CMD_FLUSH, 0, 0, 0, None).await?;
             return Ok(());
         }
-        // All sent before any answer is awaited.
+        // All sent before any answer is awaited; the reader records what each covers.
         let sent: Vec<_> = unflushed
             .iter()
             .map(|l| send_on(l, proto::CMD_FLUSH, 0, 0, 0, None))
@@ -392,13 +392,8 @@ impl Client {
                 Ok(rx) => reply_of(l, proto::CMD_FLUSH, rx).await,
                 Err(e) => Err(e),
             };
-            match answer {
-                Ok(_) => {
-                    l.flushed.fetch_max(covered, Ordering::SeqCst);
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+            if let Err(e) = answer {
+                first_err.get_or_insert(e);
             }
         }
         first_err.map_or(Ok(()), Err)
