@@ -203,6 +203,39 @@ impl UnixProxy {
     }
 }
 
+/// nbdkit behind a [`UnixProxy`], and a 1 MiB extent on it through Vesta's NBD device.
+struct ProxiedLun {
+    proxy: UnixProxy,
+    _dir: vesta_tests::Scratch,
+    _lun: Nbdkit,
+}
+
+impl ProxiedLun {
+    fn start(tag: &str) -> ProxiedLun {
+        let lun = Nbdkit::start(16 << 20, &[], &[]);
+        let dir = vesta_tests::Scratch::new(tag);
+        let upstream = lun.uri().rsplit_once("socket=").unwrap().1.to_owned();
+        let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+        ProxiedLun {
+            proxy,
+            _dir: dir,
+            _lun: lun,
+        }
+    }
+
+    /// An extent on a device with a pool of `pool` connections through the proxy.
+    async fn extent(&self, pool: usize) -> datastore::Extent {
+        use std::sync::Arc;
+        let uri = NbdUri::parse(&self.proxy.uri()).unwrap();
+        let dev = Arc::new(
+            datastore::device::NbdDevice::connect(&uri, pool)
+                .await
+                .unwrap(),
+        );
+        datastore::Extent::new(dev, 0, 1 << 20, Arc::new(datastore::Gate::new(4)))
+    }
+}
+
 /// A pool of two connections: a write acknowledged on the first, then the server dies, and
 /// the client notices on the second connection first (the first one hears nothing, as from a
 /// host that crashed). A FLUSH answered on the second connection's replacement reaches a new
@@ -211,17 +244,10 @@ impl UnixProxy {
 /// a FLUSH of its own, which fails when that connection's end is found.
 #[test]
 fn a_flush_after_a_reconnect_covers_the_writes_of_every_connection() {
-    use datastore::device::NbdDevice;
-    use datastore::{Extent, Gate};
-    use std::sync::Arc;
-    let k = Nbdkit::start(16 << 20, &[], &[]);
-    let dir = vesta_tests::Scratch::new("unixproxy");
-    let upstream = k.uri().rsplit_once("socket=").unwrap().1.to_owned();
-    let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+    let lun = ProxiedLun::start("unixproxy");
+    let proxy = &lun.proxy;
     rt().block_on(async {
-        let uri = NbdUri::parse(&proxy.uri()).unwrap();
-        let dev = Arc::new(NbdDevice::connect(&uri, 2).await.unwrap());
-        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let a = lun.extent(2).await;
         // Requests take the pool's connections in turn: 0 (opened by connect), then 1.
         a.write(0, Bytes::from(vec![1u8; 4096]), false)
             .await
@@ -270,7 +296,6 @@ fn a_flush_after_a_reconnect_covers_the_writes_of_every_connection() {
             .unwrap();
         a.flush().await.unwrap();
     });
-    drop(proxy);
 }
 
 /// A server that answers a FLUSH and then closes the connection (a graceful restart) lost
@@ -279,17 +304,10 @@ fn a_flush_after_a_reconnect_covers_the_writes_of_every_connection() {
 /// was read before the flush's task took the answer.
 #[test]
 fn a_server_that_answers_a_flush_and_then_closes_lost_nothing() {
-    use datastore::device::NbdDevice;
-    use datastore::{Extent, Gate};
-    use std::sync::Arc;
-    let k = Nbdkit::start(16 << 20, &[], &[]);
-    let dir = vesta_tests::Scratch::new("unixproxy-end");
-    let upstream = k.uri().rsplit_once("socket=").unwrap().1.to_owned();
-    let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+    let lun = ProxiedLun::start("unixproxy-end");
+    let proxy = &lun.proxy;
     rt().block_on(async {
-        let uri = NbdUri::parse(&proxy.uri()).unwrap();
-        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
-        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let a = lun.extent(1).await;
         for round in 0..20u8 {
             a.write(0, Bytes::from(vec![round; 4096]), false)
                 .await
@@ -302,7 +320,6 @@ fn a_server_that_answers_a_flush_and_then_closes_lost_nothing() {
             });
         }
     });
-    drop(proxy);
 }
 
 /// A write answered right before the connection ends (answer and end in one read, as when a
@@ -310,17 +327,10 @@ fn a_server_that_answers_a_flush_and_then_closes_lost_nothing() {
 /// The reader numbers each write as it takes the answer, before it can read the end.
 #[test]
 fn a_write_answered_just_before_the_connection_ends_is_reported() {
-    use datastore::device::NbdDevice;
-    use datastore::{Extent, Gate};
-    use std::sync::Arc;
-    let k = Nbdkit::start(16 << 20, &[], &[]);
-    let dir = vesta_tests::Scratch::new("unixproxy-write");
-    let upstream = k.uri().rsplit_once("socket=").unwrap().1.to_owned();
-    let proxy = UnixProxy::start(dir.join("proxy.sock"), upstream.into());
+    let lun = ProxiedLun::start("unixproxy-write");
+    let proxy = &lun.proxy;
     rt().block_on(async {
-        let uri = NbdUri::parse(&proxy.uri()).unwrap();
-        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
-        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let a = lun.extent(1).await;
         for round in 0..10u8 {
             a.flush().await.unwrap();
             proxy.end_after_next_answer(usize::from(round));
@@ -336,7 +346,6 @@ fn a_write_answered_just_before_the_connection_ends_is_reported() {
             );
         }
     });
-    drop(proxy);
 }
 
 /// The datastore layer's fence reaches into the client: a write that waited out a
