@@ -467,6 +467,79 @@ fn qemu_io_ok(url: &str) -> bool {
     out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed")
 }
 
+/// Every block of the checker's volume on the datastore image itself (the first volume of
+/// the LUN) is its last completed version or the one in flight (DESIGN §2); what it holds
+/// becomes the known state for the next round. Returns the sum of completed versions, so a
+/// round can tell that its checker got writes through.
+fn datastore_holds_completed_writes(
+    lun: &Nbdkit,
+    known: &Mutex<Vec<Known>>,
+    round: u64,
+    seed: u64,
+) -> u64 {
+    let completed = datastore_has_completed_writes(lun, known, round, seed);
+    let img = read_file(&lun.image);
+    let mut k = known.lock().unwrap();
+    for blk in 0..BLOCKS {
+        let at = LUN_EXTENT + (blk * BLOCK) as usize;
+        k[blk as usize] = Known {
+            completed: version_of(blk, &img[at..at + BLOCK as usize]),
+            in_flight: None,
+        };
+    }
+    completed
+}
+
+/// The check of [`datastore_holds_completed_writes`] alone: the known state stays as it
+/// is, in-flight versions included, for a check after more of the system has settled.
+fn datastore_has_completed_writes(
+    lun: &Nbdkit,
+    known: &Mutex<Vec<Known>>,
+    round: u64,
+    seed: u64,
+) -> u64 {
+    let img = read_file(&lun.image);
+    let k = known.lock().unwrap();
+    let mut completed = 0;
+    for blk in 0..BLOCKS {
+        let at = LUN_EXTENT + (blk * BLOCK) as usize;
+        let have = version_of(blk, &img[at..at + BLOCK as usize]);
+        let kb = k[blk as usize];
+        assert!(
+            have == kb.completed || Some(have) == kb.in_flight,
+            "round {round} (seed {seed}): block {blk} is version {have} on the datastore, \
+             but version {} had completed (in flight: {:?})",
+            kb.completed,
+            kb.in_flight
+        );
+        completed += kb.completed;
+    }
+    completed
+}
+
+/// The owner serves what the datastore holds.
+fn owner_reads_the_datastore(
+    rt: &tokio::runtime::Runtime,
+    owner: &Vestad,
+    volume: &str,
+    lun: &Nbdkit,
+    round: u64,
+    seed: u64,
+) {
+    let got = rt.block_on(async {
+        let c =
+            nbd::client::Client::connect(&nbd::uri::NbdUri::parse(&owner.url(volume)).unwrap(), 1)
+                .await
+                .unwrap();
+        c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
+    });
+    let img = read_file(&lun.image);
+    assert!(
+        img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
+        "round {round} (seed {seed}): the owner reads other data than the datastore holds"
+    );
+}
+
 /// The crash campaign of issue 3 with a peer: the owner of a `wbp:1` volume is killed at a
 /// random moment under a checker's writes, its peer replays online, and the datastore image
 /// itself (no daemon in between) must hold every completed write, each block as its last
@@ -512,45 +585,14 @@ fn completed_writes_survive_the_owner_dying_under_load() {
         wait_for(Duration::from_secs(TTL_S + 30), "b's online replay", || {
             (b.log().matches("online replay done").count() as u64 > round).then_some(())
         });
-        let img = read_file(&lun.image);
-        let mut k = known.lock().unwrap();
-        let mut completed = 0;
-        for blk in 0..BLOCKS {
-            let at = LUN_EXTENT + (blk * BLOCK) as usize;
-            let have = version_of(blk, &img[at..at + BLOCK as usize]);
-            let kb = k[blk as usize];
-            assert!(
-                have == kb.completed || Some(have) == kb.in_flight,
-                "round {round} (seed {seed}): block {blk} is version {have} on the datastore, \
-                 but version {} had completed (in flight: {:?})",
-                kb.completed,
-                kb.in_flight
-            );
-            completed += kb.completed;
-            k[blk as usize] = Known {
-                completed: have,
-                in_flight: None,
-            };
-        }
-        drop(k);
+        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"
         );
         a.launch();
         wait_replicating(&a, "c", &["b"]);
-        // The owner serves what the datastore holds.
-        let got = rt.block_on(async {
-            let c = nbd::client::Client::connect(&nbd::uri::NbdUri::parse(&a.url("c")).unwrap(), 1)
-                .await
-                .unwrap();
-            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
-        });
-        let img = read_file(&lun.image);
-        assert!(
-            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
-            "round {round} (seed {seed}): the owner reads other data than the datastore holds"
-        );
+        owner_reads_the_datastore(&rt, &a, "c", &lun, round, seed);
     }
     for line in b
         .log()
@@ -722,6 +764,132 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
         ),
     );
     one_writer_at_a_time(&lun);
+}
+
+/// Network failures between owner and peer at random moments under a checker's writes (FVP
+/// Table 1, network row, with random timing): the link to the volume's peer is cut (reset)
+/// or blackholed (silent), and the owner is killed either while it is still partitioned or
+/// once it has moved to a new peer; the cut may heal before or after the kill. Whoever then
+/// replays (a peer the vault names, or the owner itself when it returns) must leave every
+/// completed write on the datastore image, and an old peer must never replay stale replicas
+/// over newer data. `VESTA_PARTITION_ROUNDS` sets the rounds (default 2).
+#[test]
+fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
+    let (rounds, seed0) = campaign("VESTA_PARTITION_ROUNDS", 2);
+    eprintln!("partition campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let (b, pb) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
+    let (c, pc) = host_behind_proxy(&etcd, "c", "rack2", "127.0.0.4", "127.0.0.6", &lun);
+    let size = (BLOCKS * BLOCK).to_string();
+    a.vesta_ok(&[
+        "volume", "create", "v", "--size", &size, "--policy", "wbp:1",
+    ]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let mut rng = Xorshift(seed0 | 1);
+    let replays = || {
+        (b.log().matches("online replay done").count()
+            + c.log().matches("online replay done").count()) as u64
+    };
+    let (mut peer_replays, mut moved) = (0, 0);
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        let mut r = Xorshift(seed | 1);
+        let peer = wait_peer(&a, "v");
+        let (proxy, other) = if peer == "b" { (&pb, "c") } else { (&pc, "b") };
+        let blackhole = r.next_u64().is_multiple_of(2);
+        let late = r.next_u64().is_multiple_of(2);
+        let heal_first = r.next_u64().is_multiple_of(2);
+        eprintln!(
+            "round {round} (seed {seed}): {} the link to {peer}, kill the owner {}, heal {}",
+            if blackhole { "blackhole" } else { "cut" },
+            if late {
+                "on its new peer"
+            } else {
+                "while partitioned"
+            },
+            if heal_first { "first" } else { "after" },
+        );
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(write_until_killed(
+            a.url("v"),
+            known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        std::thread::sleep(Duration::from_millis(100 + r.next_u64() % 500));
+        if blackhole {
+            proxy.blackhole();
+        } else {
+            proxy.cut();
+        }
+        if late {
+            // A blackholed link is given up after the peer request timeout (10 s).
+            wait_for(Duration::from_secs(40), "the owner's new peer", || {
+                (wait_peer(&a, "v") == other).then_some(())
+            });
+            moved += 1;
+            std::thread::sleep(Duration::from_millis(r.next_u64() % 500));
+        } else {
+            let within = if blackhole { 12_000 } else { 1_500 };
+            std::thread::sleep(Duration::from_millis(r.next_u64() % within));
+        }
+        if heal_first {
+            proxy.heal();
+            std::thread::sleep(Duration::from_millis(r.next_u64() % 300));
+        }
+        let before = replays();
+        a.kill9();
+        stop.store(true, Ordering::SeqCst);
+        rt.block_on(writer).unwrap();
+        proxy.heal();
+        lun.outlive_killed_client();
+        // A peer the vault names replays once a's lease is gone; what it leaves on the
+        // datastore must already hold every completed write.
+        let replayed = (0..(TTL_S + 10) * 10).any(|_| {
+            std::thread::sleep(Duration::from_millis(100));
+            replays() > before
+        });
+        if replayed {
+            peer_replays += 1;
+            datastore_has_completed_writes(&lun, &known, round, seed);
+        }
+        // Then the owner returns (replaying its own log if no peer did), takes a peer and
+        // destages: the datastore still holds every completed write, and the owner serves it.
+        a.launch();
+        wait_peer(&a, "v");
+        a.wait_clean("v");
+        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
+        assert!(
+            completed > 0,
+            "round {round}: the checker completed no writes"
+        );
+        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+    }
+    eprintln!(
+        "partition campaign: {rounds} rounds, {moved} moved to a new peer before the kill, \
+         {peer_replays} replayed by a peer"
+    );
+    one_writer_at_a_time(&lun);
+}
+
+/// The one peer `name` on `v` replicates to, once it has one (`wbp:1`).
+fn wait_peer(v: &Vestad, name: &str) -> String {
+    wait_for(Duration::from_secs(40), "wbp:1 with a peer", || {
+        let s = show(v, name);
+        let peers: Vec<String> = s["cache"]["peers"]
+            .as_array()?
+            .iter()
+            .filter(|p| p["error"].is_null())
+            .filter_map(|p| p["host"].as_str().map(str::to_owned))
+            .collect();
+        (s["cache"]["mode"] == "wbp:1" && peers.len() == 1).then(|| peers[0].clone())
+    })
 }
 
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
