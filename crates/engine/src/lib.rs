@@ -89,6 +89,12 @@ pub struct Volume {
     drained: Notify,
     /// One policy change at a time.
     transition: tokio::sync::Mutex<()>,
+    /// Woken when the route changes and when a hand-off to peers is given up: IO stalled by
+    /// a failed cache device waits on it ([`Volume::unless_handed_off`]).
+    rerouted: Notify,
+    /// Set when the host's cache device failed and no peer can replay what it held: IO that
+    /// would stall for the hand-off fails with this instead.
+    handoff_lost: Mutex<Option<String>>,
 }
 
 /// One IO inside the volume; dropping it lets a revocation or pause know when the last is done.
@@ -198,6 +204,8 @@ impl Volume {
             in_flight: AtomicU64::new(0),
             drained: Notify::new(),
             transition: tokio::sync::Mutex::new(()),
+            rerouted: Notify::new(),
+            handoff_lost: Mutex::new(None),
         })
     }
 
@@ -329,6 +337,7 @@ impl Volume {
     pub async fn revoke(&self, limit: Duration) -> bool {
         self.revoked.store(true, Ordering::SeqCst);
         self.resumed.notify_waiters();
+        self.rerouted.notify_waiters();
         self.quiesce(limit).await
     }
 
@@ -362,6 +371,7 @@ impl Volume {
             }
         }
         *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
+        self.rerouted.notify_waiters();
     }
 
     /// Gives the cache up without draining it, after the host's cache device failed and
@@ -369,6 +379,69 @@ impl Volume {
     pub async fn abandon_cache(&self) {
         self.detach_cache().await;
         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+    }
+
+    /// The host's cache device failed and no peer can replay what it held (the volume
+    /// reports the loss, as in `wb`): IO that stalls for a hand-off fails with `why` instead.
+    pub fn give_up_handoff(&self, why: String) {
+        *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+        self.rerouted.notify_waiters();
+    }
+
+    /// A cached IO's result, unless it failed because the host's cache device failed under a
+    /// volume with peers. Then the IO stalls instead of failing, as FVP §7.1 has it: the
+    /// peers replay what the device held, the owner gives the cache up
+    /// ([`Volume::abandon_cache`]), and `None` says to do the IO again by the new route.
+    /// Nothing is lost or reordered by doing it again: the IO never completed, and any
+    /// later IO that overlaps it waits for it (a write's gate, a client's own ordering).
+    async fn unless_handed_off<T>(&self, c: &Arc<VolCache>, r: Result<T>) -> Result<Option<T>> {
+        let e = match r {
+            Err(e) if c.cache_failed() && c.has_peers() => e,
+            r => return r.map(Some),
+        };
+        loop {
+            let rerouted = self.rerouted.notified();
+            tokio::pin!(rerouted);
+            rerouted.as_mut().enable();
+            if self.revoked.load(Ordering::SeqCst) {
+                return Err(Error::Revoked);
+            }
+            if let Some(why) = self
+                .handoff_lost
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
+                return Err(Error::Cache(format!("{e}; {why}")));
+            }
+            match self.route() {
+                Route::Cached(now) if Arc::ptr_eq(&now, c) => {}
+                _ => return Ok(None),
+            }
+            rerouted.await;
+        }
+    }
+
+    /// Runs one IO by the volume's route: `cached` on its cache, `direct` on the datastore,
+    /// again by the new route after a hand-off ([`Volume::unless_handed_off`]).
+    async fn routed<T, C, D>(
+        &self,
+        cached: impl Fn(Arc<VolCache>) -> C,
+        direct: impl FnOnce() -> D,
+    ) -> Result<T>
+    where
+        C: std::future::Future<Output = Result<T>>,
+        D: std::future::Future<Output = io::Result<T>>,
+    {
+        loop {
+            let Route::Cached(c) = self.route() else {
+                return direct().await.map_err(Error::Datastore);
+            };
+            let r = cached(c.clone()).await;
+            if let Some(v) = self.unless_handed_off(&c, r).await? {
+                return Ok(v);
+            }
+        }
     }
 
     async fn pause(&self) {
@@ -545,16 +618,14 @@ impl Volume {
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes> {
         self.check(offset, u64::from(len))?;
         self.stats.locate(Op::Read, offset, u64::from(len));
-        self.measured(Op::Read, u64::from(len), async {
-            match self.route() {
-                Route::Uncached => self
-                    .store
-                    .read(offset, len as usize)
-                    .await
-                    .map_err(Error::Datastore),
-                Route::Cached(c) => c.read(offset, len).await,
-            }
-        })
+        self.measured(
+            Op::Read,
+            u64::from(len),
+            self.routed(
+                |c| async move { c.read(offset, len).await },
+                || self.store.read(offset, len as usize),
+            ),
+        )
         .await
     }
 
@@ -562,48 +633,45 @@ impl Volume {
         let n = data.len() as u64;
         self.check(offset, n)?;
         self.stats.locate(Op::Write, offset, n);
-        self.measured(Op::Write, n, async {
-            match self.route() {
-                Route::Uncached => self
-                    .store
-                    .write(offset, data, fua)
-                    .await
-                    .map_err(Error::Datastore),
-                Route::Cached(c) => c.write(offset, data, fua).await,
-            }
-        })
+        let data = &data;
+        self.measured(
+            Op::Write,
+            n,
+            self.routed(
+                |c| async move { c.write(offset, data.clone(), fua).await },
+                || self.store.write(offset, data.clone(), fua),
+            ),
+        )
         .await
     }
 
     /// Makes every completed write durable on stable media.
     pub async fn flush(&self) -> Result<()> {
-        self.measured(Op::Flush, 0, async {
-            match self.route() {
-                Route::Uncached => self.store.flush().await.map_err(Error::Datastore),
-                Route::Cached(c) => c.flush().await,
-            }
-        })
+        self.measured(
+            Op::Flush,
+            0,
+            self.routed(|c| async move { c.flush().await }, || self.store.flush()),
+        )
         .await
     }
 
     pub async fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
         self.check(offset, len)?;
-        self.measured(Op::Trim, 0, async {
-            match self.route() {
-                Route::Uncached => {
-                    self.store
-                        .trim(offset, len)
-                        .await
-                        .map_err(Error::Datastore)?;
+        self.measured(
+            Op::Trim,
+            0,
+            self.routed(
+                // Trimmed data may read back as anything; zeroes are the safe anything.
+                |c| async move { c.write_zeroes(offset, len, fua).await },
+                || async move {
+                    self.store.trim(offset, len).await?;
                     if fua {
-                        self.store.flush().await.map_err(Error::Datastore)?;
+                        self.store.flush().await?;
                     }
                     Ok(())
-                }
-                // Trimmed data may read back as anything; zeroes are the safe anything.
-                Route::Cached(c) => c.write_zeroes(offset, len, fua).await,
-            }
-        })
+                },
+            ),
+        )
         .await
     }
 
@@ -615,21 +683,20 @@ impl Volume {
         fua: bool,
     ) -> Result<()> {
         self.check(offset, len)?;
-        self.measured(Op::WriteZeroes, 0, async {
-            match self.route() {
-                Route::Uncached => {
-                    self.store
-                        .write_zeroes(offset, len, may_trim)
-                        .await
-                        .map_err(Error::Datastore)?;
+        self.measured(
+            Op::WriteZeroes,
+            0,
+            self.routed(
+                |c| async move { c.write_zeroes(offset, len, fua).await },
+                || async move {
+                    self.store.write_zeroes(offset, len, may_trim).await?;
                     if fua {
-                        self.store.flush().await.map_err(Error::Datastore)?;
+                        self.store.flush().await?;
                     }
                     Ok(())
-                }
-                Route::Cached(c) => c.write_zeroes(offset, len, fua).await,
-            }
-        })
+                },
+            ),
+        )
         .await
     }
 }

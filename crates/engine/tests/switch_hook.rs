@@ -9,37 +9,10 @@ use bytes::Bytes;
 use cachelog::device::SimDevice;
 use cluster::Policy;
 use datastore::device::MemDevice;
-use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
 use uuid::Uuid;
 
 mod common;
-use common::{BLOCK, SEG, VOL};
-
-/// Peers that take everything (what they hold does not matter here, only that the vault
-/// names them).
-struct Yes;
-
-impl Replicator for Yes {
-    fn write(&self, _w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn flush(&self) -> BoxFuture<Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn checkpoint(&self, _gen: u64, _ser: u64) {}
-    fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn hand_off(&self) -> BoxFuture<Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn healthy(&self) -> bool {
-        true
-    }
-    fn report(&self) -> Vec<PeerReport> {
-        Vec::new()
-    }
-}
+use common::{Yes, BLOCK, SEG, VOL};
 
 fn failing_hook() -> engine::SwitchHook {
     Box::new(|_gen, _checkpoint| Box::pin(async { Err("etcd: unavailable".to_string()) }))

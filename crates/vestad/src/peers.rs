@@ -695,8 +695,10 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// its peers held can be destaged only by a peer. The owner stops its destager, marks the
 /// vault for hand-off and gives the lock up; a peer replays (as for a dead owner) and leaves
 /// the vault in `wt` with a new generation; the owner then takes the lock back and serves the
-/// volume uncached, with the datastore current. Writes fail meanwhile (the volume reports the
-/// failed cache device); reads of clean data go on.
+/// volume uncached, with the datastore current. IO that needs the failed device (writes,
+/// flushes, reads of dirty data) stalls meanwhile and is then done on the datastore, as FVP
+/// stalls the VM; reads of clean data go on. If no peer is left to replay, that IO fails and
+/// the volume reports the loss, as in `wb`.
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
@@ -712,7 +714,9 @@ async fn flash_failed(
         if !p.report().iter().any(|r| r.error.is_none()) {
             // No peer holds the data any more: handing off would hand it to nobody. The
             // volume reports the loss, as in wb.
-            return Err("the cache device failed and no peer is left to replay from".into());
+            let why = "the cache device failed and no peer is left to replay from";
+            v.give_up_handoff(why.into());
+            return Err(why.into());
         }
         v.stop_destaging().await;
         p.hand_off().await?;

@@ -10,6 +10,7 @@ use cluster::{Policy, Tuning};
 use datastore::device::MemDevice;
 use datastore::{Extent, Gate};
 use engine::cache::{CacheHost, VolCache};
+use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
 use engine::Volume;
 use uuid::Uuid;
 
@@ -50,4 +51,30 @@ pub async fn destage_all(host: &CacheHost, c: &VolCache) {
         tokio::task::yield_now().await;
     }
     assert!(c.clean(), "the destager made no progress");
+}
+
+/// Peers that take everything (what they hold does not matter to these tests, only that the
+/// volume has peers).
+pub struct Yes;
+
+impl Replicator for Yes {
+    fn write(&self, _w: ReplicaWrite) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn flush(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn checkpoint(&self, _gen: u64, _ser: u64) {}
+    fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn hand_off(&self) -> BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn healthy(&self) -> bool {
+        true
+    }
+    fn report(&self) -> Vec<PeerReport> {
+        Vec::new()
+    }
 }

@@ -1,0 +1,153 @@
+//! FVP §7.1, flash failure in `wbp`: the owner's cache device fails, its peers replay what
+//! it held, and the owner goes on uncached. Meanwhile the volume's IO stalls, as FVP stalls
+//! the VM, instead of failing: a VM must not see an error for a failure that loses nothing.
+//! These tests play the daemon's part (the peer's replay onto the datastore, then
+//! `abandon_cache`, or giving the hand-off up) by hand.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cachelog::device::SimDevice;
+use cluster::Policy;
+use datastore::device::{Device, MemDevice};
+use engine::{Error, Volume};
+use uuid::Uuid;
+
+mod common;
+use common::{Yes, BLOCK, SEG, VOL};
+
+const WBP: Policy = Policy::Wbp {
+    peers: 1,
+    rule: cluster::PeerRule::Any,
+};
+
+/// A `wbp` volume (its peers take everything) holding block 0 = 0x41, dirty, and a cache
+/// device that fails every IO from now on.
+async fn failed_under_wbp() -> (Arc<SimDevice>, Arc<MemDevice>, Arc<Volume>) {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let (_host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    let vol = Arc::new(vol);
+    vol.set_policy_with(WBP, Some(Arc::new(Yes)), None)
+        .await
+        .unwrap();
+    vol.write(0, Bytes::from(vec![0x41; BLOCK]), false)
+        .await
+        .unwrap();
+    assert!(
+        store.image()[..BLOCK].iter().all(|b| *b == 0),
+        "not destaged"
+    );
+    cache.fail();
+    (cache, store, vol)
+}
+
+type Task<T> = tokio::task::JoinHandle<engine::Result<T>>;
+
+/// A write, a read of the dirty block and a flush, each on its own task.
+fn io(vol: &Arc<Volume>) -> (Task<()>, Task<Bytes>, Task<()>) {
+    let v = vol.clone();
+    let write = tokio::spawn(async move {
+        v.write(BLOCK as u64, Bytes::from(vec![0x42; BLOCK]), true)
+            .await
+    });
+    let v = vol.clone();
+    let read = tokio::spawn(async move { v.read(0, BLOCK as u32).await });
+    let v = vol.clone();
+    let flush = tokio::spawn(async move { v.flush().await });
+    (write, read, flush)
+}
+
+async fn within<T>(t: tokio::task::JoinHandle<T>, what: &str) -> T {
+    tokio::time::timeout(Duration::from_secs(5), t)
+        .await
+        .unwrap_or_else(|_| panic!("{what} still stalled"))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn io_stalls_while_peers_replay_and_goes_on_uncached_after() {
+    let (_cache, store, vol) = failed_under_wbp().await;
+    let (write, read, flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !write.is_finished(),
+        "a write ended while its peers replayed"
+    );
+    assert!(
+        !read.is_finished(),
+        "a read of dirty data ended while its peers replayed"
+    );
+    assert!(
+        !flush.is_finished(),
+        "a flush ended while its peers replayed"
+    );
+    // Reads of data the failed device never held dirty go on meanwhile, from the datastore.
+    let clean = tokio::time::timeout(Duration::from_secs(5), vol.read(8 * BLOCK as u64, 512))
+        .await
+        .expect("a clean read stalled")
+        .unwrap();
+    assert!(clean.iter().all(|b| *b == 0));
+
+    // The peer replays block 0, then the owner gives the cache up.
+    store
+        .write_at(0, Bytes::from(vec![0x41; BLOCK]), false)
+        .await
+        .unwrap();
+    vol.abandon_cache().await;
+    assert_eq!(vol.policy(), Policy::Uncached);
+    within(write, "the write").await.unwrap();
+    let got = within(read, "the read").await.unwrap();
+    assert!(
+        got[..] == [0x41; BLOCK],
+        "the read saw other data than the replay"
+    );
+    within(flush, "the flush").await.unwrap();
+    assert!(store.image()[BLOCK..2 * BLOCK] == [0x42; BLOCK]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_peer_to_replay_the_stalled_io_fails() {
+    let (_cache, store, vol) = failed_under_wbp().await;
+    let (write, read, flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished());
+    vol.give_up_handoff("no peer is left to replay from".into());
+    for e in [
+        within(write, "the write").await.unwrap_err(),
+        within(read, "the read").await.unwrap_err(),
+        within(flush, "the flush").await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(&e, Error::Cache(m) if m.contains("no peer is left")),
+            "{e}"
+        );
+    }
+    // Later IO fails at once, and nothing reached the datastore.
+    let e = tokio::time::timeout(
+        Duration::from_secs(5),
+        vol.write(0, Bytes::from(vec![1; BLOCK]), false),
+    )
+    .await
+    .expect("a write stalled after the hand-off was given up")
+    .unwrap_err();
+    assert!(matches!(e, Error::Cache(_)), "{e}");
+    assert!(store.image().iter().all(|b| *b == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_ends_the_stall() {
+    let (_cache, _store, vol) = failed_under_wbp().await;
+    let (write, _read, _flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished());
+    assert!(
+        vol.revoke(Duration::from_secs(5)).await,
+        "stalled IO kept the volume from draining"
+    );
+    assert!(matches!(
+        within(write, "the write").await,
+        Err(Error::Revoked)
+    ));
+}
