@@ -892,6 +892,83 @@ fn wait_peer(v: &Vestad, name: &str) -> String {
     })
 }
 
+/// Flash failure in `wbp` at a random moment under a checker's writes (FVP Table 1, flash
+/// row, with random timing): the owner's cache device fails, its peer replays, and the
+/// checker's writes go on, uncached, without an error. The datastore holds every completed
+/// write, and still does after the owner restarts on its old cache file, whose dirty
+/// records of the volume are stale by then and must never be replayed over newer writes.
+/// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
+#[test]
+fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
+    let (rounds, seed0) = campaign("VESTA_FLASH_ROUNDS", 2);
+    eprintln!("flash failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    let size = (BLOCKS * BLOCK).to_string();
+    a.vesta_ok(&[
+        "volume", "create", "v", "--size", &size, "--policy", "wbp:1",
+    ]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let completed_now = || {
+        known
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|k| k.completed)
+            .sum::<u64>()
+    };
+    let mut rng = Xorshift(seed0 | 1);
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        eprintln!("round {round} (seed {seed})");
+        wait_peer(&a, "v");
+        let before = b.log().matches("online replay done").count();
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(write_until_killed(
+            a.url("v"),
+            known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        std::thread::sleep(Duration::from_millis(100 + seed % 500));
+        a.fail_cache_device();
+        wait_for(Duration::from_secs(40), "b's replay for a", || {
+            (b.log().matches("online replay done").count() > before).then_some(())
+        });
+        wait_for(Duration::from_secs(30), "a to serve v uncached", || {
+            let s = show(&a, "v");
+            (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
+        });
+        // The checker's writers never saw an error: they are still writing.
+        let then = completed_now();
+        wait_for(Duration::from_secs(10), "more writes, uncached", || {
+            (completed_now() > then).then_some(())
+        });
+        stop.store(true, Ordering::SeqCst);
+        rt.block_on(writer).unwrap();
+        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
+        assert!(
+            completed > 0,
+            "round {round}: the checker completed no writes"
+        );
+        // The owner restarts on its cache file, as it was when the device "failed" (a
+        // device back after a reset), and goes back to the volume's policy, wbp:1.
+        a.kill9();
+        lun.outlive_killed_client();
+        a.launch();
+        wait_peer(&a, "v");
+        datastore_has_completed_writes(&lun, &known, round, seed);
+        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+    }
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
 /// survives; another host replays it (surrogate replay) and the datastore is current.
 #[test]

@@ -408,16 +408,23 @@ impl Daemon {
             }
         }
         if let (Some(cache), Some(vault)) = (&self.cache, vault) {
-            // Another host replayed the volume since this host's log was written (online
-            // replay by a peer): its own dirty data is older than the datastore now, and
-            // replaying it would put old data over new.
+            // The vault is of a newer generation than this host's own dirty data: another
+            // host replayed the volume since (online replay by a peer, for a dead owner or
+            // for this host's failed cache device, after which this host served it
+            // uncached and recorded a newer generation itself). The datastore is newer than
+            // that dirty data now, and replaying it would put old data over new. Nothing
+            // else moves the vault past dirty data: a replay continues its own generation,
+            // and every switch to a new one drains the volume before it is recorded.
             if let Some(g) = cache.recovered_gen(rec.id) {
-                if vault.gen > g && vault.owner != self.coord.host() {
+                if vault.gen > g {
                     let n = cache.discard_recovered(rec.id);
                     warn!(
-                        "volume {:?}: host {:?} replayed it (vault generation {} > {g} here); \
-                         dropping the {n} write(s) this host's cache log still held for it",
-                        rec.name, vault.owner, vault.gen
+                        "volume {:?}: replayed elsewhere since (vault generation {} > {g} \
+                         here, last by host {:?}); dropping the {n} write(s) this host's cache \
+                         log still held for it",
+                        rec.name,
+                        vault.gen,
+                        vault.previous_owner.as_deref().unwrap_or(&vault.owner)
                     );
                 }
             }
