@@ -116,3 +116,46 @@ pub async fn write_until_killed(
         let _ = t.await;
     }
 }
+
+/// Every block of `bytes` (a volume's contents from its first byte, as a client or the
+/// datastore image holds them) is its last completed version or the one in flight (DESIGN
+/// §2). Returns the sum of completed versions, so a round can tell its writers got through.
+/// The known state stays as it is, in-flight versions included.
+pub fn assert_holds_completed(
+    bytes: &[u8],
+    known: &Mutex<Vec<Known>>,
+    round: u64,
+    seed: u64,
+) -> u64 {
+    let k = known.lock().unwrap();
+    let mut completed = 0;
+    for blk in 0..BLOCKS {
+        let at = (blk * BLOCK) as usize;
+        let have = version_of(blk, &bytes[at..at + BLOCK as usize]);
+        let kb = k[blk as usize];
+        assert!(
+            have == kb.completed || Some(have) == kb.in_flight,
+            "round {round} (seed {seed}): block {blk} holds version {have}, but version {} had \
+             completed (in flight: {:?})",
+            kb.completed,
+            kb.in_flight
+        );
+        completed += kb.completed;
+    }
+    completed
+}
+
+/// [`assert_holds_completed`], then what `bytes` hold becomes the known state, with nothing
+/// in flight, for the next round.
+pub fn settle_to(bytes: &[u8], known: &Mutex<Vec<Known>>, round: u64, seed: u64) -> u64 {
+    let completed = assert_holds_completed(bytes, known, round, seed);
+    let mut k = known.lock().unwrap();
+    for blk in 0..BLOCKS {
+        let at = (blk * BLOCK) as usize;
+        k[blk as usize] = Known {
+            completed: version_of(blk, &bytes[at..at + BLOCK as usize]),
+            in_flight: None,
+        };
+    }
+    completed
+}

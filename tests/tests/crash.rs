@@ -14,7 +14,7 @@ use std::time::Duration;
 use nbd::client::Client;
 use nbd::uri::NbdUri;
 use vesta_tests::checker::{
-    campaign, version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
 
@@ -68,26 +68,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
                 .unwrap();
             c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
         });
-        let mut k = known.lock().unwrap();
-        let mut completed = 0;
-        for b in 0..BLOCKS {
-            let data = &got[(b * BLOCK) as usize..((b + 1) * BLOCK) as usize];
-            let have = version_of(b, data);
-            let kb = k[b as usize];
-            assert!(
-                have == kb.completed || Some(have) == kb.in_flight,
-                "round {round} (seed {seed}): block {b} reads version {have}, but version {} had \
-                 completed (in flight: {:?})",
-                kb.completed,
-                kb.in_flight
-            );
-            completed += kb.completed;
-            k[b as usize] = Known {
-                completed: have,
-                in_flight: None,
-            };
-        }
-        drop(k);
+        let completed = settle_to(&got, &known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes at all"

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use vesta_tests::checker::{
-    campaign, version_of, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{
     qemu_io, read_file, wait_for, Etcd, Host, Nbdkit, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
@@ -467,54 +467,37 @@ fn qemu_io_ok(url: &str) -> bool {
     out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed")
 }
 
-/// Every block of the checker's volume on the datastore image itself (the first volume of
-/// the LUN) is its last completed version or the one in flight (DESIGN §2); what it holds
-/// becomes the known state for the next round. Returns the sum of completed versions, so a
-/// round can tell that its checker got writes through.
+/// The checker's volume on the datastore image itself (the first volume of the LUN) holds
+/// every completed write, and becomes the known state for the next round
+/// ([`vesta_tests::checker::settle_to`]).
 fn datastore_holds_completed_writes(
     lun: &Nbdkit,
     known: &Mutex<Vec<Known>>,
     round: u64,
     seed: u64,
 ) -> u64 {
-    let completed = datastore_has_completed_writes(lun, known, round, seed);
-    let img = read_file(&lun.image);
-    let mut k = known.lock().unwrap();
-    for blk in 0..BLOCKS {
-        let at = LUN_EXTENT + (blk * BLOCK) as usize;
-        k[blk as usize] = Known {
-            completed: version_of(blk, &img[at..at + BLOCK as usize]),
-            in_flight: None,
-        };
-    }
-    completed
+    settle_to(
+        &on_datastore(lun, (BLOCKS * BLOCK) as usize),
+        known,
+        round,
+        seed,
+    )
 }
 
-/// The check of [`datastore_holds_completed_writes`] alone: the known state stays as it
-/// is, in-flight versions included, for a check after more of the system has settled.
+/// The check alone: the known state stays as it is, in-flight versions included, for a
+/// check after more of the system has settled.
 fn datastore_has_completed_writes(
     lun: &Nbdkit,
     known: &Mutex<Vec<Known>>,
     round: u64,
     seed: u64,
 ) -> u64 {
-    let img = read_file(&lun.image);
-    let k = known.lock().unwrap();
-    let mut completed = 0;
-    for blk in 0..BLOCKS {
-        let at = LUN_EXTENT + (blk * BLOCK) as usize;
-        let have = version_of(blk, &img[at..at + BLOCK as usize]);
-        let kb = k[blk as usize];
-        assert!(
-            have == kb.completed || Some(have) == kb.in_flight,
-            "round {round} (seed {seed}): block {blk} is version {have} on the datastore, \
-             but version {} had completed (in flight: {:?})",
-            kb.completed,
-            kb.in_flight
-        );
-        completed += kb.completed;
-    }
-    completed
+    assert_holds_completed(
+        &on_datastore(lun, (BLOCKS * BLOCK) as usize),
+        known,
+        round,
+        seed,
+    )
 }
 
 /// The owner serves what the datastore holds.
@@ -967,6 +950,113 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
         owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
     }
     one_writer_at_a_time(&lun);
+}
+
+/// FVP Table 1's cascade with random timing: the owner of a `wbp:2` volume is killed under a
+/// checker's writes, and the peer that replays for it is killed at a random moment of its
+/// replay (or after it); the other peer continues from the vault's checkpoint. Once the
+/// vault says `wt`, the datastore image itself must hold every completed write; then the
+/// owner and the killed peer return (the peer's replicas are stale by then) and the owner
+/// serves what the datastore holds. `VESTA_CASCADE_ROUNDS` sets the rounds (default 2).
+#[test]
+fn completed_writes_survive_the_replaying_peer_dying_at_random() {
+    let (rounds, seed0) = campaign("VESTA_CASCADE_ROUNDS", 2);
+    eprintln!("cascade campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    let mut c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    let size = (BLOCKS * BLOCK).to_string();
+    a.vesta_ok(&[
+        "volume", "create", "v", "--size", &size, "--policy", "wbp:2",
+    ]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let mut rng = Xorshift(seed0 | 1);
+    let starts = |h: &Vestad| h.log().matches("is gone; replaying").count();
+    let dones = |h: &Vestad| h.log().matches("online replay done").count();
+    let mut interrupted = 0;
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        let mut r = Xorshift(seed | 1);
+        wait_replicating(&a, "v", &["b", "c"]);
+        let before = [starts(&b), starts(&c)];
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(write_until_killed(
+            a.url("v"),
+            known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        std::thread::sleep(Duration::from_millis(300 + r.next_u64() % 500));
+        a.kill9();
+        stop.store(true, Ordering::SeqCst);
+        rt.block_on(writer).unwrap();
+        lun.outlive_killed_client();
+        let first = wait_for(
+            Duration::from_secs(TTL_S + 20),
+            "a peer to start replaying",
+            || {
+                if starts(&b) > before[0] {
+                    Some("b")
+                } else if starts(&c) > before[1] {
+                    Some("c")
+                } else {
+                    None
+                }
+            },
+        );
+        let (dead, other) = if first == "b" {
+            (&mut b, "c")
+        } else {
+            (&mut c, "b")
+        };
+        let done_before = dones(dead);
+        std::thread::sleep(Duration::from_millis(r.next_u64() % 600));
+        dead.kill9();
+        lun.outlive_killed_client();
+        let finished = dones(dead) > done_before;
+        if !finished {
+            interrupted += 1;
+        }
+        eprintln!(
+            "round {round} (seed {seed}): {first} replayed and was killed {}; {} goes on",
+            if finished {
+                "after it finished"
+            } else {
+                "midway"
+            },
+            other
+        );
+        // The replay's end, by whichever peer: the vault says wt.
+        wait_for(
+            Duration::from_secs(TTL_S + 40),
+            "the replay to end (vault: wt)",
+            || {
+                lun.keep_running();
+                (vault(&etcd)["policy"] == "wt").then_some(())
+            },
+        );
+        datastore_holds_completed_writes(&lun, &known, round, seed);
+        dead.launch();
+        a.launch();
+        wait_replicating(&a, "v", &["b", "c"]);
+        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+    }
+    eprintln!("cascade campaign: {rounds} rounds, {interrupted} replay(s) killed midway");
+    one_writer_at_a_time(&lun);
+}
+
+/// The vault record of the one volume of the pod (etcd, default prefix).
+fn vault(etcd: &Etcd) -> Value {
+    let out = etcd.etcdctl(&["get", "--prefix", "/vesta/vaults/", "--print-value-only"]);
+    assert!(out.status.success(), "etcdctl get: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().next().unwrap_or("null")).unwrap_or(Value::Null)
 }
 
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file

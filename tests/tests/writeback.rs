@@ -3,10 +3,17 @@
 //! corrupted cache record.
 
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use nbd::client::Client;
+use nbd::uri::NbdUri;
 use serde_json::Value;
-use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Vestad, LUN_EXTENT};
+use vesta_tests::checker::{
+    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+};
+use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Nbdkit, Vestad, LUN_EXTENT};
 
 fn show(v: &Vestad, name: &str) -> Value {
     v.vesta_json(&["volume", "show", name])
@@ -471,4 +478,98 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
         img[LUN_EXTENT..LUN_EXTENT + (16 << 20)] == want[..],
         "after the datastore healed, the LUN holds exactly the volume"
     );
+}
+
+/// A `wt` volume's cache device fails at a random moment under a checker's writes (FVP
+/// Table 1, flash row, `wt`): the writes go on, uncached, without an error; the datastore
+/// holds every completed write and reads through vestad agree with it; and after a restart
+/// on the same cache file (a device back after a reset), whose cached copies are older than
+/// what was written uncached since, the volume still reads as the datastore.
+/// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
+#[test]
+fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
+    let (rounds, seed0) = campaign("VESTA_FLASH_ROUNDS", 2);
+    eprintln!("wt flash failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut v = Vestad::start();
+    v.add_lun("san", &lun, 8);
+    let size = (BLOCKS * BLOCK).to_string();
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "c",
+        "--size",
+        &size,
+        "--datastore",
+        "san",
+        "--policy",
+        "wt",
+    ]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let completed_now = || {
+        known
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|k| k.completed)
+            .sum::<u64>()
+    };
+    let read_all = |v: &Vestad| {
+        rt.block_on(async {
+            let c = Client::connect(&NbdUri::parse(&v.url("c")).unwrap(), 1)
+                .await
+                .unwrap();
+            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
+        })
+    };
+    let on_lun = |lun: &Nbdkit| {
+        read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
+    };
+    let mut rng = Xorshift(seed0 | 1);
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        // Reads fill the cache with what is then overwritten uncached.
+        let cached = read_all(&v);
+        assert_holds_completed(&cached, &known, round, seed);
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(write_until_killed(
+            v.url("c"),
+            known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        std::thread::sleep(Duration::from_millis(100 + seed % 400));
+        v.fail_cache_device();
+        // The writers never saw an error: they are still writing.
+        let then = completed_now();
+        wait_for(Duration::from_secs(10), "more writes, uncached", || {
+            (completed_now() > then).then_some(())
+        });
+        stop.store(true, Ordering::SeqCst);
+        rt.block_on(writer).unwrap();
+        let img = on_lun(&lun);
+        let completed = settle_to(&img, &known, round, seed);
+        assert!(
+            completed > 0,
+            "round {round}: the checker completed no writes"
+        );
+        assert!(
+            read_all(&v) == img,
+            "round {round} (seed {seed}): reads through vestad differ from the datastore"
+        );
+        // Back on the same cache file: its copies must not be served over newer data.
+        v.kill9();
+        lun.outlive_killed_client();
+        v.launch();
+        assert_eq!(show(&v, "c")["policy"], "wt");
+        assert!(
+            read_all(&v) == img,
+            "round {round} (seed {seed}): after the restart vestad serves other data than the \
+             datastore holds"
+        );
+    }
 }
