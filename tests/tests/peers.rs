@@ -1059,6 +1059,46 @@ fn vault(etcd: &Etcd) -> Value {
     serde_json::from_str(text.lines().next().unwrap_or("null")).unwrap_or(Value::Null)
 }
 
+/// A hand-off that cannot finish (the owner's cache device failed, and the peer cannot reach
+/// the datastore to replay): the volume's IO stalls rather than fail, for as long as it
+/// takes, and a SIGTERM of the owner still ends it (the stalled write fails, vestad exits
+/// cleanly) instead of waiting for a replay nothing will reroute.
+#[test]
+fn a_stalled_hand_off_holds_io_and_does_not_hold_up_a_shutdown() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 4 0 64k"]);
+    lun.close_door("b");
+    a.fail_cache_device();
+    let url = a.url("w");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(vesta_tests::try_write(&url, 5, 1 << 20));
+    });
+    wait_for(Duration::from_secs(30), "the hand-off to b", || {
+        a.log()
+            .contains("its peers replay what it held")
+            .then_some(())
+    });
+    // b keeps trying to reach the datastore; the write waits meanwhile.
+    assert!(
+        rx.recv_timeout(Duration::from_secs(3)).is_err(),
+        "a write ended while the hand-off could not finish"
+    );
+    assert!(!b.log().contains("online replay done"));
+    let st = a.terminate();
+    assert!(st.success(), "vestad exited with {st}:\n{}", a.log());
+    assert_eq!(
+        rx.recv_timeout(Duration::from_secs(10)),
+        Ok(false),
+        "the stalled write must fail when vestad stops"
+    );
+}
+
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
 /// survives; another host replays it (surrogate replay) and the datastore is current.
 #[test]

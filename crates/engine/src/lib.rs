@@ -90,7 +90,7 @@ pub struct Volume {
     /// One policy change at a time.
     transition: tokio::sync::Mutex<()>,
     /// Woken when the route changes and when a hand-off to peers is given up: IO stalled by
-    /// a failed cache device waits on it ([`Volume::unless_handed_off`]).
+    /// a failed cache device waits on it ([`Volume::measured`]).
     rerouted: Notify,
     /// Set when the host's cache device failed and no peer can replay what it held: IO that
     /// would stall for the hand-off fails with this instead.
@@ -381,24 +381,25 @@ impl Volume {
         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
     }
 
-    /// The host's cache device failed and no peer can replay what it held (the volume
-    /// reports the loss, as in `wb`): IO that stalls for a hand-off fails with `why` instead.
-    pub fn give_up_handoff(&self, why: String) {
+    /// From now on IO that would stall for a hand-off to peers ([`Volume::measured`]) fails
+    /// with `why` instead, and so does IO stalled now: the host's cache device failed and no
+    /// peer can replay what it held (the volume reports the loss, as in `wb`), or the daemon
+    /// is stopping and nothing will reroute the volume.
+    pub fn stop_stalling(&self, why: String) {
         *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
         self.rerouted.notify_waiters();
     }
 
-    /// A cached IO's result, unless it failed because the host's cache device failed under a
-    /// volume with peers. Then the IO stalls instead of failing, as FVP §7.1 has it: the
-    /// peers replay what the device held, the owner gives the cache up
-    /// ([`Volume::abandon_cache`]), and `None` says to do the IO again by the new route.
-    /// Nothing is lost or reordered by doing it again: the IO never completed, and any
-    /// later IO that overlaps it waits for it (a write's gate, a client's own ordering).
-    async fn unless_handed_off<T>(&self, c: &Arc<VolCache>, r: Result<T>) -> Result<Option<T>> {
-        let e = match r {
-            Err(e) if c.cache_failed() && c.has_peers() => e,
-            r => return r.map(Some),
-        };
+    /// Whether IO on `c` stalls: the host's cache device failed under a volume with peers,
+    /// which replay what it held (FVP §7.1).
+    fn stalls(c: &VolCache) -> bool {
+        c.cache_failed() && c.has_peers()
+    }
+
+    /// Waits, outside the volume (a stalled IO must not keep a pause or a delete waiting),
+    /// until the volume no longer goes through `c`; fails if the volume is deleted or the
+    /// hand-off is given up ([`Volume::stop_stalling`]).
+    async fn await_reroute(&self, c: &Arc<VolCache>, e: Error) -> Result<()> {
         loop {
             let rerouted = self.rerouted.notified();
             tokio::pin!(rerouted);
@@ -416,31 +417,9 @@ impl Volume {
             }
             match self.route() {
                 Route::Cached(now) if Arc::ptr_eq(&now, c) => {}
-                _ => return Ok(None),
+                _ => return Ok(()),
             }
             rerouted.await;
-        }
-    }
-
-    /// Runs one IO by the volume's route: `cached` on its cache, `direct` on the datastore,
-    /// again by the new route after a hand-off ([`Volume::unless_handed_off`]).
-    async fn routed<T, C, D>(
-        &self,
-        cached: impl Fn(Arc<VolCache>) -> C,
-        direct: impl FnOnce() -> D,
-    ) -> Result<T>
-    where
-        C: std::future::Future<Output = Result<T>>,
-        D: std::future::Future<Output = io::Result<T>>,
-    {
-        loop {
-            let Route::Cached(c) = self.route() else {
-                return direct().await.map_err(Error::Datastore);
-            };
-            let r = cached(c.clone()).await;
-            if let Some(v) = self.unless_handed_off(&c, r).await? {
-                return Ok(v);
-            }
         }
     }
 
@@ -489,6 +468,15 @@ impl Volume {
             .clone()
             .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
         let route = self.route();
+        if let Route::Cached(c) = &route {
+            if Self::stalls(c) {
+                return Err(Error::Cache(
+                    "the cache device failed; the volume's peers replay what it held, and it \
+                     then goes on uncached"
+                        .into(),
+                ));
+            }
+        }
         // Dirty data drains while IO goes on, down to what one window carries; then IO pauses
         // for the rest (DESIGN §3, Transitions). A datastore that takes no writes ends the
         // change, with nothing changed: soon while IO is paused, reads included.
@@ -602,16 +590,55 @@ impl Volume {
         Ok(())
     }
 
-    async fn measured<T>(
+    /// Runs one IO by the volume's route, `cached` on its cache or `direct` on the
+    /// datastore, inside the volume (admitted by [`Volume::enter`]) and counted in its stats.
+    ///
+    /// When the host's cache device has failed under a volume with peers, the IO stalls
+    /// instead of failing, as FVP §7.1 stalls the VM: the peers replay what the device held,
+    /// the owner gives the cache up ([`Volume::abandon_cache`]), and the IO is done again by
+    /// the new route. Nothing is lost or reordered by that: no IO on a failed device
+    /// completes, so an IO that stalled never completed, and whatever overlaps it was issued
+    /// while it was outstanding. Reads of clean data stall too: while a peer replays from
+    /// the vault's checkpoint, the datastore can hold older versions than it did.
+    async fn measured<T, C, D>(
         &self,
         op: Op,
         bytes: u64,
-        io: impl std::future::Future<Output = Result<T>>,
-    ) -> Result<T> {
-        let _in = self.enter(op).await?;
-        let t = self.stats.start();
-        let r = io.await;
-        self.stats.finish(t, op, bytes, r.is_ok());
+        cached: impl Fn(Arc<VolCache>) -> C,
+        direct: impl Fn() -> D,
+    ) -> Result<T>
+    where
+        C: std::future::Future<Output = Result<T>>,
+        D: std::future::Future<Output = io::Result<T>>,
+    {
+        let mut started = None;
+        let r = loop {
+            let inside = match self.enter(op).await {
+                Ok(g) => g,
+                Err(e) => break Err(e),
+            };
+            started.get_or_insert_with(|| self.stats.start());
+            let Route::Cached(c) = self.route() else {
+                break direct().await.map_err(Error::Datastore);
+            };
+            let r = if Self::stalls(&c) {
+                Err(Error::Cache("the cache device failed".into()))
+            } else {
+                cached(c.clone()).await
+            };
+            match r {
+                Err(e) if Self::stalls(&c) => {
+                    drop(inside);
+                    if let Err(e) = self.await_reroute(&c, e).await {
+                        break Err(e);
+                    }
+                }
+                r => break r,
+            }
+        };
+        if let Some(t) = started {
+            self.stats.finish(t, op, bytes, r.is_ok());
+        }
         r
     }
 
@@ -621,10 +648,8 @@ impl Volume {
         self.measured(
             Op::Read,
             u64::from(len),
-            self.routed(
-                |c| async move { c.read(offset, len).await },
-                || self.store.read(offset, len as usize),
-            ),
+            |c| async move { c.read(offset, len).await },
+            || self.store.read(offset, len as usize),
         )
         .await
     }
@@ -637,10 +662,8 @@ impl Volume {
         self.measured(
             Op::Write,
             n,
-            self.routed(
-                |c| async move { c.write(offset, data.clone(), fua).await },
-                || self.store.write(offset, data.clone(), fua),
-            ),
+            |c| async move { c.write(offset, data.clone(), fua).await },
+            || self.store.write(offset, data.clone(), fua),
         )
         .await
     }
@@ -650,7 +673,8 @@ impl Volume {
         self.measured(
             Op::Flush,
             0,
-            self.routed(|c| async move { c.flush().await }, || self.store.flush()),
+            |c| async move { c.flush().await },
+            || self.store.flush(),
         )
         .await
     }
@@ -660,17 +684,15 @@ impl Volume {
         self.measured(
             Op::Trim,
             0,
-            self.routed(
-                // Trimmed data may read back as anything; zeroes are the safe anything.
-                |c| async move { c.write_zeroes(offset, len, fua).await },
-                || async move {
-                    self.store.trim(offset, len).await?;
-                    if fua {
-                        self.store.flush().await?;
-                    }
-                    Ok(())
-                },
-            ),
+            // Trimmed data may read back as anything; zeroes are the safe anything.
+            |c| async move { c.write_zeroes(offset, len, fua).await },
+            || async move {
+                self.store.trim(offset, len).await?;
+                if fua {
+                    self.store.flush().await?;
+                }
+                Ok(())
+            },
         )
         .await
     }
@@ -686,16 +708,14 @@ impl Volume {
         self.measured(
             Op::WriteZeroes,
             0,
-            self.routed(
-                |c| async move { c.write_zeroes(offset, len, fua).await },
-                || async move {
-                    self.store.write_zeroes(offset, len, may_trim).await?;
-                    if fua {
-                        self.store.flush().await?;
-                    }
-                    Ok(())
-                },
-            ),
+            |c| async move { c.write_zeroes(offset, len, fua).await },
+            || async move {
+                self.store.write_zeroes(offset, len, may_trim).await?;
+                if fua {
+                    self.store.flush().await?;
+                }
+                Ok(())
+            },
         )
         .await
     }

@@ -1737,6 +1737,16 @@ impl Daemon {
         }
     }
 
+    /// IO of every volume that would stall for a hand-off to peers fails with `why` from
+    /// now on ([`engine::Volume::stop_stalling`]).
+    pub fn stop_stalling(&self, why: &str) {
+        for e in self.entries() {
+            if let Ok(v) = &e.volume {
+                v.stop_stalling(why.into());
+            }
+        }
+    }
+
     /// Flushes every volume: called at shutdown after connections drained.
     pub async fn flush_all(&self) {
         for e in self.entries() {

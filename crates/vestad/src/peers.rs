@@ -695,10 +695,12 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// its peers held can be destaged only by a peer. The owner stops its destager, marks the
 /// vault for hand-off and gives the lock up; a peer replays (as for a dead owner) and leaves
 /// the vault in `wt` with a new generation; the owner then takes the lock back and serves the
-/// volume uncached, with the datastore current. IO that needs the failed device (writes,
-/// flushes, reads of dirty data) stalls meanwhile and is then done on the datastore, as FVP
-/// stalls the VM; reads of clean data go on. If no peer is left to replay, that IO fails and
-/// the volume reports the loss, as in `wb`.
+/// volume uncached, with the datastore current. The volume's IO stalls meanwhile, as FVP
+/// stalls the VM, and is then done on the datastore; reads stall too, since a peer's replay
+/// from the vault's checkpoint can take a block back to an older version for a moment. If
+/// the vault names no peer to replay, that IO fails and the volume reports the loss, as in
+/// `wb`. A hand-off whose peers never replay (they died too and do not return) stalls until
+/// the volume is deleted.
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
@@ -711,11 +713,20 @@ async fn flash_failed(
         let Some(p) = c.peers() else {
             return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
         };
-        if !p.report().iter().any(|r| r.error.is_none()) {
-            // No peer holds the data any more: handing off would hand it to nobody. The
-            // volume reports the loss, as in wb.
+        // The peers the vault names hold every completed write (a write completes only once
+        // they all have it, or once a peer that failed it is out of the vault), whatever the
+        // state of this host's links to them: a link broken while idle says nothing of the
+        // peer. With none named, nobody can replay.
+        let vault = d
+            .coord
+            .vault(rec.id)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or("no vault record")?;
+        if vault.peers.is_empty() {
+            // The volume reports the loss, as in wb, and its stalled IO fails.
             let why = "the cache device failed and no peer is left to replay from";
-            v.give_up_handoff(why.into());
+            v.stop_stalling(why.into());
             return Err(why.into());
         }
         v.stop_destaging().await;
