@@ -14,7 +14,7 @@ use std::time::Duration;
 use nbd::client::Client;
 use nbd::uri::NbdUri;
 use vesta_tests::checker::{
-    campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
 
@@ -87,5 +87,105 @@ fn completed_writes_survive_kill_9_of_vestad() {
     assert!(
         replays * 2 >= rounds,
         "only {replays} of {rounds} kills hit dirty data; the campaign is too gentle"
+    );
+}
+
+/// The crash campaign with a failing datastore (FVP Table 1, datastore row, with random
+/// timing): under a checker's writes to a `wb` volume, the LUN starts failing every write
+/// (nbdkit's error filter, switched by its error file) at a random moment, vestad is killed
+/// while it fails or after it healed, and restarts while it still fails or not. While the
+/// LUN fails, the restarted volume's replay waits and its reads come from the cache; every
+/// completed write reads back throughout, and once the LUN heals the replay brings it to
+/// exactly the volume. `VESTA_DATASTORE_CRASH_ROUNDS` sets the rounds (default 4).
+#[test]
+fn completed_writes_survive_kill_9_while_the_datastore_fails() {
+    let (rounds, seed0) = campaign("VESTA_DATASTORE_CRASH_ROUNDS", 4);
+    eprintln!("datastore failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let errors = vesta_tests::Scratch::new("errfile");
+    let on = errors.join("on");
+    let mut lun = Nbdkit::start(
+        64 << 20,
+        &["--filter=error", "--filter=delay"],
+        &[
+            "error-pwrite=EIO",
+            "error-pwrite-rate=100%",
+            &format!("error-pwrite-file={}", on.display()),
+            "delay-write=1ms",
+        ],
+    );
+    let mut v = Vestad::start();
+    v.add_lun("san", &lun, 8);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "c",
+        "--size",
+        &(BLOCKS * BLOCK).to_string(),
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let read_all = |v: &Vestad| {
+        rt.block_on(async {
+            let c = Client::connect(&NbdUri::parse(&v.url("c")).unwrap(), 1)
+                .await
+                .unwrap();
+            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
+        })
+    };
+    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let mut rng = Xorshift(seed0 | 1);
+    let mut stalled_restarts = 0;
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        let mut r = Xorshift(seed | 1);
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = rt.spawn(write_until_killed(
+            v.url("c"),
+            known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        std::thread::sleep(Duration::from_millis(50 + r.next_u64() % 300));
+        std::fs::write(&on, b"").unwrap();
+        std::thread::sleep(Duration::from_millis(r.next_u64() % 400));
+        let healed_before_kill = r.next_u64().is_multiple_of(3);
+        if healed_before_kill {
+            std::fs::remove_file(&on).unwrap();
+            std::thread::sleep(Duration::from_millis(r.next_u64() % 200));
+        }
+        v.kill9();
+        stop.store(true, Ordering::SeqCst);
+        rt.block_on(writer).unwrap();
+        lun.outlive_killed_client();
+        v.launch();
+        if on.exists() {
+            // Still failing: the replay waits, and reads come from the cache meanwhile.
+            stalled_restarts += 1;
+            let got = read_all(&v);
+            assert_holds_completed(&got, &known, round, seed);
+            std::thread::sleep(Duration::from_millis(r.next_u64() % 1000));
+            std::fs::remove_file(&on).unwrap();
+        }
+        let got = read_all(&v);
+        let completed = settle_to(&got, &known, round, seed);
+        assert!(
+            completed > 0,
+            "round {round}: the checker completed no writes"
+        );
+        v.wait_clean("c");
+        let img = read_file(&lun.image);
+        assert!(
+            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
+            "round {round} (seed {seed}): after replay the LUN image differs from the volume"
+        );
+    }
+    eprintln!(
+        "datastore failure campaign: {stalled_restarts} of {rounds} restarts found the LUN failing"
     );
 }
