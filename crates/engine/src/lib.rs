@@ -370,8 +370,7 @@ impl Volume {
                 warn!("volume {:?}: leaving the cache: {e}", self.name);
             }
         }
-        *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
-        self.rerouted.notify_waiters();
+        self.set_route(Route::Uncached);
     }
 
     /// Gives the cache up without draining it, after the host's cache device failed and
@@ -379,27 +378,57 @@ impl Volume {
     pub async fn abandon_cache(&self) {
         self.detach_cache().await;
         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+        // A later cache (its policy set again) stalls afresh if its device fails.
+        *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    /// From now on IO that would stall for a hand-off to peers ([`Volume::measured`]) fails
-    /// with `why` instead, and so does IO stalled now: the host's cache device failed and no
-    /// peer can replay what it held (the volume reports the loss, as in `wb`), or the daemon
-    /// is stopping and nothing will reroute the volume.
+    /// From now on IO that would stall for a hand-off to peers ([`Volume::measured`]) goes
+    /// on as in `wb` instead (reads of clean data from the datastore, the rest failing), and
+    /// so does IO stalled now: the host's cache device failed and no peer can replay what it
+    /// held (the volume reports the loss), or the daemon is stopping and nothing will
+    /// reroute the volume. `why` is logged.
     pub fn stop_stalling(&self, why: String) {
-        *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+        let mut lost = self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner());
+        if lost.is_none()
+            && self
+                .cache()
+                .is_some_and(|c| c.cache_failed() && c.has_peers())
+        {
+            warn!(
+                "volume {:?}: IO no longer waits for a hand-off: {why}",
+                self.name
+            );
+        }
+        *lost = Some(why);
+        drop(lost);
         self.rerouted.notify_waiters();
     }
 
     /// Whether IO on `c` stalls: the host's cache device failed under a volume with peers,
-    /// which replay what it held (FVP §7.1).
-    fn stalls(c: &VolCache) -> bool {
-        c.cache_failed() && c.has_peers()
+    /// which replay what it held (FVP §7.1), and the hand-off was not given up
+    /// ([`Volume::stop_stalling`]; the volume's IO then goes on as in `wb`: clean reads from
+    /// the datastore, the rest failing).
+    fn stalls(&self, c: &VolCache) -> bool {
+        c.cache_failed()
+            && c.has_peers()
+            && self
+                .handoff_lost
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+    }
+
+    /// Points the volume's IO at `route`, waking IO stalled on the route before.
+    fn set_route(&self, route: Route) {
+        *self.route.write().unwrap_or_else(|e| e.into_inner()) = route;
+        self.rerouted.notify_waiters();
     }
 
     /// Waits, outside the volume (a stalled IO must not keep a pause or a delete waiting),
-    /// until the volume no longer goes through `c`; fails if the volume is deleted or the
-    /// hand-off is given up ([`Volume::stop_stalling`]).
-    async fn await_reroute(&self, c: &Arc<VolCache>, e: Error) -> Result<()> {
+    /// until the volume no longer goes through `c` or the hand-off is given up
+    /// ([`Volume::stop_stalling`]); either way the IO is then done again by the route. Fails
+    /// if the volume is deleted.
+    async fn await_reroute(&self, c: &Arc<VolCache>) -> Result<()> {
         loop {
             let rerouted = self.rerouted.notified();
             tokio::pin!(rerouted);
@@ -407,16 +436,8 @@ impl Volume {
             if self.revoked.load(Ordering::SeqCst) {
                 return Err(Error::Revoked);
             }
-            if let Some(why) = self
-                .handoff_lost
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-            {
-                return Err(Error::Cache(format!("{e}; {why}")));
-            }
             match self.route() {
-                Route::Cached(now) if Arc::ptr_eq(&now, c) => {}
+                Route::Cached(now) if Arc::ptr_eq(&now, c) && self.stalls(c) => {}
                 _ => return Ok(()),
             }
             rerouted.await;
@@ -469,7 +490,7 @@ impl Volume {
             .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
         let route = self.route();
         if let Route::Cached(c) = &route {
-            if Self::stalls(c) {
+            if self.stalls(c) {
                 return Err(Error::Cache(
                     "the cache device failed; the volume's peers replay what it held, and it \
                      then goes on uncached"
@@ -512,8 +533,7 @@ impl Volume {
                         Mode::Wt,
                         VolOpts::from_tuning(&self.tuning()),
                     )?;
-                    *self.route.write().unwrap_or_else(|e| e.into_inner()) =
-                        Route::Cached(c.clone());
+                    self.set_route(Route::Cached(c.clone()));
                     *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
                     Route::Cached(c)
                 }
@@ -550,7 +570,7 @@ impl Volume {
                 (Route::Cached(c), Some(mode)) => c.switch_mode(mode, peers)?,
                 (Route::Cached(c), None) => {
                     let r = host.detach(c).await;
-                    *self.route.write().unwrap_or_else(|e| e.into_inner()) = Route::Uncached;
+                    self.set_route(Route::Uncached);
                     if let Err(e) = r {
                         // Uncached all the same: everything it wrote is on the datastore.
                         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
@@ -621,15 +641,15 @@ impl Volume {
             let Route::Cached(c) = self.route() else {
                 break direct().await.map_err(Error::Datastore);
             };
-            let r = if Self::stalls(&c) {
+            let r = if self.stalls(&c) {
                 Err(Error::Cache("the cache device failed".into()))
             } else {
                 cached(c.clone()).await
             };
             match r {
-                Err(e) if Self::stalls(&c) => {
+                Err(_) if self.stalls(&c) => {
                     drop(inside);
-                    if let Err(e) = self.await_reroute(&c, e).await {
+                    if let Err(e) = self.await_reroute(&c).await {
                         break Err(e);
                     }
                 }

@@ -120,23 +120,28 @@ async fn io_stalls_while_peers_replay_and_goes_on_uncached_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_no_peer_to_replay_the_stalled_io_fails() {
+async fn with_no_peer_to_replay_the_volume_goes_on_as_in_wb() {
     let (_cache, store, vol) = failed_under_wbp().await;
     let (write, read, flush) = io(&vol);
+    let clean = {
+        let v = vol.clone();
+        tokio::spawn(async move { v.read(8 * BLOCK as u64, 512).await })
+    };
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!write.is_finished());
+    assert!(!clean.is_finished());
     vol.stop_stalling("no peer is left to replay from".into());
-    for e in [
-        within(write, "the write").await.unwrap_err(),
-        within(read, "the read").await.unwrap_err(),
-        within(flush, "the flush").await.unwrap_err(),
-    ] {
-        assert!(
-            matches!(&e, Error::Cache(m) if m.contains("no peer is left")),
-            "{e}"
-        );
-    }
-    // Later IO fails at once, and nothing reached the datastore.
+    // As in wb: what needed the failed device fails (the dirty block is lost with it), and
+    // clean data reads from the datastore.
+    within(write, "the write").await.unwrap_err();
+    within(read, "the read of dirty data").await.unwrap_err();
+    within(flush, "the flush").await.unwrap_err();
+    assert!(within(clean, "the clean read")
+        .await
+        .unwrap()
+        .iter()
+        .all(|b| *b == 0));
+    // Later IO does not stall either, and nothing reached the datastore.
     let e = tokio::time::timeout(
         Duration::from_secs(5),
         vol.write(0, Bytes::from(vec![1; BLOCK]), false),
@@ -145,7 +150,24 @@ async fn with_no_peer_to_replay_the_stalled_io_fails() {
     .expect("a write stalled after the hand-off was given up")
     .unwrap_err();
     assert!(matches!(e, Error::Cache(_)), "{e}");
+    tokio::time::timeout(Duration::from_secs(5), vol.read(16 * BLOCK as u64, 512))
+        .await
+        .expect("a clean read stalled after the hand-off was given up")
+        .unwrap();
     assert!(store.image().iter().all(|b| *b == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_change_wakes_stalled_io() {
+    // Every route change wakes IO stalled on the old route (a policy change whose pause
+    // the device failed in detaches the cache the same way): it goes on by the new route.
+    let (_cache, store, vol) = failed_under_wbp().await;
+    let (write, _read, _flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished());
+    vol.detach_cache().await;
+    within(write, "the write").await.unwrap();
+    assert!(store.image()[BLOCK..2 * BLOCK] == [0x42; BLOCK]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1737,8 +1737,8 @@ impl Daemon {
         }
     }
 
-    /// IO of every volume that would stall for a hand-off to peers fails with `why` from
-    /// now on ([`engine::Volume::stop_stalling`]).
+    /// IO of every volume that would stall for a hand-off to peers goes on as in `wb` from
+    /// now on, failing what needs the failed cache device ([`engine::Volume::stop_stalling`]).
     pub fn stop_stalling(&self, why: &str) {
         for e in self.entries() {
             if let Ok(v) = &e.volume {
