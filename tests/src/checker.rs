@@ -159,3 +159,76 @@ pub fn settle_to(bytes: &[u8], known: &Mutex<Vec<Known>>, round: u64, seed: u64)
     }
     completed
 }
+
+/// A campaign's checker: the runtime its writers run on and what they know of each block.
+pub struct Checker {
+    pub rt: tokio::runtime::Runtime,
+    pub known: Arc<Mutex<Vec<Known>>>,
+}
+
+/// Writers started by [`Checker::write`], until [`Writers::stop`].
+pub struct Writers<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Writers<'_> {
+    /// Stops the writers (if the daemon did not already) and waits for them.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.rt.block_on(self.task).expect("the writers panicked");
+    }
+}
+
+impl Default for Checker {
+    fn default() -> Checker {
+        Checker::new()
+    }
+}
+
+impl Checker {
+    pub fn new() -> Checker {
+        Checker {
+            rt: tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime"),
+            known: Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize])),
+        }
+    }
+
+    /// Starts [`write_until_killed`] on the volume at `uri`.
+    pub fn write(&self, uri: String, seed: u64) -> Writers<'_> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = self.rt.spawn(write_until_killed(
+            uri,
+            self.known.clone(),
+            seed,
+            stop.clone(),
+        ));
+        Writers {
+            rt: &self.rt,
+            stop,
+            task,
+        }
+    }
+
+    /// The sum of completed versions: it grows while the writers get writes through.
+    pub fn completed(&self) -> u64 {
+        self.known.lock().unwrap().iter().map(|k| k.completed).sum()
+    }
+
+    /// The checker's blocks of the volume at `uri`, read through NBD.
+    pub fn read(&self, uri: &str) -> Vec<u8> {
+        self.rt.block_on(async {
+            let c = Client::connect(&NbdUri::parse(uri).unwrap(), 1)
+                .await
+                .expect("connect to the volume");
+            c.read(0, (BLOCKS * BLOCK) as u32)
+                .await
+                .expect("read the volume")
+                .to_vec()
+        })
+    }
+}

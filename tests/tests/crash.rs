@@ -7,25 +7,17 @@
 //! --test crash` is the long mode. A failing round prints its seed; `VESTA_CRASH_SEED=S`
 //! replays the campaign from it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nbd::client::Client;
-use nbd::uri::NbdUri;
 use vesta_tests::checker::{
-    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, Checker, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{read_file, Nbdkit, Vestad, LUN_EXTENT};
 
-#[test]
-fn completed_writes_survive_kill_9_of_vestad() {
-    let (rounds, seed0) = campaign("VESTA_CRASH_ROUNDS", 20);
-    eprintln!("crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
-    // A LUN whose writes take a millisecond, so dirty data piles up in the cache.
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
-    let mut v = Vestad::start();
-    v.add_lun("san", &lun, 8);
+/// A vestad with `lun` as datastore `san` and the checker's `wb` volume `c` on it.
+fn wb_volume_on(lun: &Nbdkit) -> Vestad {
+    let v = Vestad::start();
+    v.add_lun("san", lun, 8);
     v.vesta_ok(&[
         "volume",
         "create",
@@ -37,38 +29,32 @@ fn completed_writes_survive_kill_9_of_vestad() {
         "--policy",
         "wb",
     ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    v
+}
+
+#[test]
+fn completed_writes_survive_kill_9_of_vestad() {
+    let (rounds, seed0) = campaign("VESTA_CRASH_ROUNDS", 20);
+    eprintln!("crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    // A LUN whose writes take a millisecond, so dirty data piles up in the cache.
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut v = wb_volume_on(&lun);
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     for round in 0..rounds {
         let seed = rng.next_u64();
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            v.url("c"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(v.url("c"), seed);
         // Kill at a random moment, 50–550 ms into the writes.
         std::thread::sleep(Duration::from_millis(50 + seed % 500));
         v.kill9();
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         // nbdkit 1.32 can abort once the killed vestad's requests leave its delay filter;
         // a SAN outlives its clients.
         lun.outlive_killed_client();
         v.launch();
         // Every completed write reads back; an in-flight one may or may not have landed.
-        let got = rt.block_on(async {
-            let c = Client::connect(&NbdUri::parse(&v.url("c")).unwrap(), 1)
-                .await
-                .unwrap();
-            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
-        });
-        let completed = settle_to(&got, &known, round, seed);
+        let got = ck.read(&v.url("c"));
+        let completed = settle_to(&got, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes at all"
@@ -113,44 +99,14 @@ fn completed_writes_survive_kill_9_while_the_datastore_fails() {
             "delay-write=1ms",
         ],
     );
-    let mut v = Vestad::start();
-    v.add_lun("san", &lun, 8);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "c",
-        "--size",
-        &(BLOCKS * BLOCK).to_string(),
-        "--datastore",
-        "san",
-        "--policy",
-        "wb",
-    ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let read_all = |v: &Vestad| {
-        rt.block_on(async {
-            let c = Client::connect(&NbdUri::parse(&v.url("c")).unwrap(), 1)
-                .await
-                .unwrap();
-            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
-        })
-    };
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let mut v = wb_volume_on(&lun);
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     let mut stalled_restarts = 0;
     for round in 0..rounds {
         let seed = rng.next_u64();
         let mut r = Xorshift(seed | 1);
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            v.url("c"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(v.url("c"), seed);
         std::thread::sleep(Duration::from_millis(50 + r.next_u64() % 300));
         std::fs::write(&on, b"").unwrap();
         std::thread::sleep(Duration::from_millis(r.next_u64() % 400));
@@ -160,20 +116,19 @@ fn completed_writes_survive_kill_9_while_the_datastore_fails() {
             std::thread::sleep(Duration::from_millis(r.next_u64() % 200));
         }
         v.kill9();
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         lun.outlive_killed_client();
         v.launch();
         if on.exists() {
             // Still failing: the replay waits, and reads come from the cache meanwhile.
             stalled_restarts += 1;
-            let got = read_all(&v);
-            assert_holds_completed(&got, &known, round, seed);
+            let got = ck.read(&v.url("c"));
+            assert_holds_completed(&got, &ck.known, round, seed);
             std::thread::sleep(Duration::from_millis(r.next_u64() % 1000));
             std::fs::remove_file(&on).unwrap();
         }
-        let got = read_all(&v);
-        let completed = settle_to(&got, &known, round, seed);
+        let got = ck.read(&v.url("c"));
+        let completed = settle_to(&got, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"

@@ -3,13 +3,12 @@
 //! datastore. Writes are checked on the datastore image itself, so what a test sees is what
 //! a VM restarted anywhere would see.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use serde_json::Value;
 use vesta_tests::checker::{
-    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, Checker, Known, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{
     qemu_io, read_file, wait_for, Etcd, Host, Nbdkit, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
@@ -467,6 +466,20 @@ fn qemu_io_ok(url: &str) -> bool {
     out.status.success() && !String::from_utf8_lossy(&out.stdout).contains("failed")
 }
 
+/// The LUN of the campaigns: its writes take a millisecond, so dirty data piles up in the
+/// caches.
+fn campaign_lun() -> Nbdkit {
+    Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"])
+}
+
+/// Creates the checker's volume `name` (its [`BLOCKS`] blocks) on `v` with `policy`.
+fn create_checked(v: &Vestad, name: &str, policy: &str) {
+    let size = (BLOCKS * BLOCK).to_string();
+    v.vesta_ok(&[
+        "volume", "create", name, "--size", &size, "--policy", policy,
+    ]);
+}
+
 /// The checker's volume on the datastore image itself (the first volume of the LUN) holds
 /// every completed write, and becomes the known state for the next round
 /// ([`vesta_tests::checker::settle_to`]).
@@ -502,20 +515,14 @@ fn datastore_has_completed_writes(
 
 /// The owner serves what the datastore holds.
 fn owner_reads_the_datastore(
-    rt: &tokio::runtime::Runtime,
+    ck: &Checker,
     owner: &Vestad,
     volume: &str,
     lun: &Nbdkit,
     round: u64,
     seed: u64,
 ) {
-    let got = rt.block_on(async {
-        let c =
-            nbd::client::Client::connect(&nbd::uri::NbdUri::parse(&owner.url(volume)).unwrap(), 1)
-                .await
-                .unwrap();
-        c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
-    });
+    let got = ck.read(&owner.url(volume));
     let img = read_file(&lun.image);
     assert!(
         img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
@@ -533,49 +540,34 @@ fn completed_writes_survive_the_owner_dying_under_load() {
     let (rounds, seed0) = campaign("VESTA_WBP_CRASH_ROUNDS", 5);
     eprintln!("wbp crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     let etcd = Etcd::start();
-    // Writes take a millisecond on the datastore, so dirty data piles up in the caches.
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    let size = (BLOCKS * BLOCK).to_string();
-    a.vesta_ok(&[
-        "volume", "create", "c", "--size", &size, "--policy", "wbp:1",
-    ]);
+    create_checked(&a, "c", "wbp:1");
     wait_replicating(&a, "c", &["b"]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     let mut replayed_writes = 0u64;
     for round in 0..rounds {
         let seed = rng.next_u64();
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            a.url("c"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(a.url("c"), seed);
         std::thread::sleep(Duration::from_millis(100 + seed % 500));
         a.kill9();
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         // a's door (nbdkit 1.32) can abort once a's requests leave its delay filter; it
         // must be there for a's return.
         lun.outlive_killed_client();
         wait_for(Duration::from_secs(TTL_S + 30), "b's online replay", || {
             (b.log().matches("online replay done").count() as u64 > round).then_some(())
         });
-        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
+        let completed = datastore_holds_completed_writes(&lun, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"
         );
         a.launch();
         wait_replicating(&a, "c", &["b"]);
-        owner_reads_the_datastore(&rt, &a, "c", &lun, round, seed);
+        owner_reads_the_datastore(&ck, &a, "c", &lun, round, seed);
     }
     for line in b
         .log()
@@ -761,19 +753,12 @@ fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
     let (rounds, seed0) = campaign("VESTA_PARTITION_ROUNDS", 2);
     eprintln!("partition campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     let etcd = Etcd::start();
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let (b, pb) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
     let (c, pc) = host_behind_proxy(&etcd, "c", "rack2", "127.0.0.4", "127.0.0.6", &lun);
-    let size = (BLOCKS * BLOCK).to_string();
-    a.vesta_ok(&[
-        "volume", "create", "v", "--size", &size, "--policy", "wbp:1",
-    ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    create_checked(&a, "v", "wbp:1");
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     let replays = || {
         (b.log().matches("online replay done").count()
@@ -798,13 +783,7 @@ fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
             },
             if heal_first { "first" } else { "after" },
         );
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            a.url("v"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(a.url("v"), seed);
         std::thread::sleep(Duration::from_millis(100 + r.next_u64() % 500));
         if blackhole {
             proxy.blackhole();
@@ -828,8 +807,7 @@ fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
         }
         let before = replays();
         a.kill9();
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         proxy.heal();
         lun.outlive_killed_client();
         // A peer the vault names replays once a's lease is gone; what it leaves on the
@@ -840,19 +818,19 @@ fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
         });
         if replayed {
             peer_replays += 1;
-            datastore_has_completed_writes(&lun, &known, round, seed);
+            datastore_has_completed_writes(&lun, &ck.known, round, seed);
         }
         // Then the owner returns (replaying its own log if no peer did), takes a peer and
         // destages: the datastore still holds every completed write, and the owner serves it.
         a.launch();
         wait_peer(&a, "v");
         a.wait_clean("v");
-        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
+        let completed = datastore_holds_completed_writes(&lun, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"
         );
-        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+        owner_reads_the_datastore(&ck, &a, "v", &lun, round, seed);
     }
     eprintln!(
         "partition campaign: {rounds} rounds, {moved} moved to a new peer before the kill, \
@@ -886,39 +864,18 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
     let (rounds, seed0) = campaign("VESTA_FLASH_ROUNDS", 2);
     eprintln!("flash failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     let etcd = Etcd::start();
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    let size = (BLOCKS * BLOCK).to_string();
-    a.vesta_ok(&[
-        "volume", "create", "v", "--size", &size, "--policy", "wbp:1",
-    ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
-    let completed_now = || {
-        known
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|k| k.completed)
-            .sum::<u64>()
-    };
+    create_checked(&a, "v", "wbp:1");
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     for round in 0..rounds {
         let seed = rng.next_u64();
         eprintln!("round {round} (seed {seed})");
         wait_peer(&a, "v");
         let before = b.log().matches("online replay done").count();
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            a.url("v"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(a.url("v"), seed);
         std::thread::sleep(Duration::from_millis(100 + seed % 500));
         a.fail_cache_device();
         wait_for(Duration::from_secs(40), "b's replay for a", || {
@@ -929,13 +886,12 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
             (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
         });
         // The checker's writers never saw an error: they are still writing.
-        let then = completed_now();
+        let then = ck.completed();
         wait_for(Duration::from_secs(10), "more writes, uncached", || {
-            (completed_now() > then).then_some(())
+            (ck.completed() > then).then_some(())
         });
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
-        let completed = datastore_holds_completed_writes(&lun, &known, round, seed);
+        writers.stop();
+        let completed = datastore_holds_completed_writes(&lun, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"
@@ -946,8 +902,8 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
         lun.outlive_killed_client();
         a.launch();
         wait_peer(&a, "v");
-        datastore_has_completed_writes(&lun, &known, round, seed);
-        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+        datastore_has_completed_writes(&lun, &ck.known, round, seed);
+        owner_reads_the_datastore(&ck, &a, "v", &lun, round, seed);
     }
     one_writer_at_a_time(&lun);
 }
@@ -963,19 +919,12 @@ fn completed_writes_survive_the_replaying_peer_dying_at_random() {
     let (rounds, seed0) = campaign("VESTA_CASCADE_ROUNDS", 2);
     eprintln!("cascade campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
     let etcd = Etcd::start();
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     let mut c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
-    let size = (BLOCKS * BLOCK).to_string();
-    a.vesta_ok(&[
-        "volume", "create", "v", "--size", &size, "--policy", "wbp:2",
-    ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
+    create_checked(&a, "v", "wbp:2");
+    let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     let starts = |h: &Vestad| h.log().matches("is gone; replaying").count();
     let dones = |h: &Vestad| h.log().matches("online replay done").count();
@@ -985,17 +934,10 @@ fn completed_writes_survive_the_replaying_peer_dying_at_random() {
         let mut r = Xorshift(seed | 1);
         wait_replicating(&a, "v", &["b", "c"]);
         let before = [starts(&b), starts(&c)];
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            a.url("v"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let writers = ck.write(a.url("v"), seed);
         std::thread::sleep(Duration::from_millis(300 + r.next_u64() % 500));
         a.kill9();
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         lun.outlive_killed_client();
         let first = wait_for(
             Duration::from_secs(TTL_S + 20),
@@ -1041,11 +983,11 @@ fn completed_writes_survive_the_replaying_peer_dying_at_random() {
                 (vault(&etcd)["policy"] == "wt").then_some(())
             },
         );
-        datastore_holds_completed_writes(&lun, &known, round, seed);
+        datastore_holds_completed_writes(&lun, &ck.known, round, seed);
         dead.launch();
         a.launch();
         wait_replicating(&a, "v", &["b", "c"]);
-        owner_reads_the_datastore(&rt, &a, "v", &lun, round, seed);
+        owner_reads_the_datastore(&ck, &a, "v", &lun, round, seed);
     }
     eprintln!("cascade campaign: {rounds} rounds, {interrupted} replay(s) killed midway");
     one_writer_at_a_time(&lun);

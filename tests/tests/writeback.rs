@@ -3,15 +3,11 @@
 //! corrupted cache record.
 
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nbd::client::Client;
-use nbd::uri::NbdUri;
 use serde_json::Value;
 use vesta_tests::checker::{
-    assert_holds_completed, campaign, settle_to, write_until_killed, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, Checker, Xorshift, BLOCK, BLOCKS,
 };
 use vesta_tests::{qemu_io, read_file, run_ok, wait_for, Nbdkit, Vestad, LUN_EXTENT};
 
@@ -505,27 +501,7 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
         "--policy",
         "wt",
     ]);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let known = Arc::new(Mutex::new(vec![Known::default(); BLOCKS as usize]));
-    let completed_now = || {
-        known
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|k| k.completed)
-            .sum::<u64>()
-    };
-    let read_all = |v: &Vestad| {
-        rt.block_on(async {
-            let c = Client::connect(&NbdUri::parse(&v.url("c")).unwrap(), 1)
-                .await
-                .unwrap();
-            c.read(0, (BLOCKS * BLOCK) as u32).await.unwrap()
-        })
-    };
+    let ck = Checker::new();
     let on_lun = |lun: &Nbdkit| {
         read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
     };
@@ -533,32 +509,25 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
     for round in 0..rounds {
         let seed = rng.next_u64();
         // Reads fill the cache with what is then overwritten uncached.
-        let cached = read_all(&v);
-        assert_holds_completed(&cached, &known, round, seed);
-        let stop = Arc::new(AtomicBool::new(false));
-        let writer = rt.spawn(write_until_killed(
-            v.url("c"),
-            known.clone(),
-            seed,
-            stop.clone(),
-        ));
+        let cached = ck.read(&v.url("c"));
+        assert_holds_completed(&cached, &ck.known, round, seed);
+        let writers = ck.write(v.url("c"), seed);
         std::thread::sleep(Duration::from_millis(100 + seed % 400));
         v.fail_cache_device();
         // The writers never saw an error: they are still writing.
-        let then = completed_now();
+        let then = ck.completed();
         wait_for(Duration::from_secs(10), "more writes, uncached", || {
-            (completed_now() > then).then_some(())
+            (ck.completed() > then).then_some(())
         });
-        stop.store(true, Ordering::SeqCst);
-        rt.block_on(writer).unwrap();
+        writers.stop();
         let img = on_lun(&lun);
-        let completed = settle_to(&img, &known, round, seed);
+        let completed = settle_to(&img, &ck.known, round, seed);
         assert!(
             completed > 0,
             "round {round}: the checker completed no writes"
         );
         assert!(
-            read_all(&v) == img,
+            ck.read(&v.url("c")) == img,
             "round {round} (seed {seed}): reads through vestad differ from the datastore"
         );
         // Back on the same cache file: its copies must not be served over newer data.
@@ -567,7 +536,7 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
         v.launch();
         assert_eq!(show(&v, "c")["policy"], "wt");
         assert!(
-            read_all(&v) == img,
+            ck.read(&v.url("c")) == img,
             "round {round} (seed {seed}): after the restart vestad serves other data than the \
              datastore holds"
         );

@@ -698,8 +698,8 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// volume uncached, with the datastore current. The volume's IO stalls meanwhile, as FVP
 /// stalls the VM, and is then done on the datastore; reads stall too, since a peer's replay
 /// from the vault's checkpoint can take a block back to an older version for a moment. If
-/// the vault names no peer to replay, that IO fails and the volume reports the loss, as in
-/// `wb`. A hand-off whose peers never replay (they died too and do not return) stalls until
+/// the vault names no peer to replay, the volume reports the loss and its IO goes on as in
+/// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never replay (they died too and do not return) stalls until
 /// the volume is deleted.
 async fn flash_failed(
     d: &Arc<Daemon>,
@@ -709,22 +709,23 @@ async fn flash_failed(
 ) -> Result<(), String> {
     let name = &rec.name;
     let handed = d.peers.handed_off.lock().expect("lock").contains(name);
-    if !handed {
-        let Some(p) = c.peers() else {
-            return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
-        };
+    let peers = c.peers();
+    if !handed && peers.is_none() {
+        return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
+    }
+    let vault = d
+        .coord
+        .vault(rec.id)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or("no vault record")?;
+    if let (false, Some(p)) = (handed, peers) {
         // The peers the vault names hold every completed write (a write completes only once
         // they all have it, or once a peer that failed it is out of the vault), whatever the
         // state of this host's links to them: a link broken while idle says nothing of the
         // peer. With none named, nobody can replay.
-        let vault = d
-            .coord
-            .vault(rec.id)
-            .await
-            .map_err(|e| e.to_string())?
-            .ok_or("no vault record")?;
         if vault.peers.is_empty() {
-            // The volume reports the loss, as in wb, and its stalled IO fails.
+            // The volume reports the loss, and its IO goes on as in wb.
             let why = "the cache device failed and no peer is left to replay from";
             v.stop_stalling(why.into());
             return Err(why.into());
@@ -749,12 +750,6 @@ async fn flash_failed(
         return Ok(());
     }
     // Waiting for a peer to finish.
-    let vault = d
-        .coord
-        .vault(rec.id)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("no vault record")?;
     if vault.handoff || vault.gen <= c.gen() {
         return Ok(());
     }
