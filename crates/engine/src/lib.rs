@@ -45,6 +45,9 @@ pub enum Error {
     /// The volume is being deleted: it takes no more IO.
     #[error("volume is being deleted")]
     Revoked,
+    /// vestad is stopping, and IO stalled for a hand-off to peers will not be rerouted.
+    #[error("vestad is stopping")]
+    Stopping,
     /// The cache could not do what was asked (a failed cache device, lost dirty data).
     #[error("cache: {0}")]
     Cache(String),
@@ -93,8 +96,11 @@ pub struct Volume {
     /// a failed cache device waits on it ([`Volume::measured`]).
     rerouted: Notify,
     /// Set when the host's cache device failed and no peer can replay what it held: IO that
-    /// would stall for the hand-off fails with this instead.
+    /// would stall for the hand-off goes on as in `wb` instead.
     handoff_lost: Mutex<Option<String>>,
+    /// Set when vestad stops: IO that would stall for a hand-off ends with
+    /// [`Error::Stopping`] instead.
+    stopping: AtomicBool,
 }
 
 /// One IO inside the volume; dropping it lets a revocation or pause know when the last is done.
@@ -206,6 +212,7 @@ impl Volume {
             transition: tokio::sync::Mutex::new(()),
             rerouted: Notify::new(),
             handoff_lost: Mutex::new(None),
+            stopping: AtomicBool::new(false),
         })
     }
 
@@ -386,7 +393,7 @@ impl Volume {
     /// on as in `wb` instead (reads of clean data from the datastore, the rest failing), and
     /// so does IO stalled now: the host's cache device failed and no peer can replay what it
     /// held (the volume reports the loss), or the daemon is stopping and nothing will
-    /// reroute the volume. `why` is logged.
+    /// reroute the volume (see also [`Volume::stop`]). `why` is logged.
     pub fn stop_stalling(&self, why: String) {
         let mut lost = self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner());
         if lost.is_none()
@@ -401,6 +408,14 @@ impl Volume {
         }
         *lost = Some(why);
         drop(lost);
+        self.rerouted.notify_waiters();
+    }
+
+    /// vestad is stopping, and nothing will reroute the volume: IO stalled for a hand-off to
+    /// peers, and IO that would stall, ends with [`Error::Stopping`] (ESHUTDOWN to an NBD
+    /// client: a planned stop, not a loss).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
         self.rerouted.notify_waiters();
     }
 
@@ -427,7 +442,7 @@ impl Volume {
     /// Waits, outside the volume (a stalled IO must not keep a pause or a delete waiting),
     /// until the volume no longer goes through `c` or the hand-off is given up
     /// ([`Volume::stop_stalling`]); either way the IO is then done again by the route. Fails
-    /// if the volume is deleted.
+    /// if the volume is deleted or vestad stops ([`Volume::stop`]).
     async fn await_reroute(&self, c: &Arc<VolCache>) -> Result<()> {
         loop {
             let rerouted = self.rerouted.notified();
@@ -435,6 +450,9 @@ impl Volume {
             rerouted.as_mut().enable();
             if self.revoked.load(Ordering::SeqCst) {
                 return Err(Error::Revoked);
+            }
+            if self.stopping.load(Ordering::SeqCst) {
+                return Err(Error::Stopping);
             }
             match self.route() {
                 Route::Cached(now) if Arc::ptr_eq(&now, c) && self.stalls(c) => {}

@@ -123,12 +123,14 @@ async fn io_stalls_while_peers_replay_and_goes_on_uncached_after() {
 async fn with_no_peer_to_replay_the_volume_goes_on_as_in_wb() {
     let (_cache, store, vol) = failed_under_wbp().await;
     let (write, read, flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished());
+    // Issued once the failure is known (the write above found it).
     let clean = {
         let v = vol.clone();
         tokio::spawn(async move { v.read(8 * BLOCK as u64, 512).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!write.is_finished());
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!clean.is_finished());
     vol.stop_stalling("no peer is left to replay from".into());
     // As in wb: what needed the failed device fails (the dirty block is lost with it), and
@@ -185,4 +187,24 @@ async fn a_delete_ends_the_stall() {
         within(write, "the write").await,
         Err(Error::Revoked)
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_ends_the_stall() {
+    let (_cache, store, vol) = failed_under_wbp().await;
+    let (write, _read, _flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished());
+    vol.stop();
+    assert!(matches!(
+        within(write, "the write").await,
+        Err(Error::Stopping)
+    ));
+    // IO that would stall ends at once too, and nothing reached the datastore.
+    let e = tokio::time::timeout(Duration::from_secs(5), vol.flush())
+        .await
+        .expect("a flush stalled after the stop")
+        .unwrap_err();
+    assert!(matches!(e, Error::Stopping), "{e}");
+    assert!(store.image().iter().all(|b| *b == 0));
 }

@@ -1737,12 +1737,12 @@ impl Daemon {
         }
     }
 
-    /// IO of every volume that would stall for a hand-off to peers goes on as in `wb` from
-    /// now on, failing what needs the failed cache device ([`engine::Volume::stop_stalling`]).
-    pub fn stop_stalling(&self, why: &str) {
+    /// vestad is stopping: IO of every volume stalled for a hand-off to peers, which nothing
+    /// will reroute now, ends with ESHUTDOWN ([`engine::Volume::stop`]).
+    pub fn stop_volumes(&self) {
         for e in self.entries() {
             if let Ok(v) = &e.volume {
-                v.stop_stalling(why.into());
+                v.stop();
             }
         }
     }

@@ -60,7 +60,7 @@ fn to_cmd(name: &str, what: &str, e: engine::Error) -> CmdError {
     let errno = match &e {
         engine::Error::Invalid(_) => Errno::EINVAL,
         // ESHUTDOWN tells the client to disconnect.
-        engine::Error::Revoked => Errno::ESHUTDOWN,
+        engine::Error::Revoked | engine::Error::Stopping => Errno::ESHUTDOWN,
         engine::Error::Cache(_) | engine::Error::NoRoom => Errno::EIO,
         engine::Error::Datastore(io) => errno_of(io),
     };

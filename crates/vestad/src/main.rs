@@ -368,9 +368,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     info!("{which}: shutting down; draining in-flight IO");
     stop.stop();
     // Nothing reroutes a volume from here (the peer round stops): IO stalled for a hand-off
-    // to peers goes on as in wb (what needs the failed device fails) instead of holding up
-    // the drain and the flushes.
-    daemon.stop_stalling("vestad is stopping");
+    // to peers ends (ESHUTDOWN) instead of holding up the drain and the flushes.
+    daemon.stop_volumes();
     if tokio::time::timeout(DRAIN_LIMIT, waiter.wait())
         .await
         .is_err()
