@@ -92,8 +92,8 @@ pub struct Volume {
     drained: Notify,
     /// One policy change at a time.
     transition: tokio::sync::Mutex<()>,
-    /// Woken when the route changes and when a hand-off to peers is given up: IO stalled by
-    /// a failed cache device waits on it ([`Volume::measured`]).
+    /// Woken when the route changes, when a hand-off to peers is given up, and by a revoke
+    /// or a stop: IO stalled by a failed cache device waits on it ([`Volume::measured`]).
     rerouted: Notify,
     /// Set when the host's cache device failed and no peer can replay what it held: IO that
     /// would stall for the hand-off goes on as in `wb` instead.
@@ -392,8 +392,7 @@ impl Volume {
     /// From now on IO that would stall for a hand-off to peers ([`Volume::measured`]) goes
     /// on as in `wb` instead (reads of clean data from the datastore, the rest failing), and
     /// so does IO stalled now: the host's cache device failed and no peer can replay what it
-    /// held (the volume reports the loss), or the daemon is stopping and nothing will
-    /// reroute the volume (see also [`Volume::stop`]). `why` is logged.
+    /// held (the volume reports the loss). `why` is logged.
     pub fn stop_stalling(&self, why: String) {
         let mut lost = self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner());
         if lost.is_none()

@@ -699,8 +699,8 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// stalls the VM, and is then done on the datastore; reads stall too, since a peer's replay
 /// from the vault's checkpoint can take a block back to an older version for a moment. If
 /// the vault names no peer to replay, the volume reports the loss and its IO goes on as in
-/// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never replay (they died too and do not return) stalls until
-/// the volume is deleted.
+/// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never
+/// replay (they died too and do not return) stalls until the volume is deleted.
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
