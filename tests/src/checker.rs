@@ -10,8 +10,9 @@ use nbd::client::Client;
 use nbd::uri::NbdUri;
 
 /// A campaign's rounds (from the environment variable `rounds_var`, else `default`) and its
-/// first seed (`VESTA_CRASH_SEED`, else the clock), so a failing campaign can be replayed.
-pub fn campaign(rounds_var: &str, default: u64) -> (u64, u64) {
+/// first seed (`VESTA_CRASH_SEED`, else the clock), printed with the campaign's `name` so a
+/// failing campaign can be replayed.
+pub fn campaign(name: &str, rounds_var: &str, default: u64) -> (u64, u64) {
     let rounds = std::env::var(rounds_var)
         .ok()
         .and_then(|s| s.parse().ok())
@@ -25,6 +26,7 @@ pub fn campaign(rounds_var: &str, default: u64) -> (u64, u64) {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(1)
         });
+    eprintln!("{name} campaign: {rounds} rounds, VESTA_CRASH_SEED={seed}");
     (rounds, seed)
 }
 

@@ -34,8 +34,7 @@ fn wb_volume_on(lun: &Nbdkit) -> Vestad {
 
 #[test]
 fn completed_writes_survive_kill_9_of_vestad() {
-    let (rounds, seed0) = campaign("VESTA_CRASH_ROUNDS", 20);
-    eprintln!("crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("crash", "VESTA_CRASH_ROUNDS", 20);
     // A LUN whose writes take a millisecond, so dirty data piles up in the cache.
     let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
     let mut v = wb_volume_on(&lun);
@@ -85,8 +84,7 @@ fn completed_writes_survive_kill_9_of_vestad() {
 /// exactly the volume. `VESTA_DATASTORE_CRASH_ROUNDS` sets the rounds (default 4).
 #[test]
 fn completed_writes_survive_kill_9_while_the_datastore_fails() {
-    let (rounds, seed0) = campaign("VESTA_DATASTORE_CRASH_ROUNDS", 4);
-    eprintln!("datastore failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("datastore failure", "VESTA_DATASTORE_CRASH_ROUNDS", 4);
     let errors = vesta_tests::Scratch::new("errfile");
     let on = errors.join("on");
     let mut lun = Nbdkit::start(

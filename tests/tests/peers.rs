@@ -537,8 +537,7 @@ fn owner_reads_the_datastore(
 /// `VESTA_WBP_CRASH_ROUNDS` sets the rounds (default 5); a failing round prints its seed.
 #[test]
 fn completed_writes_survive_the_owner_dying_under_load() {
-    let (rounds, seed0) = campaign("VESTA_WBP_CRASH_ROUNDS", 5);
-    eprintln!("wbp crash campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("wbp crash", "VESTA_WBP_CRASH_ROUNDS", 5);
     let etcd = Etcd::start();
     let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
@@ -750,8 +749,7 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
 /// over newer data. `VESTA_PARTITION_ROUNDS` sets the rounds (default 2).
 #[test]
 fn completed_writes_survive_partitions_from_the_peer_and_the_owners_death() {
-    let (rounds, seed0) = campaign("VESTA_PARTITION_ROUNDS", 2);
-    eprintln!("partition campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("partition", "VESTA_PARTITION_ROUNDS", 2);
     let etcd = Etcd::start();
     let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
@@ -861,8 +859,7 @@ fn wait_peer(v: &Vestad, name: &str) -> String {
 /// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
 #[test]
 fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
-    let (rounds, seed0) = campaign("VESTA_FLASH_ROUNDS", 2);
-    eprintln!("flash failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("flash failure", "VESTA_FLASH_ROUNDS", 2);
     let etcd = Etcd::start();
     let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
@@ -916,8 +913,7 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
 /// serves what the datastore holds. `VESTA_CASCADE_ROUNDS` sets the rounds (default 2).
 #[test]
 fn completed_writes_survive_the_replaying_peer_dying_at_random() {
-    let (rounds, seed0) = campaign("VESTA_CASCADE_ROUNDS", 2);
-    eprintln!("cascade campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("cascade", "VESTA_CASCADE_ROUNDS", 2);
     let etcd = Etcd::start();
     let mut lun = campaign_lun();
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);

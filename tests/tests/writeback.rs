@@ -484,8 +484,7 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
 /// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
 #[test]
 fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
-    let (rounds, seed0) = campaign("VESTA_FLASH_ROUNDS", 2);
-    eprintln!("wt flash failure campaign: {rounds} rounds, VESTA_CRASH_SEED={seed0}");
+    let (rounds, seed0) = campaign("wt flash failure", "VESTA_FLASH_ROUNDS", 2);
     let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
     let mut v = Vestad::start();
     v.add_lun("san", &lun, 8);

@@ -178,7 +178,7 @@ async fn a_delete_ends_the_stall() {
     let (write, _read, _flush) = io(&vol);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!write.is_finished());
-    // Stalled IO waits outside the volume: the revoke finds it drained at once.
+    // The revoke wakes the stalled IO, which ends at once.
     assert!(
         vol.revoke(Duration::from_millis(50)).await,
         "stalled IO kept the volume from draining"
