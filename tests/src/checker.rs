@@ -234,3 +234,112 @@ impl Checker {
         })
     }
 }
+
+/// What a [`PolicyChanger`] did by the time the daemon was killed.
+#[derive(Debug, Clone, Copy)]
+pub struct Changes {
+    /// The policy of the last change that completed, if any did.
+    pub done: Option<&'static str>,
+    /// The change the kill cut short (its command failed): it may or may not be in effect.
+    pub cut_short: Option<&'static str>,
+    /// How many changes completed.
+    pub completed: u64,
+}
+
+impl Changes {
+    /// The policies the volume may have after the restart: that of the last completed change
+    /// (`before` if none completed), or that of the change the kill cut short.
+    pub fn possible<'a>(&self, before: &'a str) -> Vec<&'a str> {
+        let mut p = vec![self.done.unwrap_or(before)];
+        p.extend(self.cut_short);
+        p
+    }
+}
+
+/// A second client of a campaign: it changes a volume's policy at random (each change a
+/// policy name and `vesta volume policy`'s extra arguments), one after another with up to
+/// 150 ms between them, until the daemon is killed. Any change failing with the daemon up
+/// fails the test.
+pub struct PolicyChanger {
+    killed: Arc<AtomicBool>,
+    starts: std::sync::mpsc::Receiver<&'static str>,
+    thread: std::thread::JoinHandle<Changes>,
+}
+
+impl PolicyChanger {
+    pub fn start(
+        api: &str,
+        volume: &str,
+        changes: &'static [(&'static str, &'static [&'static str])],
+        seed: u64,
+    ) -> PolicyChanger {
+        let killed = Arc::new(AtomicBool::new(false));
+        let (started, starts) = std::sync::mpsc::channel();
+        let (api, volume, k) = (api.to_owned(), volume.to_owned(), killed.clone());
+        let thread = std::thread::spawn(move || {
+            let mut r = Xorshift(seed | 1);
+            let mut did = Changes {
+                done: None,
+                cut_short: None,
+                completed: 0,
+            };
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(r.next_u64() % 150));
+                let (policy, extra) = changes[(r.next_u64() % changes.len() as u64) as usize];
+                if k.load(Ordering::SeqCst) {
+                    return did;
+                }
+                let mut args = vec!["--api", &api, "volume", "policy", &volume, policy];
+                args.extend_from_slice(extra);
+                let _ = started.send(policy);
+                let out = crate::run(std::process::Command::new(crate::bin("vesta")).args(&args));
+                let up = !k.load(Ordering::SeqCst);
+                if out.status.success() {
+                    did.done = Some(policy);
+                    did.completed += 1;
+                } else {
+                    assert!(
+                        !up,
+                        "(seed {seed}) `vesta {}` failed with the daemon up: {}",
+                        args.join(" "),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    did.cut_short = Some(policy);
+                    return did;
+                }
+                if !up {
+                    return did;
+                }
+            }
+        });
+        PolicyChanger {
+            killed,
+            starts,
+            thread,
+        }
+    }
+
+    /// Waits (up to `limit`) until a change to one of `policies` starts.
+    pub fn wait_for_a_change_to(&self, policies: &[&str], limit: std::time::Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while let Ok(p) = self
+            .starts
+            .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+        {
+            if policies.contains(&p) {
+                return;
+            }
+        }
+    }
+
+    /// Says the daemon is about to be killed: from here a failed change is one the kill cut
+    /// short, and no new change starts.
+    pub fn killing(&self) {
+        self.killed.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits for the changer to end (after [`PolicyChanger::killing`] and the kill).
+    pub fn join(self) -> Changes {
+        self.thread.join().expect("the policy changer panicked")
+    }
+}

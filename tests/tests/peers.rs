@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use vesta_tests::checker::{
-    assert_holds_completed, campaign, settle_to, Checker, Known, Xorshift, BLOCK, BLOCKS,
+    assert_holds_completed, campaign, settle_to, Checker, Known, PolicyChanger, Xorshift, BLOCK,
+    BLOCKS,
 };
 use vesta_tests::{
     qemu_io, read_file, wait_for, Etcd, Host, Nbdkit, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
@@ -1123,4 +1124,120 @@ fn an_owner_that_stalled_past_its_lease_while_a_peer_replayed_stays_fenced() {
         !vesta_tests::try_write(&a.url("u"), 2, 0),
         "a wrote a datastore after losing a lock"
     );
+}
+
+/// The policy changes of the cluster's policy-change campaign.
+const CLUSTER_CHANGES: [(&str, &[&str]); 4] =
+    [("wbp:1", &[]), ("wt", &[]), ("wb", &[]), ("uncached", &[])];
+
+/// Waits until `name` serves IO on `v` in `policy` (wbp with a working peer) with no dirty
+/// data left.
+fn wait_settled_in(v: &Vestad, name: &str, policy: &str) {
+    wait_for(
+        Duration::from_secs(TTL_S + 40),
+        "the volume to settle",
+        || {
+            let s = show(v, name);
+            let settled = match policy {
+                "uncached" => s["cache"].is_null(),
+                _ => s["cache"]["mode"] == policy && s["cache"]["dirty_bytes"] == 0,
+            };
+            (s["status"] == "ok" && s["policy"] == policy && settled).then_some(())
+        },
+    )
+}
+
+/// The policy-change campaign with a peer (FVP Table 1, host row, across policy switches):
+/// under the checker's writes to a volume on `a`, a second client switches it at random
+/// between `wbp:1`, `wt`, `wb` and `uncached`, and `a` is killed with SIGKILL at a random
+/// moment or just after a switch starts (while it drains, or while it sets up its peer). `a`
+/// comes back at once in some rounds (racing `b`'s online replay for the vault lock) and only
+/// after `b` is done in others. Every completed write reads back through `a`, a completed
+/// switch is never undone, and once the volume settles the datastore holds exactly what `a`
+/// serves, with never two hosts writing it at a time. `VESTA_WBP_POLICY_ROUNDS` sets the
+/// rounds (default 3).
+#[test]
+fn completed_writes_survive_the_owners_death_during_policy_changes() {
+    let (rounds, seed0) = campaign("wbp policy change", "VESTA_WBP_POLICY_ROUNDS", 3);
+    let etcd = Etcd::start();
+    let mut lun = campaign_lun();
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_checked(&a, "c", "wbp:1");
+    wait_replicating(&a, "c", &["b"]);
+    let ck = Checker::new();
+    let mut rng = Xorshift(seed0 | 1);
+    let mut last = "wbp:1".to_owned();
+    let (mut changes, mut replays_by_b) = (0, 0);
+    let replays = |h: &Vestad| h.log().matches("online replay done").count();
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        let mut r = Xorshift(seed | 1);
+        let writers = ck.write(a.url("c"), seed);
+        let changer = PolicyChanger::start(&a.api, "c", &CLUSTER_CHANGES, r.next_u64());
+        if round.is_multiple_of(2) {
+            std::thread::sleep(Duration::from_millis(100 + r.next_u64() % 900));
+        } else {
+            let to = CLUSTER_CHANGES[(r.next_u64() % 4) as usize].0;
+            changer.wait_for_a_change_to(&[to], Duration::from_secs(10));
+            std::thread::sleep(Duration::from_millis(r.next_u64() % 60));
+        }
+        let replays_before = replays(&b);
+        changer.killing();
+        a.kill9();
+        writers.stop();
+        let did = changer.join();
+        changes += did.completed;
+        lun.outlive_killed_client();
+        let named_b = vault(&etcd)["peers"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty());
+        if named_b && r.next_u64().is_multiple_of(2) {
+            // b replays what a held once a's lease is gone; a returns afterwards.
+            wait_for(Duration::from_secs(TTL_S + 30), "b's online replay", || {
+                lun.keep_running();
+                (replays(&b) > replays_before).then_some(())
+            });
+            datastore_has_completed_writes(&lun, &ck.known, round, seed);
+        }
+        // Otherwise a comes back at once: it waits for its old lease to lapse, and then
+        // either it or b gets the vault lock first.
+        a.launch();
+        replays_by_b += replays(&b) - replays_before;
+        // A completed switch is never undone, one the kill cut short may or may not be
+        // done; a wbp volume runs in wt until its peer is back in place.
+        let expected = did.possible(&last);
+        let now = wait_for(
+            Duration::from_secs(TTL_S + 40),
+            &format!("round {round} (seed {seed}): a to serve the volume in one of {expected:?}"),
+            || {
+                let s = show(&a, "c");
+                let p = s["policy"].as_str().unwrap_or("");
+                (s["status"] == "ok" && expected.contains(&p)).then(|| p.to_owned())
+            },
+        );
+        let got = ck.read(&a.url("c"));
+        let completed = settle_to(&got, &ck.known, round, seed);
+        assert!(
+            completed > 0,
+            "round {round}: the checker completed no writes"
+        );
+        wait_settled_in(&a, "c", &now);
+        owner_reads_the_datastore(&ck, &a, "c", &lun, round, seed);
+        eprintln!(
+            "round {round} (seed {seed}): killed after {} change(s) (cut short: {:?}), in \
+             {now} after the restart",
+            did.completed, did.cut_short
+        );
+        last = now;
+    }
+    eprintln!(
+        "wbp policy change campaign: {changes} changes completed; b replayed {replays_by_b} \
+         time(s) in {rounds} rounds"
+    );
+    assert!(
+        changes >= rounds,
+        "only {changes} policy changes completed in {rounds} rounds; the campaign is too gentle"
+    );
+    one_writer_at_a_time(&lun);
 }
