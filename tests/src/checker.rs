@@ -57,11 +57,16 @@ pub fn version_of(block: u64, data: &[u8]) -> u64 {
     v
 }
 
-/// Per block: the last version known completed, and the one in flight (if any).
+/// Per block: the last version known completed, the one in flight (if any), and the last
+/// version known durable: written with FUA, or completed before a FLUSH that completed.
 #[derive(Clone, Copy, Default, Debug)]
 pub struct Known {
     pub completed: u64,
     pub in_flight: Option<u64>,
+    pub durable: u64,
+    /// The newest version ever written: a version a power cut took back is never written
+    /// again, so no stale copy of it can pass for the new one.
+    pub issued: u64,
 }
 
 pub struct Xorshift(pub u64);
@@ -75,12 +80,14 @@ impl Xorshift {
     }
 }
 
-/// Runs writers until the connection dies; returns nothing, the shared table says what happened.
+/// Runs writers (and, if `flushing`, a task sending a FLUSH every 5–45 ms) until the connection
+/// dies; returns nothing, the shared table says what happened.
 pub async fn write_until_killed(
     uri: String,
     known: Arc<Mutex<Vec<Known>>>,
     seed: u64,
     stop: Arc<AtomicBool>,
+    flushing: bool,
 ) {
     let Ok(client) = Client::connect(&NbdUri::parse(&uri).unwrap(), 2).await else {
         return;
@@ -95,11 +102,17 @@ pub async fn write_until_killed(
                 let block = (rng.next_u64() % (BLOCKS / WRITERS)) * WRITERS + w;
                 let version = {
                     let mut k = known.lock().unwrap();
-                    let v = k[block as usize].completed + 1;
-                    k[block as usize].in_flight = Some(v);
+                    let kb = &mut k[block as usize];
+                    let v = kb.completed.max(kb.issued) + 1;
+                    kb.issued = v;
+                    kb.in_flight = Some(v);
                     v
                 };
-                let fua = rng.next_u64().is_multiple_of(16);
+                // With FLUSHes, FUA is rare: each FUA syncs every write before it, which would
+                // hide a FLUSH that does not.
+                let fua = rng
+                    .next_u64()
+                    .is_multiple_of(if flushing { 256 } else { 16 });
                 let r = client
                     .write(block * BLOCK, Bytes::from(content(block, version)), fua)
                     .await;
@@ -107,10 +120,29 @@ pub async fn write_until_killed(
                 if r.is_err() {
                     return; // the daemon is gone; the write may or may not have landed
                 }
-                k[block as usize] = Known {
-                    completed: version,
-                    in_flight: None,
-                };
+                let kb = &mut k[block as usize];
+                kb.completed = version;
+                kb.in_flight = None;
+                if fua {
+                    kb.durable = version;
+                }
+            }
+        }));
+    }
+    if flushing {
+        // A FLUSH makes durable every write that completed before it was sent.
+        let (client, known, stop) = (client.clone(), known.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Xorshift(seed.rotate_left(17) | 1);
+            while !stop.load(Ordering::SeqCst) {
+                tokio::time::sleep(std::time::Duration::from_millis(5 + rng.next_u64() % 40)).await;
+                let before: Vec<u64> = known.lock().unwrap().iter().map(|k| k.completed).collect();
+                if client.flush().await.is_err() {
+                    return;
+                }
+                for (k, v) in known.lock().unwrap().iter_mut().zip(before) {
+                    k.durable = k.durable.max(v);
+                }
             }
         }));
     }
@@ -147,19 +179,53 @@ pub fn assert_holds_completed(
     completed
 }
 
-/// [`assert_holds_completed`], then what `bytes` hold becomes the known state, with nothing
-/// in flight, for the next round.
+/// After a power cut: every block of `bytes` is a version that was written, no older than
+/// its last durable one (DESIGN §2). Returns how many blocks lost completed versions that
+/// were not durable, so a campaign can tell its cuts had something to lose.
+pub fn assert_holds_durable(bytes: &[u8], known: &Mutex<Vec<Known>>, round: u64, seed: u64) -> u64 {
+    let k = known.lock().unwrap();
+    let mut rolled_back = 0;
+    for blk in 0..BLOCKS {
+        let at = (blk * BLOCK) as usize;
+        let have = version_of(blk, &bytes[at..at + BLOCK as usize]);
+        let kb = k[blk as usize];
+        let newest = kb.in_flight.unwrap_or(kb.completed);
+        assert!(
+            have >= kb.durable && have <= newest,
+            "round {round} (seed {seed}): block {blk} holds version {have}, but version {} was \
+             durable (completed: {}, in flight: {:?})",
+            kb.durable,
+            kb.completed,
+            kb.in_flight
+        );
+        rolled_back += u64::from(have < kb.completed);
+    }
+    rolled_back
+}
+
+/// [`assert_holds_completed`], then what `bytes` hold becomes the known state
+/// ([`reset_to`]).
 pub fn settle_to(bytes: &[u8], known: &Mutex<Vec<Known>>, round: u64, seed: u64) -> u64 {
     let completed = assert_holds_completed(bytes, known, round, seed);
+    reset_to(bytes, known);
+    completed
+}
+
+/// What `bytes` hold becomes the known state, completed and durable, with nothing in flight,
+/// for the next round.
+pub fn reset_to(bytes: &[u8], known: &Mutex<Vec<Known>>) {
     let mut k = known.lock().unwrap();
     for blk in 0..BLOCKS {
         let at = (blk * BLOCK) as usize;
-        k[blk as usize] = Known {
-            completed: version_of(blk, &bytes[at..at + BLOCK as usize]),
+        let have = version_of(blk, &bytes[at..at + BLOCK as usize]);
+        let kb = &mut k[blk as usize];
+        *kb = Known {
+            completed: have,
             in_flight: None,
+            durable: have,
+            issued: kb.issued.max(have),
         };
     }
-    completed
 }
 
 /// A campaign's checker: the runtime its writers run on and what they know of each block.
@@ -202,12 +268,23 @@ impl Checker {
 
     /// Starts [`write_until_killed`] on the volume at `uri`.
     pub fn write(&self, uri: String, seed: u64) -> Writers<'_> {
+        self.start(uri, seed, false)
+    }
+
+    /// [`Checker::write`] with a task that sends FLUSHes as it goes, so that some completed
+    /// writes become durable and others not.
+    pub fn write_flushing(&self, uri: String, seed: u64) -> Writers<'_> {
+        self.start(uri, seed, true)
+    }
+
+    fn start(&self, uri: String, seed: u64, flushing: bool) -> Writers<'_> {
         let stop = Arc::new(AtomicBool::new(false));
         let task = self.rt.spawn(write_until_killed(
             uri,
             self.known.clone(),
             seed,
             stop.clone(),
+            flushing,
         ));
         Writers {
             rt: &self.rt,
