@@ -242,7 +242,9 @@ fn completed_writes_survive_kill_9_during_policy_changes() {
 /// every write no sync covered and vestad stops at once. After the restart each block holds
 /// a version that was written and no older than its last durable one, and once the replay is
 /// done the LUN holds exactly the volume. Rounds alternate between destaging at once and
-/// holding windows for 2 s, so cuts find both little and much dirty data in the cache.
+/// holding windows for 2 s, so cuts find both little and much dirty data in the cache; every
+/// third round a second client changes the volume's policy meanwhile, and a change that
+/// completed before the cut must be in effect after it.
 /// `VESTA_POWER_CUT_ROUNDS` sets the rounds (default 6).
 #[test]
 fn durable_writes_survive_power_cuts() {
@@ -251,24 +253,39 @@ fn durable_writes_survive_power_cuts() {
     let mut v = wb_volume_on(&lun);
     let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
-    let (mut lost, mut rolled_back) = (0, 0);
+    let (mut lost, mut rolled_back, mut changes) = (0, 0, 0);
     for round in 0..rounds {
         let seed = rng.next_u64();
         let mut r = Xorshift(seed | 1);
-        let hold = if round.is_multiple_of(2) { "0" } else { "2" };
+        let hold = if round % 3 == 1 { "2" } else { "0" };
         v.vesta_ok(&["volume", "policy", "c", "wb", "--hold", hold]);
         v.record_power_cut();
         let writers = ck.write_flushing(v.url("c"), seed);
+        // Every third round, policy changes go on meanwhile.
+        let changer =
+            (round % 3 == 2).then(|| PolicyChanger::start(&v.api, "c", &CHANGES, r.next_u64()));
         std::thread::sleep(Duration::from_millis(50 + r.next_u64() % 500));
+        if let Some(c) = &changer {
+            c.killing();
+        }
         lost += v.power_cut();
         writers.stop();
+        let did = changer.map(PolicyChanger::join);
         lun.outlive_killed_client();
         v.launch();
         let got = ck.read(&v.url("c"));
         rolled_back += assert_holds_durable(&got, &ck.known, round, seed);
         // What survived was recovered from stable media: durable from here.
         reset_to(&got, &ck.known);
-        v.wait_clean("c");
+        let now = wait_settled(&v, "c");
+        // A completed policy change survives the cut too.
+        let expected = did.map_or(vec!["wb"], |d| d.possible("wb"));
+        assert!(
+            expected.contains(&now.as_str()),
+            "round {round} (seed {seed}): the volume is {now} after the power cut; expected one \
+             of {expected:?}"
+        );
+        changes += did.map_or(0, |d| d.completed);
         let img = read_file(&lun.image);
         assert!(
             img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
@@ -277,7 +294,8 @@ fn durable_writes_survive_power_cuts() {
     }
     eprintln!(
         "power cut campaign: the cuts undid {lost} unsynced write(s) in the cache log; \
-         {rolled_back} block(s) went back to an older completed version"
+         {rolled_back} block(s) went back to an older completed version; {changes} policy \
+         change(s) completed before a cut"
     );
     assert!(
         lost > 0,
