@@ -1036,6 +1036,8 @@ fn a_stalled_hand_off_holds_io_and_does_not_hold_up_a_shutdown() {
         "a write ended while the hand-off could not finish"
     );
     assert!(!b.log().contains("online replay done"));
+    let status = show(&a, "w")["status"].as_str().unwrap_or("").to_owned();
+    assert!(status.starts_with("IO stalled"), "{status}");
     let st = a.terminate();
     assert!(st.success(), "vestad exited with {st}:\n{}", a.log());
     // The stalled write ends with ESHUTDOWN: a planned stop, not a loss.

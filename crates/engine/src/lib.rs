@@ -422,6 +422,12 @@ impl Volume {
     /// which replay what it held (FVP §7.1), and the hand-off was not given up
     /// ([`Volume::stop_stalling`]; the volume's IO then goes on as in `wb`: clean reads from
     /// the datastore, the rest failing).
+    /// Whether the volume's IO stalls now, waiting for a hand-off to its peers
+    /// ([`Volume::measured`]).
+    pub fn stalled(&self) -> bool {
+        matches!(&self.route(), Route::Cached(c) if self.stalls(c))
+    }
+
     fn stalls(&self, c: &VolCache) -> bool {
         c.cache_failed()
             && c.has_peers()

@@ -71,6 +71,7 @@ async fn io_stalls_while_peers_replay_and_goes_on_uncached_after() {
     let (_cache, store, vol) = failed_under_wbp().await;
     let (write, read, flush) = io(&vol);
     tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(vol.stalled(), "the volume does not say it stalls");
     assert!(
         !write.is_finished(),
         "a write ended while its peers replayed"
@@ -107,6 +108,7 @@ async fn io_stalls_while_peers_replay_and_goes_on_uncached_after() {
         .unwrap();
     vol.abandon_cache().await;
     assert_eq!(vol.policy(), Policy::Uncached);
+    assert!(!vol.stalled(), "the volume still says it stalls");
     within(write, "the write").await.unwrap();
     let got = within(read, "the read").await.unwrap();
     assert!(
@@ -132,7 +134,9 @@ async fn with_no_peer_to_replay_the_volume_goes_on_as_in_wb() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(!clean.is_finished());
+    assert!(vol.stalled());
     vol.stop_stalling("no peer is left to replay from".into());
+    assert!(!vol.stalled(), "the volume still says it stalls");
     // As in wb: what needed the failed device fails (the dirty block is lost with it), and
     // clean data reads from the datastore.
     within(write, "the write").await.unwrap_err();

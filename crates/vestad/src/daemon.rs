@@ -751,6 +751,9 @@ impl Daemon {
             },
             cache: cache.map(cache_info),
             status: match &e.volume {
+                Ok(v) if v.stalled() => "IO stalled: the cache device failed, and the volume's \
+                                         peers replay what it held; it then serves uncached"
+                    .into(),
                 Ok(_) => "ok".into(),
                 Err(m) => m.clone(),
             },
