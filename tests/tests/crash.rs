@@ -34,6 +34,27 @@ fn wb_volume_on(lun: &Nbdkit) -> Vestad {
     v
 }
 
+/// Every write the checker completed reads back from the restarted `v`'s volume `c`, which
+/// becomes the known state for the next round; returns what was read.
+fn completed_writes_read_back(ck: &Checker, v: &Vestad, round: u64, seed: u64) -> Vec<u8> {
+    let got = ck.read(&v.url("c"));
+    let completed = settle_to(&got, &ck.known, round, seed);
+    assert!(
+        completed > 0,
+        "round {round}: the checker completed no writes"
+    );
+    got
+}
+
+/// The LUN's image holds exactly the volume's contents `got` (once nothing is dirty).
+fn the_lun_holds_the_volume(lun: &Nbdkit, got: &[u8], round: u64, seed: u64) {
+    let img = read_file(&lun.image);
+    assert!(
+        img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
+        "round {round} (seed {seed}): once settled the LUN image differs from the volume"
+    );
+}
+
 #[test]
 fn completed_writes_survive_kill_9_of_vestad() {
     let (rounds, seed0) = campaign("crash", "VESTA_CRASH_ROUNDS", 20);
@@ -54,19 +75,10 @@ fn completed_writes_survive_kill_9_of_vestad() {
         lun.outlive_killed_client();
         v.launch();
         // Every completed write reads back; an in-flight one may or may not have landed.
-        let got = ck.read(&v.url("c"));
-        let completed = settle_to(&got, &ck.known, round, seed);
-        assert!(
-            completed > 0,
-            "round {round}: the checker completed no writes at all"
-        );
+        let got = completed_writes_read_back(&ck, &v, round, seed);
         // After replay, the LUN holds exactly the volume.
         v.wait_clean("c");
-        let img = read_file(&lun.image);
-        assert!(
-            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
-            "round {round} (seed {seed}): after replay the LUN image differs from the volume"
-        );
+        the_lun_holds_the_volume(&lun, &got, round, seed);
     }
     // The campaign is only worth something if the kills found dirty data to replay.
     let replays = v.log().matches("replaying").count() as u64;
@@ -127,18 +139,9 @@ fn completed_writes_survive_kill_9_while_the_datastore_fails() {
             std::thread::sleep(Duration::from_millis(r.next_u64() % 1000));
             std::fs::remove_file(&on).unwrap();
         }
-        let got = ck.read(&v.url("c"));
-        let completed = settle_to(&got, &ck.known, round, seed);
-        assert!(
-            completed > 0,
-            "round {round}: the checker completed no writes"
-        );
+        let got = completed_writes_read_back(&ck, &v, round, seed);
         v.wait_clean("c");
-        let img = read_file(&lun.image);
-        assert!(
-            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
-            "round {round} (seed {seed}): after replay the LUN image differs from the volume"
-        );
+        the_lun_holds_the_volume(&lun, &got, round, seed);
     }
     eprintln!(
         "datastore failure campaign: {stalled_restarts} of {rounds} restarts found the LUN failing"
@@ -201,12 +204,7 @@ fn completed_writes_survive_kill_9_during_policy_changes() {
         lun.outlive_killed_client();
         v.launch();
         // Every completed write reads back, whatever the policy was when vestad died.
-        let got = ck.read(&v.url("c"));
-        let completed = settle_to(&got, &ck.known, round, seed);
-        assert!(
-            completed > 0,
-            "round {round}: the checker completed no writes"
-        );
+        let got = completed_writes_read_back(&ck, &v, round, seed);
         // A completed change is never undone; one the kill cut short may or may not be done.
         let now = wait_settled(&v, "c");
         let expected = did.possible(&last);
@@ -219,11 +217,7 @@ fn completed_writes_survive_kill_9_during_policy_changes() {
             cut_in_effect += 1;
         }
         last = now;
-        let img = read_file(&lun.image);
-        assert!(
-            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
-            "round {round} (seed {seed}): once settled the LUN image differs from the volume"
-        );
+        the_lun_holds_the_volume(&lun, &got, round, seed);
     }
     let replays = v.log().matches("replaying").count();
     eprintln!(
@@ -286,11 +280,7 @@ fn durable_writes_survive_power_cuts() {
              of {expected:?}"
         );
         changes += did.map_or(0, |d| d.completed);
-        let img = read_file(&lun.image);
-        assert!(
-            img[LUN_EXTENT..LUN_EXTENT + got.len()] == got[..],
-            "round {round} (seed {seed}): after replay the LUN image differs from the volume"
-        );
+        the_lun_holds_the_volume(&lun, &got, round, seed);
     }
     eprintln!(
         "power cut campaign: the cuts undid {lost} unsynced write(s) in the cache log; \
