@@ -1,5 +1,5 @@
 //! Write-back and write-through with real processes and clients: fio verification, dirty data
-//! surviving kill -9 (offline replay), policy changes under IO, a failing cache device, and a
+//! surviving kill -9 (offline replay), policy changes under IO, a failing cache device (a clean `wb` volume going on uncached), and a
 //! corrupted cache record.
 
 use std::process::Command;
@@ -540,4 +540,100 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
              datastore holds"
         );
     }
+}
+
+/// A `wb` volume whose cache device fails while every write it completed is on the datastore
+/// (FVP Table 1, flash row, `wb` with nothing lost): its IO waits for a moment and then goes
+/// on uncached, without an error, rather than failing for a failure that loses nothing. The
+/// datastore holds every completed write, reads through vestad agree with it, and after a
+/// restart on the same cache file (a device back after a reset), whose records of the volume
+/// are older than what was written uncached since, the volume is cached again and still
+/// reads as the datastore. `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
+#[test]
+fn a_wb_volume_with_nothing_dirty_goes_on_uncached_when_the_cache_device_fails() {
+    let (rounds, seed0) = campaign("clean wb flash failure", "VESTA_FLASH_ROUNDS", 2);
+    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let mut v = Vestad::start();
+    v.add_lun("san", &lun, 8);
+    let size = (BLOCKS * BLOCK).to_string();
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "c",
+        "--size",
+        &size,
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ]);
+    let ck = Checker::new();
+    let on_lun = |lun: &Nbdkit| {
+        read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
+    };
+    let mut rng = Xorshift(seed0 | 1);
+    for round in 0..rounds {
+        let seed = rng.next_u64();
+        // Writes, all destaged, then reads that fill the cache with what is then overwritten
+        // uncached.
+        let writers = ck.write(v.url("c"), seed);
+        std::thread::sleep(Duration::from_millis(100 + seed % 400));
+        writers.stop();
+        v.wait_clean("c");
+        assert_holds_completed(&ck.read(&v.url("c")), &ck.known, round, seed);
+        v.fail_cache_device();
+        // The writers never see an error: after a moment they go on, uncached.
+        let writers = ck.write(v.url("c"), seed.rotate_left(7));
+        let then = ck.completed();
+        wait_for(Duration::from_secs(10), "more writes, uncached", || {
+            (ck.completed() > then + 100).then_some(())
+        });
+        writers.stop();
+        let s = show(&v, "c");
+        assert_eq!(s["policy"], "uncached", "{s}");
+        assert_eq!(s["status"], "ok", "{s}");
+        assert!(v.log().contains("failed with nothing dirty"), "{}", v.log());
+        let img = on_lun(&lun);
+        settle_to(&img, &ck.known, round, seed);
+        assert!(
+            ck.read(&v.url("c")) == img,
+            "round {round} (seed {seed}): reads through vestad differ from the datastore"
+        );
+        // Back on the same cache file: cached again, and its records are not served (or
+        // replayed) over newer data.
+        v.kill9();
+        lun.outlive_killed_client();
+        v.launch();
+        assert_eq!(show(&v, "c")["policy"], "wb");
+        assert!(
+            ck.read(&v.url("c")) == img,
+            "round {round} (seed {seed}): after the restart vestad serves other data than the \
+             datastore holds"
+        );
+        v.wait_clean("c");
+        assert!(
+            on_lun(&lun) == img,
+            "round {round} (seed {seed}): after the restart the datastore changed"
+        );
+    }
+}
+
+/// The `wb` volume above after a power cut that also takes back the checkpoint record the
+/// destager appended last (never synced): the log then holds a write above its durable
+/// checkpoint, which the datastore had, and which the volume overwrote uncached once its
+/// device failed. The restart must drop that record, not replay it over the newer write.
+#[test]
+fn a_wb_volume_that_went_uncached_is_not_replayed_over_its_newer_writes() {
+    let mut v = Vestad::start();
+    v.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
+    v.record_power_cut();
+    qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
+    v.wait_clean("w");
+    v.fail_cache_device();
+    // Stalls for a moment, then goes to the datastore.
+    qemu_io(&v.url("w"), &["write -P 0x62 0 64k"]);
+    assert_eq!(show(&v, "w")["policy"], "uncached");
+    v.power_cut();
+    v.launch();
+    qemu_io(&v.url("w"), &["read -P 0x62 0 64k"]);
 }

@@ -114,6 +114,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Whether IO on `c` waits to be rerouted once the host's cache device has failed (see
+/// [`Volume::stalls`]): a volume with peers, or a `wb` volume with every write destaged.
+fn waits_for_reroute(c: &VolCache) -> bool {
+    c.cache_failed() && (c.has_peers() || (c.mode() == Mode::Wb && c.clean()))
+}
+
 fn mode_of(p: Policy) -> Option<Mode> {
     match p {
         Policy::Uncached => None,
@@ -381,7 +387,8 @@ impl Volume {
     }
 
     /// Gives the cache up without draining it, after the host's cache device failed and
-    /// another host replayed what it held (a `wbp` peer): the volume goes on uncached.
+    /// the datastore holds everything the volume wrote (a `wbp` peer replayed what the
+    /// cache held, or it held nothing dirty): the volume goes on uncached.
     pub async fn abandon_cache(&self) {
         self.detach_cache().await;
         *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
@@ -395,13 +402,9 @@ impl Volume {
     /// held (the volume reports the loss). `why` is logged.
     pub fn stop_stalling(&self, why: String) {
         let mut lost = self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner());
-        if lost.is_none()
-            && self
-                .cache()
-                .is_some_and(|c| c.cache_failed() && c.has_peers())
-        {
+        if lost.is_none() && self.cache().is_some_and(|c| waits_for_reroute(&c)) {
             warn!(
-                "volume {:?}: IO no longer waits for a hand-off: {why}",
+                "volume {:?}: IO no longer waits to be rerouted: {why}",
                 self.name
             );
         }
@@ -418,19 +421,21 @@ impl Volume {
         self.rerouted.notify_waiters();
     }
 
-    /// Whether IO on `c` stalls: the host's cache device failed under a volume with peers,
-    /// which replay what it held (FVP §7.1), and the hand-off was not given up
-    /// ([`Volume::stop_stalling`]; the volume's IO then goes on as in `wb`: clean reads from
-    /// the datastore, the rest failing).
-    /// Whether the volume's IO stalls now, waiting for a hand-off to its peers
-    /// ([`Volume::measured`]).
+    /// Whether the volume's IO stalls now, waiting to be rerouted after the host's cache
+    /// device failed ([`Volume::measured`]).
     pub fn stalled(&self) -> bool {
         matches!(&self.route(), Route::Cached(c) if self.stalls(c))
     }
 
+    /// Whether IO on `c` stalls: the host's cache device failed, and the volume waits to go
+    /// on uncached ([`Volume::abandon_cache`]) with nothing lost, unless that was given up
+    /// ([`Volume::stop_stalling`]; its IO then goes on as in `wb`: clean reads from the
+    /// datastore, the rest failing). Either the volume has peers, which replay what it held
+    /// first (FVP §7.1), or it is in `wb` with every write destaged, so the datastore holds
+    /// everything already. (A `wt` volume goes on uncached by itself; a `wb` one with dirty
+    /// data lost it, and says so.)
     fn stalls(&self, c: &VolCache) -> bool {
-        c.cache_failed()
-            && c.has_peers()
+        waits_for_reroute(c)
             && self
                 .handoff_lost
                 .lock()
@@ -515,8 +520,8 @@ impl Volume {
         if let Route::Cached(c) = &route {
             if self.stalls(c) {
                 return Err(Error::Cache(
-                    "the cache device failed; the volume's peers replay what it held, and it \
-                     then goes on uncached"
+                    "the cache device failed; the volume goes on uncached once the datastore \
+                     holds everything (its peers replay what the cache held)"
                         .into(),
                 ));
             }

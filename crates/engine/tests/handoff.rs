@@ -1,8 +1,9 @@
 //! FVP §7.1, flash failure in `wbp`: the owner's cache device fails, its peers replay what
 //! it held, and the owner goes on uncached. Meanwhile the volume's IO stalls, as FVP stalls
 //! the VM, instead of failing: a VM must not see an error for a failure that loses nothing.
-//! These tests play the daemon's part (the peer's replay onto the datastore, then
-//! `abandon_cache`, or `stop_stalling`) by hand.
+//! The same holds for a `wb` volume whose every write was destaged: it stalls until it goes
+//! on uncached. These tests play the daemon's part (the peer's replay onto the datastore,
+//! then `abandon_cache`, or `stop_stalling`) by hand.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -210,5 +211,68 @@ async fn a_stop_ends_the_stall() {
         .expect("a flush stalled after the stop")
         .unwrap_err();
     assert!(matches!(e, Error::Stopping), "{e}");
+    assert!(store.image().iter().all(|b| *b == 0));
+}
+
+/// A `wb` volume holding block 0 = 0x41 on a cache device that fails every IO from now on,
+/// with that write destaged (`destaged`) or not.
+async fn failed_under_wb(destaged: bool) -> (Arc<MemDevice>, Arc<Volume>) {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let (host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    let vol = Arc::new(vol);
+    vol.write(0, Bytes::from(vec![0x41; BLOCK]), false)
+        .await
+        .unwrap();
+    if destaged {
+        common::destage_all(&host, &vol.cache().unwrap()).await;
+        assert!(store.image()[..BLOCK] == [0x41; BLOCK]);
+    }
+    cache.fail();
+    (store, vol)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wb_volume_with_nothing_dirty_stalls_and_goes_on_uncached() {
+    let (store, vol) = failed_under_wb(true).await;
+    let (write, read, flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(vol.stalled(), "the volume does not say it stalls");
+    assert!(
+        !write.is_finished(),
+        "a write ended before the volume went uncached"
+    );
+    assert!(
+        !flush.is_finished(),
+        "a flush ended before the volume went uncached"
+    );
+    // The daemon's part: the datastore holds everything, so the volume goes on uncached.
+    vol.abandon_cache().await;
+    assert!(!vol.stalled());
+    assert_eq!(vol.policy(), Policy::Uncached);
+    within(write, "the write").await.unwrap();
+    let got = within(read, "the read").await.unwrap();
+    assert!(got[..] == [0x41; BLOCK], "the read saw other data");
+    within(flush, "the flush").await.unwrap();
+    assert!(store.image()[BLOCK..2 * BLOCK] == [0x42; BLOCK]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wb_volume_with_dirty_data_does_not_stall_and_reports_the_loss() {
+    let (store, vol) = failed_under_wb(false).await;
+    assert!(!vol.stalled(), "a volume that lost dirty data stalls");
+    let e = tokio::time::timeout(
+        Duration::from_secs(5),
+        vol.write(BLOCK as u64, Bytes::from(vec![0x42; BLOCK]), false),
+    )
+    .await
+    .expect("a write stalled")
+    .unwrap_err();
+    assert!(matches!(e, Error::Cache(_)), "{e}");
+    let e = tokio::time::timeout(Duration::from_secs(5), vol.read(0, BLOCK as u32))
+        .await
+        .expect("a read of the lost block stalled")
+        .unwrap_err();
+    assert!(matches!(e, Error::Cache(_)), "{e}");
     assert!(store.image().iter().all(|b| *b == 0));
 }

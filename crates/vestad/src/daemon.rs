@@ -751,9 +751,14 @@ impl Daemon {
             },
             cache: cache.map(cache_info),
             status: match &e.volume {
-                Ok(v) if v.stalled() => "IO stalled: the cache device failed, and the volume's \
-                                         peers replay what it held; it then serves uncached"
-                    .into(),
+                Ok(v) if v.stalled() => if v.cache().is_some_and(|c| c.has_peers()) {
+                    "IO stalled: the cache device failed, and the volume's peers replay what \
+                         it held; it then serves uncached"
+                } else {
+                    "IO stalled: the cache device failed with nothing dirty; it goes on \
+                         uncached within a second"
+                }
+                .into(),
                 Ok(_) => "ok".into(),
                 Err(m) => m.clone(),
             },

@@ -606,6 +606,7 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
             .await;
         }
         release_held_writes(&d).await;
+        go_on_uncached_with_nothing_lost(&d).await;
         keep_replicated(&d).await;
         if d.cache.is_some() && d.coord.kind() != "local" {
             look_after_replicas(&d).await;
@@ -776,6 +777,62 @@ async fn flash_failed(
         vault.owner
     );
     Ok(())
+}
+
+/// FVP Table 1, flash failure in `wb` with every write destaged: nothing is lost, so the
+/// volume goes on uncached, as `wt` does, instead of failing its writes. Its IO stalls until
+/// then (`engine::Volume::stalled`). The vault first gets a new generation, so that if the
+/// device is readable again at the next start, whatever the log still holds of the volume
+/// (records above a checkpoint the failure kept from the log) is dropped, not replayed over
+/// what the volume writes uncached meanwhile. The volume record keeps its policy: at the next
+/// start the volume is cached again.
+async fn go_on_uncached_with_nothing_lost(d: &Arc<Daemon>) {
+    for e in d.entries() {
+        let Ok(v) = &e.volume else { continue };
+        let Some(c) = v.cache() else { continue };
+        if !v.stalled() || c.has_peers() {
+            continue; // a hand-off to peers is flash_failed's
+        }
+        let Some(_busy) = d.claim_entry(&e, "cache device failure") else {
+            continue;
+        };
+        if !v.stalled() {
+            continue;
+        }
+        let name = &e.record.name;
+        let w = match vault_writer(d, v.id()).await {
+            Ok(w) => w,
+            Err(why) => {
+                d.peers
+                    .note(name, Some(format!("go on uncached: {why}; retrying")));
+                continue;
+            }
+        };
+        let recorded = w
+            .replace(Vault {
+                volume: v.id(),
+                policy: Policy::Uncached,
+                checkpoint: c.checkpoint(),
+                gen: c.gen() + 1,
+                owner: d.coord.host().to_owned(),
+                peers: Vec::new(),
+                previous_owner: None,
+                handoff: false,
+            })
+            .await;
+        if let Err(why) = recorded {
+            d.peers
+                .note(name, Some(format!("go on uncached: {why}; retrying")));
+            continue;
+        }
+        v.abandon_cache().await;
+        d.peers.note(name, None);
+        warn!(
+            "volume {name:?}: the cache device failed with nothing dirty (every write was on \
+             the datastore); serving it uncached, nothing lost. It is cached again when vestad \
+             next starts with a working cache device"
+        );
+    }
 }
 
 async fn look_after_replicas(d: &Arc<Daemon>) {
