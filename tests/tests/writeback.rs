@@ -1,6 +1,6 @@
 //! Write-back and write-through with real processes and clients: fio verification, dirty data
-//! surviving kill -9 (offline replay), policy changes under IO, a failing cache device (a clean `wb` volume going on uncached), and a
-//! corrupted cache record.
+//! surviving kill -9 (offline replay), policy changes under IO, a failing cache device (`wt`,
+//! and `wb` with and without dirty data), and a corrupted cache record.
 
 use std::process::Command;
 use std::time::Duration;
