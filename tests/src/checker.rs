@@ -81,16 +81,17 @@ impl Xorshift {
 }
 
 /// Runs writers (and, if `flushing`, a task sending a FLUSH every 5–45 ms) until the connection
-/// dies; returns nothing, the shared table says what happened.
+/// dies; the shared table says what happened. Returns how many of them stopped on an error
+/// before `stop` was set (none, unless the daemon died or failed an IO).
 pub async fn write_until_killed(
     uri: String,
     known: Arc<Mutex<Vec<Known>>>,
     seed: u64,
     stop: Arc<AtomicBool>,
     flushing: bool,
-) {
+) -> u64 {
     let Ok(client) = Client::connect(&NbdUri::parse(&uri).unwrap(), 2).await else {
-        return;
+        return 1;
     };
     let client = Arc::new(client);
     let mut tasks = Vec::new();
@@ -118,7 +119,8 @@ pub async fn write_until_killed(
                     .await;
                 let mut k = known.lock().unwrap();
                 if r.is_err() {
-                    return; // the daemon is gone; the write may or may not have landed
+                    // The daemon is gone (or failed it); it may or may not have landed.
+                    return !stop.load(Ordering::SeqCst);
                 }
                 let kb = &mut k[block as usize];
                 kb.completed = version;
@@ -127,6 +129,7 @@ pub async fn write_until_killed(
                     kb.durable = version;
                 }
             }
+            false
         }));
     }
     if flushing {
@@ -138,17 +141,20 @@ pub async fn write_until_killed(
                 tokio::time::sleep(std::time::Duration::from_millis(5 + rng.next_u64() % 40)).await;
                 let before: Vec<u64> = known.lock().unwrap().iter().map(|k| k.completed).collect();
                 if client.flush().await.is_err() {
-                    return;
+                    return !stop.load(Ordering::SeqCst);
                 }
                 for (k, v) in known.lock().unwrap().iter_mut().zip(before) {
                     k.durable = k.durable.max(v);
                 }
             }
+            false
         }));
     }
+    let mut failed = 0;
     for t in tasks {
-        let _ = t.await;
+        failed += u64::from(t.await.unwrap_or(true));
     }
+    failed
 }
 
 /// Every block of `bytes` (a volume's contents from its first byte, as a client or the
@@ -238,14 +244,15 @@ pub struct Checker {
 pub struct Writers<'a> {
     rt: &'a tokio::runtime::Runtime,
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<u64>,
 }
 
 impl Writers<'_> {
-    /// Stops the writers (if the daemon did not already) and waits for them.
-    pub fn stop(self) {
+    /// Stops the writers (if the daemon did not already) and waits for them. Returns how
+    /// many had stopped on an error before.
+    pub fn stop(self) -> u64 {
         self.stop.store(true, Ordering::SeqCst);
-        self.rt.block_on(self.task).expect("the writers panicked");
+        self.rt.block_on(self.task).expect("the writers panicked")
     }
 }
 

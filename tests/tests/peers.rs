@@ -888,7 +888,11 @@ fn completed_writes_survive_the_owners_cache_device_failing_under_load() {
         wait_for(Duration::from_secs(10), "more writes, uncached", || {
             (ck.completed() > then).then_some(())
         });
-        writers.stop();
+        let failed = writers.stop();
+        assert_eq!(
+            failed, 0,
+            "round {round} (seed {seed}): writers saw an error"
+        );
         let completed = datastore_holds_completed_writes(&lun, &ck.known, round, seed);
         assert!(
             completed > 0,

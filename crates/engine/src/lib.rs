@@ -114,10 +114,12 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// Whether IO on `c` waits to be rerouted once the host's cache device has failed (see
-/// [`Volume::stalls`]): a volume with peers, or a `wb` volume with every write destaged.
-fn waits_for_reroute(c: &VolCache) -> bool {
-    c.cache_failed() && (c.has_peers() || (c.mode() == Mode::Wb && c.clean()))
+/// Whether an IO `op` on `c` waits to be rerouted once the host's cache device has failed
+/// (see [`Volume::stalls`]): any IO of a volume with peers, or anything but a read of a `wb`
+/// volume with every write destaged (a read then comes from the datastore, which holds
+/// everything).
+fn waits_for_reroute(c: &VolCache, op: Op) -> bool {
+    c.cache_failed() && (c.has_peers() || (op != Op::Read && c.mode() == Mode::Wb && c.clean()))
 }
 
 fn mode_of(p: Policy) -> Option<Mode> {
@@ -396,13 +398,58 @@ impl Volume {
         *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
+    /// Sends a `wb` volume on uncached after the host's cache device failed with nothing
+    /// dirty ([`Volume::stalled`]), losing nothing. IO pauses first, so that no write is left
+    /// between its append and its staging: one that completed in the cache as it failed makes
+    /// the volume dirty, and then nothing changes and this returns false (its IO goes on as
+    /// in `wb`: the loss is reported). Otherwise `hook` runs with the generation after the
+    /// cache's and its checkpoint (the daemon records the vault there, so that a restart on
+    /// the device drops what its log still holds of the volume), and the volume goes on
+    /// uncached: true. If `hook` fails, nothing changes (its writes stall on) and this fails.
+    pub async fn go_uncached_with_nothing_lost(&self, hook: SwitchHook) -> Result<bool> {
+        let _one = self.transition.lock().await;
+        let Route::Cached(c) = self.route() else {
+            return Ok(false);
+        };
+        if !self.stalls(&c, Op::Write) || c.has_peers() {
+            return Ok(false);
+        }
+        self.pause().await;
+        let r = async {
+            if !c.clean() || c.has_peers() {
+                return Ok(false);
+            }
+            hook(c.gen() + 1, c.checkpoint())
+                .await
+                .map_err(Error::Cache)?;
+            if let Some(h) = &self.host {
+                if let Err(e) = h.detach(&c).await {
+                    warn!("volume {:?}: leaving the cache: {e}", self.name);
+                }
+            }
+            self.set_route(Route::Uncached);
+            *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+            *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            Ok(true)
+        }
+        .await;
+        self.resume();
+        // Stalled IO looks again: rerouted, or (dirty after all) no longer stalling.
+        self.rerouted.notify_waiters();
+        r
+    }
+
     /// From now on IO that would stall for a hand-off to peers ([`Volume::measured`]) goes
     /// on as in `wb` instead (reads of clean data from the datastore, the rest failing), and
     /// so does IO stalled now: the host's cache device failed and no peer can replay what it
     /// held (the volume reports the loss). `why` is logged.
     pub fn stop_stalling(&self, why: String) {
         let mut lost = self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner());
-        if lost.is_none() && self.cache().is_some_and(|c| waits_for_reroute(&c)) {
+        if lost.is_none()
+            && self
+                .cache()
+                .is_some_and(|c| waits_for_reroute(&c, Op::Write))
+        {
             warn!(
                 "volume {:?}: IO no longer waits to be rerouted: {why}",
                 self.name
@@ -421,10 +468,10 @@ impl Volume {
         self.rerouted.notify_waiters();
     }
 
-    /// Whether the volume's IO stalls now, waiting to be rerouted after the host's cache
+    /// Whether the volume's writes stall now, waiting to be rerouted after the host's cache
     /// device failed ([`Volume::measured`]).
     pub fn stalled(&self) -> bool {
-        matches!(&self.route(), Route::Cached(c) if self.stalls(c))
+        matches!(&self.route(), Route::Cached(c) if self.stalls(c, Op::Write))
     }
 
     /// Whether IO on `c` stalls: the host's cache device failed, and the volume waits to go
@@ -434,8 +481,8 @@ impl Volume {
     /// first (FVP §7.1), or it is in `wb` with every write destaged, so the datastore holds
     /// everything already. (A `wt` volume goes on uncached by itself; a `wb` one with dirty
     /// data lost it, and says so.)
-    fn stalls(&self, c: &VolCache) -> bool {
-        waits_for_reroute(c)
+    fn stalls(&self, c: &VolCache, op: Op) -> bool {
+        waits_for_reroute(c, op)
             && self
                 .handoff_lost
                 .lock()
@@ -453,7 +500,7 @@ impl Volume {
     /// until the volume no longer goes through `c` or the hand-off is given up
     /// ([`Volume::stop_stalling`]); either way the IO is then done again by the route. Fails
     /// if the volume is deleted or vestad stops ([`Volume::stop`]).
-    async fn await_reroute(&self, c: &Arc<VolCache>) -> Result<()> {
+    async fn await_reroute(&self, c: &Arc<VolCache>, op: Op) -> Result<()> {
         loop {
             let rerouted = self.rerouted.notified();
             tokio::pin!(rerouted);
@@ -465,10 +512,12 @@ impl Volume {
                 return Err(Error::Stopping);
             }
             match self.route() {
-                Route::Cached(now) if Arc::ptr_eq(&now, c) && self.stalls(c) => {}
+                Route::Cached(now) if Arc::ptr_eq(&now, c) && self.stalls(c, op) => {}
                 _ => return Ok(()),
             }
-            rerouted.await;
+            // Woken by a reroute; the stall's condition is looked at again now and then too
+            // (a write that completed in the cache as it failed makes the volume dirty).
+            let _ = tokio::time::timeout(Duration::from_millis(100), rerouted).await;
         }
     }
 
@@ -518,7 +567,7 @@ impl Volume {
             .ok_or_else(|| Error::Cache("this host has no cache device configured".into()))?;
         let route = self.route();
         if let Route::Cached(c) = &route {
-            if self.stalls(c) {
+            if self.stalls(c, Op::Write) {
                 return Err(Error::Cache(
                     "the cache device failed; the volume goes on uncached once the datastore \
                      holds everything (its peers replay what the cache held)"
@@ -669,15 +718,15 @@ impl Volume {
             let Route::Cached(c) = self.route() else {
                 break direct().await.map_err(Error::Datastore);
             };
-            let r = if self.stalls(&c) {
+            let r = if self.stalls(&c, op) {
                 Err(Error::Cache("the cache device failed".into()))
             } else {
                 cached(c.clone()).await
             };
             match r {
-                Err(_) if self.stalls(&c) => {
+                Err(_) if self.stalls(&c, op) => {
                     drop(inside);
-                    if let Err(e) = self.await_reroute(&c).await {
+                    if let Err(e) = self.await_reroute(&c, op).await {
                         break Err(e);
                     }
                 }

@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cachelog::device::SimDevice;
+use cachelog::device::{CacheDevice, SimDevice};
 use cluster::Policy;
 use datastore::device::{Device, MemDevice};
+use engine::cache::CacheHost;
 use engine::{Error, Volume};
 use uuid::Uuid;
 
@@ -214,12 +215,14 @@ async fn a_stop_ends_the_stall() {
     assert!(store.image().iter().all(|b| *b == 0));
 }
 
-/// A `wb` volume holding block 0 = 0x41 on a cache device that fails every IO from now on,
-/// with that write destaged (`destaged`) or not.
-async fn failed_under_wb(destaged: bool) -> (Arc<MemDevice>, Arc<Volume>) {
-    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+/// A `wb` volume on `cache` holding block 0 = 0x41, with that write destaged (`destaged`) or
+/// not, and the destager's host.
+async fn wb_volume(
+    cache: Arc<dyn CacheDevice>,
+    destaged: bool,
+) -> (Arc<MemDevice>, Arc<Volume>, Arc<CacheHost>) {
     let store = Arc::new(MemDevice::new(VOL));
-    let (host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    let (host, vol) = common::open(cache, &store, Uuid::new_v4(), Policy::Wb);
     let vol = Arc::new(vol);
     vol.write(0, Bytes::from(vec![0x41; BLOCK]), false)
         .await
@@ -228,14 +231,28 @@ async fn failed_under_wb(destaged: bool) -> (Arc<MemDevice>, Arc<Volume>) {
         common::destage_all(&host, &vol.cache().unwrap()).await;
         assert!(store.image()[..BLOCK] == [0x41; BLOCK]);
     }
-    cache.fail();
-    (store, vol)
+    (store, vol, host)
+}
+
+/// A switch hook that records that it ran, and with what generation.
+fn recording_hook(ran: &Arc<std::sync::Mutex<Option<(u64, u64)>>>) -> engine::SwitchHook {
+    let ran = ran.clone();
+    Box::new(move |gen, checkpoint| {
+        *ran.lock().unwrap() = Some((gen, checkpoint));
+        Box::pin(async { Ok(()) })
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wb_volume_with_nothing_dirty_stalls_and_goes_on_uncached() {
-    let (store, vol) = failed_under_wb(true).await;
+async fn a_wb_volume_with_nothing_dirty_stalls_its_writes_and_goes_on_uncached() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (store, vol, _host) = wb_volume(cache.clone(), true).await;
+    let gen = vol.cache().unwrap().gen();
+    cache.fail();
     let (write, read, flush) = io(&vol);
+    // Reads go on: the datastore holds everything.
+    let got = within(read, "the read").await.unwrap();
+    assert!(got[..] == [0x41; BLOCK], "the read saw other data");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(vol.stalled(), "the volume does not say it stalls");
     assert!(
@@ -246,20 +263,29 @@ async fn a_wb_volume_with_nothing_dirty_stalls_and_goes_on_uncached() {
         !flush.is_finished(),
         "a flush ended before the volume went uncached"
     );
-    // The daemon's part: the datastore holds everything, so the volume goes on uncached.
-    vol.abandon_cache().await;
+    // The daemon's part: a new generation recorded, then on uncached.
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    assert!(vol
+        .go_uncached_with_nothing_lost(recording_hook(&ran))
+        .await
+        .unwrap());
+    assert_eq!(
+        ran.lock().unwrap().map(|r| r.0),
+        Some(gen + 1),
+        "the hook did not get the next generation"
+    );
     assert!(!vol.stalled());
     assert_eq!(vol.policy(), Policy::Uncached);
     within(write, "the write").await.unwrap();
-    let got = within(read, "the read").await.unwrap();
-    assert!(got[..] == [0x41; BLOCK], "the read saw other data");
     within(flush, "the flush").await.unwrap();
     assert!(store.image()[BLOCK..2 * BLOCK] == [0x42; BLOCK]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wb_volume_with_dirty_data_does_not_stall_and_reports_the_loss() {
-    let (store, vol) = failed_under_wb(false).await;
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (store, vol, _host) = wb_volume(cache.clone(), false).await;
+    cache.fail();
     assert!(!vol.stalled(), "a volume that lost dirty data stalls");
     let e = tokio::time::timeout(
         Duration::from_secs(5),
@@ -274,5 +300,102 @@ async fn a_wb_volume_with_dirty_data_does_not_stall_and_reports_the_loss() {
         .expect("a read of the lost block stalled")
         .unwrap_err();
     assert!(matches!(e, Error::Cache(_)), "{e}");
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    assert!(!vol
+        .go_uncached_with_nothing_lost(recording_hook(&ran))
+        .await
+        .unwrap());
+    assert!(ran.lock().unwrap().is_none());
     assert!(store.image().iter().all(|b| *b == 0));
+}
+
+/// A simulated device whose write of a record holding 0x77 bytes is done, and then held
+/// until released: an append that passed the log's failed check before the device failed,
+/// and completes after.
+struct Held {
+    inner: Arc<SimDevice>,
+    release: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    holding: std::sync::atomic::AtomicBool,
+}
+
+impl CacheDevice for Held {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn describe(&self) -> String {
+        "held device".into()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.inner.write_at(offset, data)?;
+        if data.windows(256).any(|w| w.iter().all(|b| *b == 0x77)) {
+            let rx = self.release.lock().unwrap().take();
+            if let Some(rx) = rx {
+                self.holding
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                let _ = rx.recv();
+            }
+        }
+        Ok(())
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+}
+
+/// A write whose append was under way as the device failed, and that completes in the cache
+/// after: the volume holds dirty data the datastore lacks, so it must not go on uncached
+/// (that write would be lost without a word), and the writes stalled meanwhile stop waiting,
+/// whether the daemon tries to send the volume on uncached (`go`) or not.
+async fn a_late_write(go: bool) {
+    let sim = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dev = Arc::new(Held {
+        inner: sim.clone(),
+        release: std::sync::Mutex::new(Some(rx)),
+        holding: std::sync::atomic::AtomicBool::new(false),
+    });
+    let (_store, vol, _host) = wb_volume(dev.clone(), true).await;
+    let v = vol.clone();
+    let late = tokio::spawn(async move {
+        v.write(2 * BLOCK as u64, Bytes::from(vec![0x77; 512]), false)
+            .await
+    });
+    while !dev.holding.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sim.fail();
+    let (write, _, _) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(vol.stalled(), "the volume does not stall");
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    let going = go.then(|| {
+        let (v, hook) = (vol.clone(), recording_hook(&ran));
+        tokio::spawn(async move { v.go_uncached_with_nothing_lost(hook).await })
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tx.send(()).unwrap();
+    within(late, "the late write").await.unwrap();
+    if let Some(going) = going {
+        assert!(
+            !within(going, "going uncached").await.unwrap(),
+            "went uncached over a write only the failed cache holds"
+        );
+    }
+    assert!(ran.lock().unwrap().is_none(), "the hook ran");
+    assert!(!vol.stalled());
+    // The stalled write stops waiting, and fails: the volume lost data.
+    within(write, "the stalled write").await.unwrap_err();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_completes_in_the_failing_cache_keeps_the_volume_from_going_uncached() {
+    a_late_write(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_completes_in_the_failing_cache_ends_the_stall() {
+    a_late_write(false).await;
 }

@@ -755,8 +755,8 @@ impl Daemon {
                     "IO stalled: the cache device failed, and the volume's peers replay what \
                          it held; it then serves uncached"
                 } else {
-                    "IO stalled: the cache device failed with nothing dirty; it goes on \
-                         uncached within a second"
+                    "writes stalled: the cache device failed with nothing dirty; the volume \
+                     goes on uncached within a second"
                 }
                 .into(),
                 Ok(_) => "ok".into(),

@@ -407,7 +407,13 @@ pub struct PeerState {
     handed_off: Mutex<std::collections::HashSet<String>>,
     /// The vault writer of each volume this host owns ([`vault_writer`]).
     writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
+    /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
+    uncached_tries: Mutex<HashMap<Uuid, u32>>,
 }
+
+/// Rounds (seconds) a `wb` volume whose cache device failed with nothing dirty keeps its
+/// writes waiting for its new generation to be recorded.
+const UNCACHED_TRIES: u32 = 10;
 
 impl PeerState {
     /// Logs `problem` for `volume` unless it was the last one logged; `None` clears it.
@@ -780,58 +786,66 @@ async fn flash_failed(
 }
 
 /// FVP Table 1, flash failure in `wb` with every write destaged: nothing is lost, so the
-/// volume goes on uncached, as `wt` does, instead of failing its writes. Its IO stalls until
-/// then (`engine::Volume::stalled`). The vault first gets a new generation, so that if the
-/// device is readable again at the next start, whatever the log still holds of the volume
-/// (records above a checkpoint the failure kept from the log) is dropped, not replayed over
-/// what the volume writes uncached meanwhile. The volume record keeps its policy: at the next
-/// start the volume is cached again.
+/// volume goes on uncached, as `wt` does, instead of failing its writes. Its writes stall
+/// until then (`engine::Volume::stalled`). The vault first gets a new generation, so that if
+/// the device is readable again at the next start, whatever the log still holds of the
+/// volume (records above a checkpoint the failure kept from the log) is dropped, not replayed
+/// over what the volume writes uncached meanwhile. If that cannot be recorded for
+/// [`UNCACHED_TRIES`] rounds, the writes stop waiting and fail, as with dirty data. The
+/// volume record keeps its policy: at the next start the volume is cached again.
 async fn go_on_uncached_with_nothing_lost(d: &Arc<Daemon>) {
     for e in d.entries() {
         let Ok(v) = &e.volume else { continue };
-        let Some(c) = v.cache() else { continue };
-        if !v.stalled() || c.has_peers() {
+        if !v.stalled() || v.cache().is_none_or(|c| c.has_peers()) {
             continue; // a hand-off to peers is flash_failed's
         }
         let Some(_busy) = d.claim_entry(&e, "cache device failure") else {
             continue;
         };
-        if !v.stalled() {
-            continue;
-        }
         let name = &e.record.name;
-        let w = match vault_writer(d, v.id()).await {
-            Ok(w) => w,
-            Err(why) => {
-                d.peers
-                    .note(name, Some(format!("go on uncached: {why}; retrying")));
-                continue;
+        let done = match switch_hook(d, v.id(), Policy::Uncached).await {
+            Ok(hook) => v
+                .go_uncached_with_nothing_lost(hook)
+                .await
+                .map_err(|e| e.to_string()),
+            Err(why) => Err(why),
+        };
+        let tries = {
+            let mut t = d.peers.uncached_tries.lock().expect("lock");
+            match &done {
+                Err(_) => {
+                    let n = t.entry(v.id()).or_insert(0);
+                    *n += 1;
+                    *n
+                }
+                Ok(_) => {
+                    t.remove(&v.id());
+                    0
+                }
             }
         };
-        let recorded = w
-            .replace(Vault {
-                volume: v.id(),
-                policy: Policy::Uncached,
-                checkpoint: c.checkpoint(),
-                gen: c.gen() + 1,
-                owner: d.coord.host().to_owned(),
-                peers: Vec::new(),
-                previous_owner: None,
-                handoff: false,
-            })
-            .await;
-        if let Err(why) = recorded {
-            d.peers
-                .note(name, Some(format!("go on uncached: {why}; retrying")));
-            continue;
+        match done {
+            Ok(true) => {
+                d.peers.note(name, None);
+                warn!(
+                    "volume {name:?}: the cache device failed with nothing dirty (every write \
+                     was on the datastore); serving it uncached, nothing lost. It is cached \
+                     again when vestad next starts with a working cache device"
+                );
+            }
+            // A write completed in the cache as it failed: the volume reports that loss.
+            Ok(false) => {}
+            Err(why) if tries >= UNCACHED_TRIES => {
+                d.peers.uncached_tries.lock().expect("lock").remove(&v.id());
+                v.stop_stalling(format!(
+                    "the cache device failed, and the new generation that would let the volume \
+                     go on uncached cannot be recorded: {why}"
+                ));
+            }
+            Err(why) => d
+                .peers
+                .note(name, Some(format!("go on uncached: {why}; retrying"))),
         }
-        v.abandon_cache().await;
-        d.peers.note(name, None);
-        warn!(
-            "volume {name:?}: the cache device failed with nothing dirty (every write was on \
-             the datastore); serving it uncached, nothing lost. It is cached again when vestad \
-             next starts with a working cache device"
-        );
     }
 }
 
