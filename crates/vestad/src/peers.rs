@@ -413,7 +413,7 @@ pub struct PeerState {
 
 /// Rounds (seconds) a `wb` volume whose cache device failed with nothing dirty keeps its
 /// writes waiting for its new generation to be recorded.
-const UNCACHED_TRIES: u32 = 10;
+pub(crate) const UNCACHED_TRIES: u32 = 10;
 
 impl PeerState {
     /// Logs `problem` for `volume` unless it was the last one logged; `None` clears it.
@@ -799,53 +799,60 @@ async fn go_on_uncached_with_nothing_lost(d: &Arc<Daemon>) {
         if !v.stalled() || v.cache().is_none_or(|c| c.has_peers()) {
             continue; // a hand-off to peers is flash_failed's
         }
-        let Some(_busy) = d.claim_entry(&e, "cache device failure") else {
-            continue;
-        };
-        let name = &e.record.name;
-        let done = match switch_hook(d, v.id(), Policy::Uncached).await {
-            Ok(hook) => v
-                .go_uncached_with_nothing_lost(hook)
-                .await
-                .map_err(|e| e.to_string()),
-            Err(why) => Err(why),
-        };
-        let tries = {
-            let mut t = d.peers.uncached_tries.lock().expect("lock");
-            match &done {
-                Err(_) => {
-                    let n = t.entry(v.id()).or_insert(0);
-                    *n += 1;
-                    *n
-                }
-                Ok(_) => {
-                    t.remove(&v.id());
-                    0
-                }
-            }
-        };
-        match done {
-            Ok(true) => {
-                d.peers.note(name, None);
-                warn!(
-                    "volume {name:?}: the cache device failed with nothing dirty (every write \
-                     was on the datastore); serving it uncached, nothing lost. It is cached \
-                     again when vestad next starts with a working cache device"
-                );
-            }
-            // A write completed in the cache as it failed: the volume reports that loss.
-            Ok(false) => {}
-            Err(why) if tries >= UNCACHED_TRIES => {
-                d.peers.uncached_tries.lock().expect("lock").remove(&v.id());
-                v.stop_stalling(format!(
-                    "the cache device failed, and the new generation that would let the volume \
-                     go on uncached cannot be recorded: {why}"
-                ));
-            }
-            Err(why) => d
-                .peers
-                .note(name, Some(format!("go on uncached: {why}; retrying"))),
+        // On a task of its own: the switch pauses the volume, which waits for its IO in
+        // flight, and a slow datastore must not hold up the round. The claim keeps one at a
+        // time.
+        let (d, e, v) = (d.clone(), e.clone(), v.clone());
+        tokio::spawn(async move {
+            let Some(_busy) = d.claim_entry(&e, "cache device failure") else {
+                return;
+            };
+            uncached_with_nothing_lost(&d, &e.record.name, &v).await;
+        });
+    }
+}
+
+/// One try of [`go_on_uncached_with_nothing_lost`] for volume `v` (claimed by the caller).
+pub(crate) async fn uncached_with_nothing_lost(d: &Daemon, name: &str, v: &Arc<Volume>) {
+    let done = match switch_hook(d, v.id(), Policy::Uncached).await {
+        Ok(hook) => v
+            .go_uncached_with_nothing_lost(hook)
+            .await
+            .map_err(|e| e.to_string()),
+        Err(why) => Err(why),
+    };
+    let tries = {
+        let mut t = d.peers.uncached_tries.lock().expect("lock");
+        if done.is_err() {
+            let n = t.entry(v.id()).or_insert(0);
+            *n += 1;
+            *n
+        } else {
+            t.remove(&v.id());
+            0
         }
+    };
+    match done {
+        Ok(true) => {
+            d.peers.note(name, None);
+            warn!(
+                "volume {name:?}: the cache device failed with nothing dirty (every write was \
+                 on the datastore); serving it uncached, nothing lost. It is cached again when \
+                 vestad next starts with a working cache device"
+            );
+        }
+        // A write completed in the cache as it failed: the volume reports that loss.
+        Ok(false) => {}
+        Err(why) if tries >= UNCACHED_TRIES => {
+            d.peers.uncached_tries.lock().expect("lock").remove(&v.id());
+            v.stop_stalling(format!(
+                "the cache device failed, and the new generation that would let the volume go \
+                 on uncached cannot be recorded: {why}"
+            ));
+        }
+        Err(why) => d
+            .peers
+            .note(name, Some(format!("go on uncached: {why}; retrying"))),
     }
 }
 

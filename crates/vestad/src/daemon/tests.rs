@@ -690,3 +690,81 @@ async fn one_directory_is_never_two_datastores() {
     let got = volume(&d, "v").read(0, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 5), "the volume is untouched");
 }
+
+/// A `wb` volume whose cache device fails with every write destaged: its writes wait (reads
+/// go on) while the round cannot record the new generation that lets it go on uncached; once
+/// it can, the volume serves uncached, nothing lost, and the vault has a generation above
+/// the cache's. If it never can, the writes stop waiting after `UNCACHED_TRIES` rounds and
+/// fail, as with dirty data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generation() {
+    for recorded in [true, false] {
+        let dir = TempDir::new("clean-wb");
+        let coord = coordinator(&dir);
+        let file = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
+        let dev = Arc::new(cachelog::Faulty::new(file));
+        let cache = CacheHost::open(dev.clone(), engine::cache::SEGMENT_DEFAULT).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        tokio::spawn(
+            cache
+                .clone()
+                .run_destager(move || stopped.load(Ordering::SeqCst)),
+        );
+        let c: Arc<dyn Coordinator> = coord.clone();
+        let d = Arc::new(Daemon::start(config(&dir), c, Some(cache)).await.unwrap());
+        d.create_volume(api::CreateVolume {
+            name: "v".into(),
+            size: 1 << 20,
+            datastore: Some("default".into()),
+            policy: Some("wb".into()),
+            hold_s: None,
+            max_dirty_age_s: None,
+            rpo_s: None,
+        })
+        .await
+        .unwrap();
+        let v = volume(&d, "v");
+        assert!(writes(&v, Duration::from_secs(5)).await);
+        let gen = v.cache().unwrap().gen();
+        assert!(v.cache().unwrap().wait_clean(Duration::from_secs(10)).await);
+        dev.fail();
+        coord.fail_vault.store(true, Ordering::SeqCst);
+        assert!(
+            !writes(&v, Duration::from_millis(300)).await,
+            "a write completed in a failed cache"
+        );
+        assert!(v.stalled(), "the volume's writes do not wait");
+        let got = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096))
+            .await
+            .expect("a read waited")
+            .unwrap();
+        assert!(got.iter().all(|b| *b == 9));
+        let id = v.id();
+        crate::peers::uncached_with_nothing_lost(&d, "v", &v).await;
+        assert!(
+            v.stalled(),
+            "the volume moved on without its generation recorded"
+        );
+        if recorded {
+            coord.fail_vault.store(false, Ordering::SeqCst);
+            crate::peers::uncached_with_nothing_lost(&d, "v", &v).await;
+            assert_eq!(v.policy(), Policy::Uncached);
+            assert!(writes(&v, Duration::from_secs(5)).await);
+            let vault = coord.vault(id).await.unwrap().unwrap();
+            assert!(vault.gen > gen, "vault generation {} <= {gen}", vault.gen);
+            assert_eq!(vault.policy, Policy::Uncached);
+        } else {
+            for _ in 1..crate::peers::UNCACHED_TRIES {
+                crate::peers::uncached_with_nothing_lost(&d, "v", &v).await;
+            }
+            assert!(!v.stalled());
+            let w = v.write(0, Bytes::from(vec![9u8; 4096]), false);
+            let r = tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("a write still waits");
+            assert!(r.is_err(), "a write completed in a failed cache");
+        }
+        stop.store(true, Ordering::SeqCst);
+    }
+}
