@@ -114,6 +114,10 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// How long [`Volume::go_uncached_with_nothing_lost`] waits for IO in flight (a datastore
+/// read, an append into a dying device) with the volume paused.
+const REROUTE_PAUSE: Duration = Duration::from_secs(1);
+
 /// Whether an IO `op` on `c` waits to be rerouted once the host's cache device has failed
 /// (see [`Volume::stalls`]): any IO of a volume with peers, or anything but a read of a `wb`
 /// volume with every write destaged (a read then comes from the datastore, which holds
@@ -399,13 +403,16 @@ impl Volume {
     }
 
     /// Sends a `wb` volume on uncached after the host's cache device failed with nothing
-    /// dirty ([`Volume::stalled`]), losing nothing. IO pauses first, so that no write is left
-    /// between its append and its staging: one that completed in the cache as it failed makes
-    /// the volume dirty, and then nothing changes and this returns false (its IO goes on as
-    /// in `wb`: the loss is reported). Otherwise `hook` runs with the generation after the
-    /// cache's and its checkpoint (the daemon records the vault there, so that a restart on
-    /// the device drops what its log still holds of the volume), and the volume goes on
-    /// uncached: true. If `hook` fails, nothing changes (its writes stall on) and this fails.
+    /// dirty ([`Volume::stalled`]), losing nothing. IO pauses first (for at most
+    /// [`REROUTE_PAUSE`]), so that no write is left between its append and its staging: one
+    /// that completed in the cache as it failed makes the volume dirty, and then nothing
+    /// changes and this returns false (its IO goes on as in `wb`: the loss is reported).
+    /// Otherwise IO resumes (writes stall outside the cache from here: nothing can make the
+    /// volume dirty again), `hook` runs with the generation after the cache's and its
+    /// checkpoint (the daemon records the vault there, so that a restart on the device drops
+    /// what its log still holds of the volume), and the volume goes on uncached: true. If IO
+    /// in flight does not end in time or `hook` fails, nothing changes (its writes stall on)
+    /// and this fails.
     pub async fn go_uncached_with_nothing_lost(&self, hook: SwitchHook) -> Result<bool> {
         let _one = self.transition.lock().await;
         let Route::Cached(c) = self.route() else {
@@ -414,28 +421,41 @@ impl Volume {
         if !self.stalls(&c, Op::Write) || c.has_peers() {
             return Ok(false);
         }
-        self.pause().await;
-        let r = async {
-            if !c.clean() || c.has_peers() {
-                return Ok(false);
-            }
-            hook(c.gen() + 1, c.checkpoint())
-                .await
-                .map_err(Error::Cache)?;
-            if let Some(h) = &self.host {
-                if let Err(e) = h.detach(&c).await {
-                    warn!("volume {:?}: leaving the cache: {e}", self.name);
-                }
-            }
-            self.set_route(Route::Uncached);
-            *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
-            *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            Ok(true)
+        let clean = self.paused_for(|| c.clean()).await?;
+        if !clean {
+            // Stalled IO looks again: no longer stalling.
+            self.rerouted.notify_waiters();
+            return Ok(false);
         }
-        .await;
+        hook(c.gen() + 1, c.checkpoint())
+            .await
+            .map_err(Error::Cache)?;
+        // Reads through the cache (from the datastore) end before it goes.
+        self.paused_for(|| ()).await?;
+        if let Some(h) = &self.host {
+            if let Err(e) = h.detach(&c).await {
+                warn!("volume {:?}: leaving the cache: {e}", self.name);
+            }
+        }
+        self.set_route(Route::Uncached);
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+        *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(true)
+    }
+
+    /// Runs `f` with the volume paused and no IO in it, if IO in flight ends within
+    /// [`REROUTE_PAUSE`]; IO resumes when `f` returns, or at once if it did not end in time.
+    /// `f` must not wait: IO waits meanwhile.
+    async fn paused_for<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        self.paused.store(true, Ordering::SeqCst);
+        let r = if self.quiesce(REROUTE_PAUSE).await {
+            Ok(f())
+        } else {
+            Err(Error::Cache(format!(
+                "IO in flight did not end within {REROUTE_PAUSE:?}; trying again later"
+            )))
+        };
         self.resume();
-        // Stalled IO looks again: rerouted, or (dirty after all) no longer stalling.
-        self.rerouted.notify_waiters();
         r
     }
 
@@ -696,7 +716,10 @@ impl Volume {
     /// the new route. Nothing is lost or reordered by that: no IO on a failed device
     /// completes, so an IO that stalled never completed, and whatever overlaps it was issued
     /// while it was outstanding. Reads of clean data stall too: while a peer replays from
-    /// the vault's checkpoint, the datastore can hold older versions than it did.
+    /// the vault's checkpoint, the datastore can hold older versions than it did. A `wb`
+    /// volume with nothing dirty stalls the same way until it goes on uncached
+    /// ([`Volume::go_uncached_with_nothing_lost`]), all but its reads: the datastore holds
+    /// everything already.
     async fn measured<T, C, D>(
         &self,
         op: Op,

@@ -345,11 +345,11 @@ impl CacheDevice for Held {
     }
 }
 
-/// A write whose append was under way as the device failed, and that completes in the cache
-/// after: the volume holds dirty data the datastore lacks, so it must not go on uncached
-/// (that write would be lost without a word), and the writes stalled meanwhile stop waiting,
-/// whether the daemon tries to send the volume on uncached (`go`) or not.
-async fn a_late_write(go: bool) {
+type Late = (std::sync::mpsc::Sender<()>, Arc<Volume>, Task<()>, Task<()>);
+
+/// A clean `wb` volume whose device failed while a write's append was under way (held in
+/// the device until the sender is used): that late write, and a write stalled since.
+async fn a_write_held_across_the_failure() -> Late {
     let sim = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
     let (tx, rx) = std::sync::mpsc::channel();
     let dev = Arc::new(Held {
@@ -370,6 +370,15 @@ async fn a_late_write(go: bool) {
     let (write, _, _) = io(&vol);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(vol.stalled(), "the volume does not stall");
+    (tx, vol, late, write)
+}
+
+/// A write whose append was under way as the device failed, and that completes in the cache
+/// after: the volume holds dirty data the datastore lacks, so it must not go on uncached
+/// (that write would be lost without a word), and the writes stalled meanwhile stop waiting,
+/// whether the daemon tries to send the volume on uncached (`go`) or not.
+async fn a_late_write(go: bool) {
+    let (tx, vol, late, write) = a_write_held_across_the_failure().await;
     let ran = Arc::new(std::sync::Mutex::new(None));
     let going = go.then(|| {
         let (v, hook) = (vol.clone(), recording_hook(&ran));
@@ -387,6 +396,35 @@ async fn a_late_write(go: bool) {
     assert!(ran.lock().unwrap().is_none(), "the hook ran");
     assert!(!vol.stalled());
     // The stalled write stops waiting, and fails: the volume lost data.
+    within(write, "the stalled write").await.unwrap_err();
+}
+
+/// An IO in flight that does not end keeps the volume paused for a moment only: the try
+/// fails and changes nothing, reads go on, and a later try sees what that IO did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_to_go_uncached_does_not_wait_for_io_that_does_not_end() {
+    let (tx, vol, late, write) = a_write_held_across_the_failure().await;
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    let e = tokio::time::timeout(
+        Duration::from_secs(5),
+        vol.go_uncached_with_nothing_lost(recording_hook(&ran)),
+    )
+    .await
+    .expect("the try waited for the held write")
+    .unwrap_err();
+    assert!(e.to_string().contains("did not end"), "{e}");
+    assert!(ran.lock().unwrap().is_none(), "the hook ran");
+    let got = tokio::time::timeout(Duration::from_secs(5), vol.read(0, BLOCK as u32))
+        .await
+        .expect("a read waited after the try")
+        .unwrap();
+    assert!(got[..] == [0x41; BLOCK]);
+    tx.send(()).unwrap();
+    within(late, "the late write").await.unwrap();
+    assert!(!vol
+        .go_uncached_with_nothing_lost(recording_hook(&ran))
+        .await
+        .unwrap());
     within(write, "the stalled write").await.unwrap_err();
 }
 

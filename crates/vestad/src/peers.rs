@@ -411,8 +411,9 @@ pub struct PeerState {
     uncached_tries: Mutex<HashMap<Uuid, u32>>,
 }
 
-/// Rounds (seconds) a `wb` volume whose cache device failed with nothing dirty keeps its
-/// writes waiting for its new generation to be recorded.
+/// Tries (a round apart, each as long as the coordinator takes to fail) a `wb` volume whose
+/// cache device failed with nothing dirty keeps its writes waiting for its new generation to
+/// be recorded.
 pub(crate) const UNCACHED_TRIES: u32 = 10;
 
 impl PeerState {
@@ -790,8 +791,8 @@ async fn flash_failed(
 /// until then (`engine::Volume::stalled`). The vault first gets a new generation, so that if
 /// the device is readable again at the next start, whatever the log still holds of the
 /// volume (records above a checkpoint the failure kept from the log) is dropped, not replayed
-/// over what the volume writes uncached meanwhile. If that cannot be recorded for
-/// [`UNCACHED_TRIES`] rounds, the writes stop waiting and fail, as with dirty data. The
+/// over what the volume writes uncached meanwhile. If that cannot be recorded in
+/// [`UNCACHED_TRIES`] tries, the writes stop waiting and fail, as with dirty data. The
 /// volume record keeps its policy: at the next start the volume is cached again.
 async fn go_on_uncached_with_nothing_lost(d: &Arc<Daemon>) {
     for e in d.entries() {

@@ -730,11 +730,13 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
         assert!(v.cache().unwrap().wait_clean(Duration::from_secs(10)).await);
         dev.fail();
         coord.fail_vault.store(true, Ordering::SeqCst);
-        assert!(
-            !writes(&v, Duration::from_millis(300)).await,
-            "a write completed in a failed cache"
-        );
-        assert!(v.stalled(), "the volume's writes do not wait");
+        let waiting = {
+            let v = v.clone();
+            tokio::spawn(async move { v.write(8192, Bytes::from(vec![7u8; 4096]), false).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!waiting.is_finished(), "a write did not wait");
+        assert!(v.stalled(), "the volume does not say its writes wait");
         let got = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096))
             .await
             .expect("a read waited")
@@ -750,6 +752,12 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
             coord.fail_vault.store(false, Ordering::SeqCst);
             crate::peers::uncached_with_nothing_lost(&d, "v", &v).await;
             assert_eq!(v.policy(), Policy::Uncached);
+            // The waiting write goes on, uncached.
+            tokio::time::timeout(Duration::from_secs(5), waiting)
+                .await
+                .expect("the write still waits")
+                .unwrap()
+                .unwrap();
             assert!(writes(&v, Duration::from_secs(5)).await);
             let vault = coord.vault(id).await.unwrap().unwrap();
             assert!(vault.gen > gen, "vault generation {} <= {gen}", vault.gen);
@@ -759,6 +767,11 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
                 crate::peers::uncached_with_nothing_lost(&d, "v", &v).await;
             }
             assert!(!v.stalled());
+            let r = tokio::time::timeout(Duration::from_secs(5), waiting)
+                .await
+                .expect("the write still waits")
+                .unwrap();
+            assert!(r.is_err(), "a write completed in a failed cache");
             let w = v.write(0, Bytes::from(vec![9u8; 4096]), false);
             let r = tokio::time::timeout(Duration::from_secs(5), w)
                 .await
