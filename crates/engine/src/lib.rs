@@ -402,8 +402,8 @@ impl Volume {
         *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    /// Sends a `wb` volume on uncached after the host's cache device failed with nothing
-    /// dirty ([`Volume::stalled`]), losing nothing. IO pauses first (for at most
+    /// Sends a `wb` volume (with or without peers) on uncached after the host's cache device
+    /// failed with nothing dirty ([`Volume::stalled`]), losing nothing. IO pauses first (for at most
     /// [`REROUTE_PAUSE`]), so that no write is left between its append and its staging: one
     /// that completed in the cache as it failed makes the volume dirty, and then nothing
     /// changes and this returns false (its IO goes on as in `wb`: the loss is reported).
@@ -418,7 +418,7 @@ impl Volume {
         let Route::Cached(c) = self.route() else {
             return Ok(false);
         };
-        if !self.stalls(&c, Op::Write) || c.has_peers() {
+        if !self.stalls(&c, Op::Write) {
             return Ok(false);
         }
         let clean = self.paused_for(|| c.clean()).await?;

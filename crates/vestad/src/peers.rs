@@ -708,7 +708,9 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// from the vault's checkpoint can take a block back to an older version for a moment. If
 /// the vault names no peer to replay, the volume reports the loss and its IO goes on as in
 /// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never
-/// replay (they died too and do not return) stalls until the volume is deleted.
+/// replay (they died too and do not return) stalls until the volume is deleted. A volume
+/// with nothing dirty needs no replay: it goes on uncached at once, as in `wb`
+/// ([`go_on_uncached_with_nothing_lost`]).
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
@@ -728,6 +730,23 @@ async fn flash_failed(
         .map_err(|e| e.to_string())?
         .ok_or("no vault record")?;
     if let (false, Some(p)) = (handed, peers) {
+        // With nothing dirty the datastore holds every completed write: no peer needs to
+        // replay, and the volume goes on uncached at once (its new generation makes the
+        // peers drop their replicas).
+        if c.clean() {
+            let hook = switch_hook(d, rec.id, Policy::Uncached).await?;
+            if v.go_uncached_with_nothing_lost(hook)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                warn!(
+                    "volume {name:?}: the cache device failed with nothing dirty (every write \
+                     was on the datastore); serving it uncached, nothing lost, without a \
+                     replay by its peers"
+                );
+                return Ok(());
+            }
+        }
         // The peers the vault names hold every completed write (a write completes only once
         // they all have it, or once a peer that failed it is out of the vault), whatever the
         // state of this host's links to them: a link broken while idle says nothing of the
