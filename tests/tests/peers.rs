@@ -644,16 +644,14 @@ fn a_wbp_volume_with_nothing_dirty_goes_on_uncached_without_a_replay() {
     qemu_io(&a.url("w"), &["write -P 4 0 64k", "flush"]);
     a.wait_clean("w");
     let gen = vault(&etcd)["gen"].as_u64().unwrap();
+    let dropped = b.log().matches("dropping stale replicas").count();
     a.fail_cache_device();
     // The write waits for a moment, then goes to the datastore.
     qemu_io(&a.url("w"), &["write -P 5 64k 64k", "read -P 4 0 64k"]);
-    let s = show(&a, "w");
-    assert_eq!(s["policy"], "uncached", "{s}");
-    assert!(
-        a.log().contains("without a replay by its peers"),
-        "{}",
-        a.log()
-    );
+    wait_for(Duration::from_secs(5), "a to say it went uncached", || {
+        (show(&a, "w")["policy"] == "uncached" && a.log().contains("without a replay by its peers"))
+            .then_some(())
+    });
     assert_eq!(
         on_datastore(&lun, 256 << 10),
         expect(256 << 10, &[(0, 64 << 10, 4), (64 << 10, 64 << 10, 5)]),
@@ -664,7 +662,7 @@ fn a_wbp_volume_with_nothing_dirty_goes_on_uncached_without_a_replay() {
     wait_for(
         Duration::from_secs(10),
         "b to drop its stale replicas",
-        || b.log().contains("dropping stale replicas").then_some(()),
+        || (b.log().matches("dropping stale replicas").count() > dropped).then_some(()),
     );
     assert!(!b.log().contains("online replay done"), "{}", b.log());
     one_writer_at_a_time(&lun);
@@ -893,8 +891,9 @@ fn wait_peer(v: &Vestad, name: &str) -> String {
 }
 
 /// Flash failure in `wbp` at a random moment under a checker's writes (FVP Table 1, flash
-/// row, with random timing): the owner's cache device fails, its peer replays, and the
-/// checker's writes go on, uncached, without an error. The datastore holds every completed
+/// row, with random timing): the owner's cache device fails, its peer replays (or, if
+/// nothing was dirty at that moment, the owner goes uncached at once), and the checker's
+/// writes go on, uncached, without an error. The datastore holds every completed
 /// write, and still does after the owner restarts on its old cache file, whose dirty
 /// records of the volume are stale by then and must never be replayed over newer writes.
 /// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
@@ -1218,7 +1217,7 @@ fn completed_writes_survive_the_owners_death_during_policy_changes() {
     let ck = Checker::new();
     let mut rng = Xorshift(seed0 | 1);
     let mut last = "wbp:1".to_owned();
-    let (mut changes, mut replays_by_b) = (0, 0);
+    let (mut changes, mut cut, mut replays_by_b) = (0, 0, 0);
     let replays = |h: &Vestad| h.log().matches("online replay done").count();
     for round in 0..rounds {
         let seed = rng.next_u64();
@@ -1238,6 +1237,7 @@ fn completed_writes_survive_the_owners_death_during_policy_changes() {
         writers.stop();
         let did = changer.join();
         changes += did.completed;
+        cut += u64::from(did.cut_short.is_some());
         lun.outlive_killed_client();
         let named_b = vault(&etcd)["peers"]
             .as_array()
@@ -1282,12 +1282,13 @@ fn completed_writes_survive_the_owners_death_during_policy_changes() {
         last = now;
     }
     eprintln!(
-        "wbp policy change campaign: {changes} changes completed; b replayed {replays_by_b} \
-         time(s) in {rounds} rounds"
+        "wbp policy change campaign: {changes} changes completed, {cut} cut short; b \
+         replayed {replays_by_b} time(s) in {rounds} rounds"
     );
     assert!(
-        changes >= rounds,
-        "only {changes} policy changes completed in {rounds} rounds; the campaign is too gentle"
+        changes + cut >= rounds,
+        "only {changes} policy change(s) completed and {cut} cut short in {rounds} rounds; the \
+         campaign is too gentle"
     );
     one_writer_at_a_time(&lun);
 }

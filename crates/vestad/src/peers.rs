@@ -670,6 +670,10 @@ async fn keep_replicated(d: &Arc<Daemon>) {
             let Some(_busy) = d.claim_entry(&e, "peer change") else {
                 return;
             };
+            // A change that held the claim meanwhile (the volume went uncached) is done.
+            if !v.cache().is_some_and(|now| Arc::ptr_eq(&now, &c)) {
+                return;
+            }
             let name = &e.record.name;
             if c.cache_failed() {
                 if let Err(why) = flash_failed(&d, &e.record, &v, &c).await {
@@ -709,8 +713,8 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// the vault names no peer to replay, the volume reports the loss and its IO goes on as in
 /// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never
 /// replay (they died too and do not return) stalls until the volume is deleted. A volume
-/// with nothing dirty needs no replay: it goes on uncached at once, as in `wb`
-/// ([`go_on_uncached_with_nothing_lost`]).
+/// with nothing dirty needs no replay: it goes on uncached at once
+/// (`engine::Volume::go_uncached_with_nothing_lost`, as for `wb`).
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
