@@ -476,17 +476,11 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
     );
 }
 
-/// A `wt` volume's cache device fails at a random moment under a checker's writes (FVP
-/// Table 1, flash row, `wt`): the writes go on, uncached, without an error; the datastore
-/// holds every completed write and reads through vestad agree with it; and after a restart
-/// on the same cache file (a device back after a reset), whose cached copies are older than
-/// what was written uncached since, the volume still reads as the datastore.
-/// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
-#[test]
-fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
-    let (rounds, seed0) = campaign("wt flash failure", "VESTA_FLASH_ROUNDS", 2);
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
-    let mut v = Vestad::start();
+/// A LUN whose writes take a millisecond, and a vestad with the checker's volume `c` on it
+/// in `policy`.
+fn checked_volume_on_a_lun(policy: &str) -> (Nbdkit, Vestad) {
+    let lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
+    let v = Vestad::start();
     v.add_lun("san", &lun, 8);
     let size = (BLOCKS * BLOCK).to_string();
     v.vesta_ok(&[
@@ -498,12 +492,27 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
         "--datastore",
         "san",
         "--policy",
-        "wt",
+        policy,
     ]);
+    (lun, v)
+}
+
+/// The checker's blocks of the volume on the LUN image itself.
+fn on_lun(lun: &Nbdkit) -> Vec<u8> {
+    read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
+}
+
+/// A `wt` volume's cache device fails at a random moment under a checker's writes (FVP
+/// Table 1, flash row, `wt`): the writes go on, uncached, without an error; the datastore
+/// holds every completed write and reads through vestad agree with it; and after a restart
+/// on the same cache file (a device back after a reset), whose cached copies are older than
+/// what was written uncached since, the volume still reads as the datastore.
+/// `VESTA_FLASH_ROUNDS` sets the rounds (default 2).
+#[test]
+fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
+    let (rounds, seed0) = campaign("wt flash failure", "VESTA_FLASH_ROUNDS", 2);
+    let (mut lun, mut v) = checked_volume_on_a_lun("wt");
     let ck = Checker::new();
-    let on_lun = |lun: &Nbdkit| {
-        read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
-    };
     let mut rng = Xorshift(seed0 | 1);
     for round in 0..rounds {
         let seed = rng.next_u64();
@@ -557,25 +566,8 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
 #[test]
 fn a_wb_volume_with_nothing_dirty_goes_on_uncached_when_the_cache_device_fails() {
     let (rounds, seed0) = campaign("clean wb flash failure", "VESTA_FLASH_ROUNDS", 2);
-    let mut lun = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1ms"]);
-    let mut v = Vestad::start();
-    v.add_lun("san", &lun, 8);
-    let size = (BLOCKS * BLOCK).to_string();
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "c",
-        "--size",
-        &size,
-        "--datastore",
-        "san",
-        "--policy",
-        "wb",
-    ]);
+    let (mut lun, mut v) = checked_volume_on_a_lun("wb");
     let ck = Checker::new();
-    let on_lun = |lun: &Nbdkit| {
-        read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
-    };
     let mut rng = Xorshift(seed0 | 1);
     for round in 0..rounds {
         let seed = rng.next_u64();
