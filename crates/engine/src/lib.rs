@@ -403,11 +403,11 @@ impl Volume {
     }
 
     /// Sends a `wb` volume (with or without peers) on uncached after the host's cache device
-    /// failed with nothing dirty ([`Volume::stalled`]), losing nothing. IO pauses first (for at most
-    /// [`REROUTE_PAUSE`]), so that no write is left between its append and its staging: one
-    /// that completed in the cache as it failed makes the volume dirty, and then nothing
-    /// changes and this returns false (in `wb` its IO goes on, the loss reported; with
-    /// peers it stalls on, for a hand-off).
+    /// failed with nothing dirty ([`Volume::stalled`]), losing nothing. IO pauses first (for
+    /// at most [`REROUTE_PAUSE`]), so that no write is left between its append and its
+    /// staging: one that completed in the cache as it failed makes the volume dirty, and then
+    /// nothing changes and this returns false (in `wb` its IO goes on, the loss reported;
+    /// with peers it stalls on, for a hand-off).
     /// Otherwise IO resumes (writes stall outside the cache from here: nothing can make the
     /// volume dirty again), `hook` runs with the generation after the cache's and its
     /// checkpoint (the daemon records the vault there, so that a restart on the device drops
