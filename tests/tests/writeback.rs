@@ -497,6 +497,28 @@ fn checked_volume_on_a_lun(policy: &str) -> (Nbdkit, Vestad) {
     (lun, v)
 }
 
+/// Kills `v` and starts it again on the same cache file (a device back after a reset): the
+/// volume is in `policy` and still reads as `img`, what the datastore held.
+fn restart_serving(
+    v: &mut Vestad,
+    lun: &mut Nbdkit,
+    ck: &Checker,
+    img: &[u8],
+    policy: &str,
+    round: u64,
+    seed: u64,
+) {
+    v.kill9();
+    lun.outlive_killed_client();
+    v.launch();
+    assert_eq!(show(v, "c")["policy"], policy);
+    assert!(
+        ck.read(&v.url("c")) == img,
+        "round {round} (seed {seed}): after the restart vestad serves other data than the \
+         datastore holds"
+    );
+}
+
 /// The checker's blocks of the volume on the LUN image itself.
 fn on_lun(lun: &Nbdkit) -> Vec<u8> {
     read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
@@ -543,15 +565,7 @@ fn completed_writes_survive_a_wt_cache_device_failing_under_load() {
             "round {round} (seed {seed}): reads through vestad differ from the datastore"
         );
         // Back on the same cache file: its copies must not be served over newer data.
-        v.kill9();
-        lun.outlive_killed_client();
-        v.launch();
-        assert_eq!(show(&v, "c")["policy"], "wt");
-        assert!(
-            ck.read(&v.url("c")) == img,
-            "round {round} (seed {seed}): after the restart vestad serves other data than the \
-             datastore holds"
-        );
+        restart_serving(&mut v, &mut lun, &ck, &img, "wt", round, seed);
     }
 }
 
@@ -602,15 +616,7 @@ fn a_wb_volume_with_nothing_dirty_goes_on_uncached_when_the_cache_device_fails()
         );
         // Back on the same cache file: cached again, and its records are not served (or
         // replayed) over newer data.
-        v.kill9();
-        lun.outlive_killed_client();
-        v.launch();
-        assert_eq!(show(&v, "c")["policy"], "wb");
-        assert!(
-            ck.read(&v.url("c")) == img,
-            "round {round} (seed {seed}): after the restart vestad serves other data than the \
-             datastore holds"
-        );
+        restart_serving(&mut v, &mut lun, &ck, &img, "wb", round, seed);
         v.wait_clean("c");
         assert!(
             on_lun(&lun) == img,

@@ -165,21 +165,26 @@ async fn start(dir: &TempDir, coord: &Arc<FailingVault>) -> Arc<Daemon> {
     )
 }
 
-/// Creates volume `v` in `wt` and stops the daemon; returns its id and the generation its
-/// cache log recorded.
-async fn create_and_stop(dir: &TempDir, coord: &Arc<FailingVault>) -> (Uuid, u64) {
-    let d = start(dir, coord).await;
+/// Creates the 1 MiB volume `v` on datastore `default` in `policy`.
+async fn create_v(d: &Daemon, policy: &str) {
     d.create_volume(api::CreateVolume {
         name: "v".into(),
         size: 1 << 20,
         datastore: Some("default".into()),
-        policy: Some("wt".into()),
+        policy: Some(policy.into()),
         hold_s: None,
         max_dirty_age_s: None,
         rpo_s: None,
     })
     .await
     .unwrap();
+}
+
+/// Creates volume `v` in `wt` and stops the daemon; returns its id and the generation its
+/// cache log recorded.
+async fn create_and_stop(dir: &TempDir, coord: &Arc<FailingVault>) -> (Uuid, u64) {
+    let d = start(dir, coord).await;
+    create_v(&d, "wt").await;
     let v = volume(&d, "v");
     assert!(writes(&v, Duration::from_secs(5)).await);
     d.flush_all().await;
@@ -713,17 +718,7 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
         );
         let c: Arc<dyn Coordinator> = coord.clone();
         let d = Arc::new(Daemon::start(config(&dir), c, Some(cache)).await.unwrap());
-        d.create_volume(api::CreateVolume {
-            name: "v".into(),
-            size: 1 << 20,
-            datastore: Some("default".into()),
-            policy: Some("wb".into()),
-            hold_s: None,
-            max_dirty_age_s: None,
-            rpo_s: None,
-        })
-        .await
-        .unwrap();
+        create_v(&d, "wb").await;
         let v = volume(&d, "v");
         assert!(writes(&v, Duration::from_secs(5)).await);
         let gen = v.cache().unwrap().gen();
