@@ -625,6 +625,52 @@ fn a_wb_volume_with_nothing_dirty_goes_on_uncached_when_the_cache_device_fails()
     }
 }
 
+/// A `wb` volume that went on uncached when its cache device failed keeps `wb` as its
+/// policy through an offline relocation: restarted on a working cache device, it is cached
+/// again, as it would be without the relocation. Meanwhile `vesta stats`, like `volume show`,
+/// reports the policy in effect, not the one the volume was created with.
+#[test]
+fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
+    let mut v = Vestad::start();
+    let dst = v.scratch.join("dst");
+    std::fs::create_dir_all(&dst).unwrap();
+    v.vesta_ok(&["datastore", "add", "dst", "--dir", dst.to_str().unwrap()]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wb",
+        "--datastore",
+        "default",
+    ]);
+    qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
+    v.wait_clean("w");
+    v.fail_cache_device();
+    // Stalls for a moment, then goes to the datastore.
+    qemu_io(&v.url("w"), &["write -P 0x62 64k 64k"]);
+    assert_eq!(show(&v, "w")["policy"], "uncached");
+    let stats = v.vesta_json(&["stats"]);
+    assert_eq!(stats["volumes"][0]["policy"], "uncached", "{stats:#}");
+
+    v.vesta_ok(&["volume", "relocate", "w", "--datastore", "dst", "--offline"]);
+    let s = show(&v, "w");
+    assert_eq!(
+        (s["policy"].as_str(), s["datastore"].as_str()),
+        (Some("uncached"), Some("dst"))
+    );
+    v.kill9();
+    v.launch();
+    let s = show(&v, "w");
+    assert_eq!(
+        (s["policy"].as_str(), s["datastore"].as_str()),
+        (Some("wb"), Some("dst"))
+    );
+    qemu_io(&v.url("w"), &["read -P 0x61 0 64k", "read -P 0x62 64k 64k"]);
+}
+
 /// The `wb` volume above after a power cut that also takes back the checkpoint record the
 /// destager appended last (never synced): the log then holds a write above its durable
 /// checkpoint, which the datastore had, and which the volume overwrote uncached once its

@@ -123,6 +123,15 @@ impl VolumeEntry {
         *self.wanted.lock().expect("lock")
     }
 
+    /// The policy in effect: the open volume's, which changes at run time (`record` keeps
+    /// the one the volume was opened with).
+    pub fn policy(&self) -> Policy {
+        match &self.volume {
+            Ok(v) => v.policy(),
+            Err(_) => self.record.policy,
+        }
+    }
+
     pub fn connections(&self) -> u32 {
         self.attached.load(Ordering::SeqCst)
     }
@@ -1326,10 +1335,13 @@ impl Daemon {
                 "volume {name:?} has dirty data; switch it to wt first, then relocate"
             ))));
         }
-        // The record gets the policy and tuning in effect (the open volume's).
+        // The record gets the policy asked for, not the one in effect: a volume that runs
+        // uncached because its cache device failed, or in wt while it lacks peers, must come
+        // back in its own policy at the next start, as it would without the relocation.
+        // `entry.record` predates run-time changes; `wanted` and the tuning follow them.
         let mut rec = entry.record.clone();
         rec.datastore = to.clone();
-        rec.policy = volume.policy();
+        rec.policy = entry.wanted();
         rec.tuning = volume.tuning();
         // The extent the volume has been writing (not the table read again, which a source
         // failing its reads would not give).

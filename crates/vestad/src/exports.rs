@@ -21,7 +21,8 @@ fn export_info(a: &Attachment) -> ExportInfo {
         can_multi_conn: true,
         description: format!(
             "Vesta volume on datastore {}, policy {}",
-            a.entry.record.datastore, a.entry.record.policy
+            a.entry.record.datastore,
+            a.entry.policy()
         ),
     }
 }

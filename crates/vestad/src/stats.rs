@@ -524,7 +524,7 @@ pub fn report(d: &Daemon, only: Option<&str>) -> api::StatsReport {
         volumes.push(api::VolumeStats {
             name: e.record.name.clone(),
             datastore: e.record.datastore.clone(),
-            policy: e.record.policy.to_string(),
+            policy: e.policy().to_string(),
             io: sampler.figures(Which::Volume, &e.record.name, &now),
         });
     }
