@@ -37,6 +37,14 @@ vestad_api() {
     echo "http://$(python3 -c 'import json,sys;print(json.load(open(sys.argv[1]))["api"])' "$1/vestad.json")"
 }
 
+# disk_sectors DIR -> 512-byte sectors written so far to the disk that holds DIR
+# (/proc/diskstats), or nothing when DIR is not on a listed disk (tmpfs, overlay).
+disk_sectors() {
+    local dev
+    dev=$(basename "$(df --output=source "$1" | tail -1)")
+    awk -v d="$dev" '$3 == d {print $10}' /proc/diskstats
+}
+
 # fio_run NAME URI RW BS QD -> "iops lat_us MiB/s": a timed fio write run (RUNTIME seconds after
 # 2 s of ramp) on an NBD URI, its JSON kept as $OUT/NAME.json, over the first FIO_SIZE bytes
 # (1G). FIO_EXTRA adds options.

@@ -25,6 +25,12 @@
 #   ONLY=replay bench/wbp.sh           # part 2 only
 #   ONLY=table bench/wbp.sh            # part 1 only
 #   ONLY=table POLICIES="wb wbp:1" bench/wbp.sh   # some rows of part 1
+#   PEER_CACHE=/dev/shm/wbp ONLY=table bench/wbp.sh  # b's and c's cache files in DIR (here
+#                                      # RAM): peers with devices of their own, not a's disk
+#
+# Every host's cache file and the LUN's image share the disk that holds OUT, so the table
+# also reports that disk's write rate during each 64 KiB run: wb writes each byte twice (log,
+# LUN), wbp:P 2 + P times.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . bench/lib.sh
@@ -57,6 +63,7 @@ host() {
     cat >"$OUT/$name/vestad.toml" <<EOF
 [cache]
 size = "${CACHE:-4G}"
+$([ "$name" != a ] && [ -n "${PEER_CACHE:-}" ] && echo "path = \"$PEER_CACHE/$name.img\"")
 
 [cluster]
 etcd = ["$EP"]
@@ -104,12 +111,16 @@ echo "### FVP Table 2 on loopback: a 1 ms datastore, peers on the same machine"
 echo
 echo "| policy | 64 KiB seq write QD8 (MiB/s) | 4 KiB rand write QD16 (IOPS) | 4 KiB rand write QD1 mean latency (us) |"
 echo "|---|---:|---:|---:|"
-declare -A SEQ QD1
+declare -A SEQ QD1 DISK
 for p in ${POLICIES:-wt wb wbp:1 wbp:2}; do
     n="v-${p/:/}"
     vesta a volume create "$n" --size 2G --policy "$p" >/dev/null
     [[ $p == wbp* ]] && wait_mode "$n" "$p"
+    sync
+    s0=$(disk_sectors "$OUT")
+    t0=$(date +%s.%N)
     read -r _ _ mb < <(fio_run "$n-seq" "$(printf "$V" "$n")" write 64k 8)
+    [ -n "$s0" ] && DISK[$p]=$(python3 -c "import time; print(f'{($(disk_sectors "$OUT")-$s0)*512/2**20/(time.time()-$t0):.0f}')")
     wait_clean "$n"
     read -r io _ _ < <(fio_run "$n-rand" "$(printf "$V" "$n")" randwrite 4k 16)
     wait_clean "$n"
@@ -119,6 +130,12 @@ for p in ${POLICIES:-wt wb wbp:1 wbp:2}; do
     echo "| $p | $mb | $io | $lat |"
     vesta a volume delete --force "$n" >/dev/null
 done
+if [ ${#DISK[@]} -gt 0 ]; then
+    echo
+    echo -n "Writes to the disk holding $OUT during each 64 KiB run (MiB/s, ramp included):"
+    for p in ${POLICIES:-wt wb wbp:1 wbp:2}; do echo -n " $p ${DISK[$p]:-?}"; done
+    echo "."
+fi
 if [ -n "${SEQ[wb]:-}" ] && [ -n "${SEQ[wbp:1]:-}" ] && [ -n "${SEQ[wbp:2]:-}" ]; then
 python3 - <<EOF
 wb, w1, w2 = ${SEQ[wb]}, ${SEQ[wbp:1]}, ${SEQ[wbp:2]}
