@@ -212,6 +212,19 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
     wait_for(Duration::from_secs(30), "wt without peers", || {
         (show(&a, "w")["cache"]["mode"] == "wt").then_some(())
     });
+    // The operator sees both the policy in effect and the one asked for.
+    let s = show(&a, "w");
+    assert_eq!(
+        (s["policy"].as_str(), s["policy_asked"].as_str()),
+        (Some("wt"), Some("wbp:1:local")),
+        "{s:#}"
+    );
+    assert!(
+        a.vesta_ok(&["volume", "list"])
+            .contains("wt (wbp:1:local asked)"),
+        "{}",
+        a.vesta_ok(&["volume", "list"])
+    );
     assert_eq!(
         on_datastore(&lun, 2 << 20),
         expect(2 << 20, &[(0, 1 << 20, 1), (1 << 20, 1 << 20, 2)]),
@@ -220,6 +233,9 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
     // A new host in the same fault domain becomes the peer.
     let _c = host(&etcd, "c", "rack1", "127.0.0.4", &lun);
     wait_replicating(&a, "w", &["c"]);
+    let s = show(&a, "w");
+    assert_eq!(s["policy"], "wbp:1:local", "{s:#}");
+    assert!(s.get("policy_asked").is_none(), "{s:#}");
     qemu_io(
         &a.url("w"),
         &["write -P 3 2M 1M", "read -P 1 0 1M", "read -P 2 1M 1M"],

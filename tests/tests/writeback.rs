@@ -651,7 +651,14 @@ fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
     v.fail_cache_device();
     // Stalls for a moment, then goes to the datastore.
     qemu_io(&v.url("w"), &["write -P 0x62 64k 64k"]);
-    assert_eq!(show(&v, "w")["policy"], "uncached");
+    let s = show(&v, "w");
+    assert_eq!(
+        (s["policy"].as_str(), s["policy_asked"].as_str()),
+        (Some("uncached"), Some("wb")),
+        "{s:#}"
+    );
+    let human = v.vesta_ok(&["volume", "show", "w"]);
+    assert!(human.contains("uncached (wb asked)"), "{human}");
     let stats = v.vesta_json(&["stats"]);
     assert_eq!(stats["volumes"][0]["policy"], "uncached", "{stats:#}");
 
@@ -668,6 +675,7 @@ fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
         (s["policy"].as_str(), s["datastore"].as_str()),
         (Some("wb"), Some("dst"))
     );
+    assert!(s.get("policy_asked").is_none(), "{s:#}");
     qemu_io(&v.url("w"), &["read -P 0x61 0 64k", "read -P 0x62 64k 64k"]);
 }
 

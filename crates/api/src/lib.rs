@@ -82,7 +82,12 @@ pub struct VolumeInfo {
     pub id: String,
     pub size: u64,
     pub datastore: String,
+    /// The policy in effect.
     pub policy: String,
+    /// The policy asked for, when it is not the one in effect: a `wbp` volume runs in `wt`
+    /// while it lacks peers, a cached one uncached once its cache device failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_asked: Option<String>,
     /// `ok`, or why the volume cannot serve IO.
     pub status: String,
     /// NBD connections attached now.

@@ -317,6 +317,14 @@ fn opt_size(n: Option<u64>) -> String {
     n.map(format_size).unwrap_or_else(|| "-".into())
 }
 
+/// The policy in effect, and the one asked for when they differ.
+fn policy_shown(v: &api::VolumeInfo) -> String {
+    match &v.policy_asked {
+        Some(a) => format!("{} ({a} asked)", v.policy),
+        None => v.policy.clone(),
+    }
+}
+
 fn lat(us: Option<u64>) -> String {
     match us {
         None => "-".into(),
@@ -490,11 +498,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ],
                 v.into_iter()
                     .map(|v| {
+                        let policy = policy_shown(&v);
                         vec![
                             v.name,
                             format_size(v.size),
                             v.datastore,
-                            v.policy,
+                            policy,
                             v.owner.unwrap_or_else(|| "-".into()),
                             v.connections.to_string(),
                             v.status,
@@ -567,7 +576,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("id           {}", v.id);
             println!("size         {} ({} bytes)", format_size(v.size), v.size);
             println!("datastore    {}", v.datastore);
-            println!("policy       {}", v.policy);
+            println!("policy       {}", policy_shown(&v));
             if let Some(o) = &v.owner {
                 println!("owner        {o}");
             }

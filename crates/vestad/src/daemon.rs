@@ -586,6 +586,7 @@ impl Daemon {
                     size: r.size,
                     datastore: r.datastore.clone(),
                     policy: r.policy.to_string(),
+                    policy_asked: None,
                     status,
                     connections: 0,
                     created_unix: r.created_unix,
@@ -753,6 +754,9 @@ impl Daemon {
             size: e.record.size,
             datastore: e.record.datastore.clone(),
             policy: policy.to_string(),
+            policy_asked: Some(e.wanted())
+                .filter(|w| *w != policy)
+                .map(|w| w.to_string()),
             tuning: api::TuningInfo {
                 hold_s: tuning.hold_s,
                 max_dirty_age_s: tuning.max_dirty_age_s,
