@@ -57,9 +57,15 @@ pub const IN_FLIGHT_REQUESTS_MAX: usize = 256;
 /// Payload bytes one connection may have in flight, in both directions together. Twice the
 /// largest request, so one maximal request never blocks behind another.
 pub const IN_FLIGHT_BYTES_MAX: usize = 2 * proto::BLOCK_SIZE_MAX as usize;
-/// Payload bytes all connections together may have in flight: without it, a thousand
-/// connections each within their own budget could still hold tens of GiB.
+/// Payload bytes all connections together may have in flight beyond their reserves: without
+/// it, a thousand connections each within their own budget could still hold tens of GiB.
 pub const IN_FLIGHT_BYTES_TOTAL_MAX: usize = 512 << 20;
+/// Payload bytes each connection may have in flight outside the shared budget
+/// ([`IN_FLIGHT_BYTES_TOTAL_MAX`]): a connection takes from the shared budget only what its
+/// reserve cannot hold. Requests stalled behind one failed datastore, however many, can use
+/// up the shared budget but no other connection's reserve, so volumes elsewhere go on (at
+/// this much in flight each). Memory bound: this times [`CONNECTIONS_MAX`] plus the total.
+pub const IN_FLIGHT_BYTES_RESERVED: usize = 2 << 20;
 /// A reply the client does not read within this long ends the connection, so a client that
 /// stops reading cannot hold its budget (and a connection thread) forever.
 pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -662,6 +668,32 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
     Err(invalid(format!("more than {OPTIONS_MAX} options")))
 }
 
+/// A request's share of the server-wide budget: from the connection's reserve
+/// ([`IN_FLIGHT_BYTES_RESERVED`]) while that has room, else from the shared budget. A request
+/// that has to wait takes whichever frees first (one larger than the reserve, only shared).
+fn reserved_or_shared(
+    reserve: &Arc<Semaphore>,
+    shared: &Arc<Semaphore>,
+    units: u32,
+    handle: &tokio::runtime::Handle,
+) -> OwnedSemaphorePermit {
+    if let Ok(p) = reserve.clone().try_acquire_many_owned(units) {
+        return p;
+    }
+    if let Ok(p) = shared.clone().try_acquire_many_owned(units) {
+        return p;
+    }
+    let fits = units as usize * BUDGET_UNIT <= IN_FLIGHT_BYTES_RESERVED;
+    handle
+        .block_on(async {
+            tokio::select! {
+                p = reserve.clone().acquire_many_owned(units), if fits => p,
+                p = shared.clone().acquire_many_owned(units) => p,
+            }
+        })
+        .expect("never closed")
+}
+
 /// A reply ready for the wire, holding its request's budget until it is written.
 struct Reply {
     header: [u8; proto::SIMPLE_REPLY_LEN],
@@ -976,6 +1008,7 @@ fn transmission<X: ExportSet>(
     };
     let slots = Arc::new(Semaphore::new(IN_FLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_MAX / BUDGET_UNIT));
+    let reserve = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_RESERVED / BUDGET_UNIT));
     let mut rd = std::io::BufReader::with_capacity(128 * 1024, rd);
     let waker = std::task::Waker::noop();
     let mut unflushed = false;
@@ -1027,11 +1060,7 @@ fn transmission<X: ExportSet>(
                 .try_acquire_many_owned(units)
                 .or_else(|_| handle.block_on(bytes.clone().acquire_many_owned(units)))
                 .expect("never closed"),
-            _total: total_bytes
-                .clone()
-                .try_acquire_many_owned(units)
-                .or_else(|_| handle.block_on(total_bytes.clone().acquire_many_owned(units)))
-                .expect("never closed"),
+            _total: reserved_or_shared(&reserve, &total_bytes, units, &handle),
         };
         let data = if req.kind == proto::CMD_WRITE {
             match read_payload(&mut rd, req.len as usize) {
@@ -1437,5 +1466,144 @@ mod payload_tests {
         assert_eq!(read_payload(&mut rd, 1000).unwrap(), &stream[6000..7000]);
         let e = read_payload(&mut rd, 3001).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use crate::client::Client;
+    use crate::stop::StopHandle;
+    use crate::uri::NbdUri;
+    use tokio::net::UnixListener;
+
+    /// Writes to `stuck` never complete (a datastore that does not answer); to any other
+    /// export they complete at once.
+    struct Exports {
+        stop: StopHandle,
+    }
+
+    struct Exp {
+        stuck: bool,
+        stop: Stop,
+    }
+
+    impl Export for Exp {
+        async fn read(&self, _offset: u64, len: u32) -> CmdResult<Bytes> {
+            Ok(Bytes::from(vec![0u8; len as usize]))
+        }
+        async fn write(&self, _offset: u64, _data: Bytes, _fua: bool) -> CmdResult<()> {
+            if self.stuck {
+                std::future::pending::<()>().await;
+            }
+            Ok(())
+        }
+        async fn flush(&self) -> CmdResult<()> {
+            Ok(())
+        }
+        async fn trim(&self, _offset: u64, _len: u32, _fua: bool) -> CmdResult<()> {
+            Ok(())
+        }
+        async fn write_zeroes(&self, _o: u64, _l: u32, _t: bool, _f: bool) -> CmdResult<()> {
+            Ok(())
+        }
+        fn stop_signal(&self) -> Stop {
+            self.stop.clone()
+        }
+    }
+
+    fn info() -> ExportInfo {
+        ExportInfo {
+            size: 1 << 30,
+            read_only: false,
+            can_multi_conn: false,
+            description: String::new(),
+        }
+    }
+
+    impl ExportSet for Exports {
+        type Export = Exp;
+        fn list(&self) -> Vec<(String, String)> {
+            Vec::new()
+        }
+        fn info(&self, _name: &str) -> Option<ExportInfo> {
+            Some(info())
+        }
+        fn open(&self, name: &str) -> Result<(ExportInfo, Exp), String> {
+            let e = Exp {
+                stuck: name == "stuck",
+                stop: self.stop.subscribe(),
+            };
+            Ok((info(), e))
+        }
+    }
+
+    /// Writes stalled on one export use up the whole shared budget (here 4 MiB, the stalled
+    /// connections' reserves full too); a connection to another export still completes its
+    /// writes, from its own reserve. With only a shared budget it would wait for the stalled
+    /// writes forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_stalled_on_one_export_do_not_hold_up_another() {
+        let dir = std::env::temp_dir().join(format!("nbd-budget-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("s.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = UnixListener::bind(&sock).unwrap();
+        let exports = Arc::new(Exports {
+            stop: StopHandle::new(),
+        });
+        let shared = Arc::new(Semaphore::new((4 << 20) / BUDGET_UNIT));
+        let server = {
+            let (exports, shared) = (exports.clone(), shared.clone());
+            tokio::spawn(async move {
+                loop {
+                    let (s, _) = listener.accept().await.unwrap();
+                    let (exports, shared) = (exports.clone(), shared.clone());
+                    tokio::spawn(serve_connection(
+                        s,
+                        Peer("test".into()),
+                        exports,
+                        Stop::never(),
+                        shared,
+                    ));
+                }
+            })
+        };
+        let uri = |name: &str| {
+            NbdUri::parse(&format!("nbd+unix:///{name}?socket={}", sock.display())).unwrap()
+        };
+        // Two connections to the stalled export, each writing 1 MiB at a time until the
+        // shared budget is gone: 2 MiB of reserve each, then 4 MiB shared between them.
+        let mut stalled = Vec::new();
+        for _ in 0..2 {
+            let c = Arc::new(Client::connect(&uri("stuck"), 1).await.unwrap());
+            for i in 0..6u64 {
+                let c = c.clone();
+                stalled.push(tokio::spawn(async move {
+                    c.write(i << 20, Bytes::from(vec![7u8; 1 << 20]), false)
+                        .await
+                }));
+            }
+        }
+        let used_up = async {
+            while shared.available_permits() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), used_up)
+            .await
+            .expect("the stalled writes never took the shared budget");
+
+        let ok = Client::connect(&uri("ok"), 1).await.unwrap();
+        for i in 0..8u64 {
+            let w = ok.write(i << 16, Bytes::from(vec![1u8; 64 << 10]), false);
+            tokio::time::timeout(Duration::from_secs(5), w)
+                .await
+                .expect("a write to another export waited for the stalled ones")
+                .unwrap();
+        }
+        assert!(stalled.iter().all(|t| !t.is_finished()));
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
