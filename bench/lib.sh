@@ -8,6 +8,8 @@ bench_out() { rm -rf "$1" && mkdir -p "$1" && (cd "$1" && pwd); }
 # goes before the nbdkit it holds connections to (nbdkit waits for its clients on SIGTERM,
 # so the other order hangs).
 pids=()
+# Images a bench keeps outside OUT (bench/wbp.sh's PEER_CACHE), deleted with the ones in it.
+images_elsewhere=()
 started() { pids+=("$!"); }
 stop_started() {
     for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
@@ -19,6 +21,9 @@ stop_started() {
     # small disk; the results, logs and fio JSON stay. KEEP_IMAGES=1 keeps them too.
     if [ -z "${KEEP_IMAGES:-}" ] && [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
         find "$OUT" -type f \( -name '*.img' -o -name '*.raw' \) -delete 2>/dev/null || true
+    fi
+    if [ -z "${KEEP_IMAGES:-}" ]; then
+        for f in "${images_elsewhere[@]}"; do rm -f "$f"; done
     fi
 }
 trap stop_started EXIT
@@ -41,7 +46,7 @@ vestad_api() {
 # (/proc/diskstats), or nothing when DIR is not on a listed disk (tmpfs, overlay).
 disk_sectors() {
     local dev
-    dev=$(basename "$(df --output=source "$1" | tail -1)")
+    dev=$(basename "$(readlink -f "$(df --output=source "$1" | tail -1)")")
     awk -v d="$dev" '$3 == d {print $10}' /proc/diskstats
 }
 

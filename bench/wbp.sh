@@ -85,6 +85,14 @@ EOF
 }
 vesta() { local h=$1; shift; "$BIN/vesta" --api "${API[$h]}" "$@"; }
 
+if [ -n "${PEER_CACHE:-}" ]; then
+    # New cache files each run (a cache log of an earlier cluster would be reopened).
+    mkdir -p "$PEER_CACHE"
+    for h in b c; do
+        rm -f "$PEER_CACHE/$h.img"
+        images_elsewhere+=("$PEER_CACHE/$h.img")
+    done
+fi
 host a 127.0.0.2 rack1
 host b 127.0.0.3 rack2
 host c 127.0.0.4 rack2

@@ -357,6 +357,9 @@ fn a_failed_relocation_leaves_the_volume_where_it_was() {
     let e = v.vesta_err(&["volume", "relocate", "w", "--datastore", "dst", "--offline"]);
     assert!(e.contains("dirty") && e.contains("wt"), "{e}");
 
+    // A policy set at run time survives the failed relocation: the volume put back asks
+    // for it, not for the one it was opened with.
+    v.vesta_ok(&["volume", "policy", "r", "uncached"]);
     fs::write(&on, b"").unwrap();
     let e = v.vesta_err(&["volume", "relocate", "r", "--datastore", "dst", "--offline"]);
     assert!(e.contains("stays on \"src\""), "{e}");
@@ -366,6 +369,8 @@ fn a_failed_relocation_leaves_the_volume_where_it_was() {
         (s["datastore"].as_str(), s["status"].as_str()),
         (Some("src"), Some("ok"))
     );
+    assert_eq!(s["policy"], "uncached", "{s:#}");
+    assert!(s.get("policy_asked").is_none(), "{s:#}");
     qemu_io(
         &url,
         &[

@@ -519,6 +519,15 @@ fn restart_serving(
     );
 }
 
+/// `vesta volume relocate NAME --datastore TO --offline`, once the clients that just ended
+/// have left (the server counts a connection until its thread has seen the close).
+fn relocate_detached(v: &Vestad, name: &str, to: &str) {
+    wait_for(Duration::from_secs(10), "the clients to detach", || {
+        (show(v, name)["connections"] == 0).then_some(())
+    });
+    v.vesta_ok(&["volume", "relocate", name, "--datastore", to, "--offline"]);
+}
+
 /// The checker's blocks of the volume on the LUN image itself.
 fn on_lun(lun: &Nbdkit) -> Vec<u8> {
     read_file(&lun.image)[LUN_EXTENT..LUN_EXTENT + (BLOCKS * BLOCK) as usize].to_vec()
@@ -662,7 +671,7 @@ fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
     let stats = v.vesta_json(&["stats"]);
     assert_eq!(stats["volumes"][0]["policy"], "uncached", "{stats:#}");
 
-    v.vesta_ok(&["volume", "relocate", "w", "--datastore", "dst", "--offline"]);
+    relocate_detached(&v, "w", "dst");
     let s = show(&v, "w");
     assert_eq!(
         (s["policy"].as_str(), s["datastore"].as_str()),
@@ -697,4 +706,38 @@ fn a_wb_volume_that_went_uncached_is_not_replayed_over_its_newer_writes() {
     v.power_cut();
     v.launch();
     qemu_io(&v.url("w"), &["read -P 0x62 0 64k"]);
+}
+
+/// The same after an offline relocation of the volume while it runs uncached: the reopened
+/// volume has no cache generation of its own, and the vault must keep the one going uncached
+/// recorded, or the restart replays the old record onto the new datastore over newer data.
+#[test]
+fn a_volume_relocated_while_uncached_is_not_replayed_over_its_newer_writes() {
+    let mut v = Vestad::start();
+    let dst = v.scratch.join("dst");
+    std::fs::create_dir_all(&dst).unwrap();
+    v.vesta_ok(&["datastore", "add", "dst", "--dir", dst.to_str().unwrap()]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wb",
+        "--datastore",
+        "default",
+    ]);
+    v.record_power_cut();
+    qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
+    v.wait_clean("w");
+    v.fail_cache_device();
+    qemu_io(&v.url("w"), &["write -P 0x62 0 64k"]);
+    assert_eq!(show(&v, "w")["policy"], "uncached");
+    relocate_detached(&v, "w", "dst");
+    qemu_io(&v.url("w"), &["write -P 0x63 0 64k"]);
+    v.power_cut();
+    v.launch();
+    assert_eq!(show(&v, "w")["datastore"], "dst");
+    qemu_io(&v.url("w"), &["read -P 0x63 0 64k"]);
 }

@@ -82,7 +82,7 @@ pub struct VolumeInfo {
     pub id: String,
     pub size: u64,
     pub datastore: String,
-    /// The policy in effect.
+    /// The policy in effect (for a volume another host serves, the one in its record).
     pub policy: String,
     /// The policy asked for, when it is not the one in effect: a `wbp` volume runs in `wt`
     /// while it lacks peers, a cached one uncached once its cache device failed.

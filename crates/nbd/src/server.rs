@@ -63,8 +63,9 @@ pub const IN_FLIGHT_BYTES_TOTAL_MAX: usize = 512 << 20;
 /// Payload bytes each connection may have in flight outside the shared budget
 /// ([`IN_FLIGHT_BYTES_TOTAL_MAX`]): a connection takes from the shared budget only what its
 /// reserve cannot hold. Requests stalled behind one failed datastore, however many, can use
-/// up the shared budget but no other connection's reserve, so volumes elsewhere go on (at
-/// this much in flight each). Memory bound: this times [`CONNECTIONS_MAX`] plus the total.
+/// up the shared budget but no other connection's reserve, so volumes elsewhere go on with
+/// up to this much in flight each; a request larger than the reserve still needs the shared
+/// budget. Memory bound: this times [`CONNECTIONS_MAX`] plus the total.
 pub const IN_FLIGHT_BYTES_RESERVED: usize = 2 << 20;
 /// A reply the client does not read within this long ends the connection, so a client that
 /// stops reading cannot hold its budget (and a connection thread) forever.

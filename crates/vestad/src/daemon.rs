@@ -123,6 +123,18 @@ impl VolumeEntry {
         *self.wanted.lock().expect("lock")
     }
 
+    /// The record as it stands now: the policy asked for and the tuning in effect, which
+    /// change at run time (`record` keeps the ones the volume was opened with). What a
+    /// placeholder, a reinstated entry or a new record must start from.
+    pub fn current_record(&self) -> VolumeRecord {
+        let mut r = self.record.clone();
+        r.policy = self.wanted();
+        if let Ok(v) = &self.volume {
+            r.tuning = v.tuning();
+        }
+        r
+    }
+
     /// The policy in effect: the open volume's, which changes at run time (`record` keeps
     /// the one the volume was opened with).
     pub fn policy(&self) -> Policy {
@@ -1315,7 +1327,7 @@ impl Daemon {
             v.insert(
                 name.to_owned(),
                 Arc::new(VolumeEntry::placeholder(
-                    entry.record.clone(),
+                    entry.current_record(),
                     format!(
                         "relocating to datastore {to:?}; it serves again when the copy is done"
                     ),
@@ -1342,11 +1354,8 @@ impl Daemon {
         // The record gets the policy asked for, not the one in effect: a volume that runs
         // uncached because its cache device failed, or in wt while it lacks peers, must come
         // back in its own policy at the next start, as it would without the relocation.
-        // `entry.record` predates run-time changes; `wanted` and the tuning follow them.
-        let mut rec = entry.record.clone();
+        let mut rec = entry.current_record();
         rec.datastore = to.clone();
-        rec.policy = entry.wanted();
-        rec.tuning = volume.tuning();
         // The extent the volume has been writing (not the table read again, which a source
         // failing its reads would not give).
         let src = volume.extent().clone();
@@ -1436,7 +1445,10 @@ impl Daemon {
                     );
                     self.volumes.write().expect("lock").insert(
                         name.to_owned(),
-                        Arc::new(VolumeEntry::placeholder(entry.record.clone(), why.clone())),
+                        Arc::new(VolumeEntry::placeholder(
+                            entry.current_record(),
+                            why.clone(),
+                        )),
                     );
                     return Err(OpError::Unavailable(why));
                 }
@@ -1662,7 +1674,7 @@ impl Daemon {
         // The record follows the volume only once the change is complete: a crash before that
         // leaves the old policy recorded, and the cache log's own policy record decides.
         let _admin = self.admin.lock().await;
-        let mut rec = entry.record.clone();
+        let mut rec = entry.current_record();
         rec.policy = policy;
         rec.tuning = tuning;
         self.coord.update_volume(rec.clone()).await?;
@@ -1688,7 +1700,7 @@ impl Daemon {
     fn reinstate(&self, old: &VolumeEntry, volume: Result<Arc<Volume>, String>) {
         self.volumes.write().expect("lock").insert(
             old.record.name.clone(),
-            Arc::new(VolumeEntry::new(old.record.clone(), volume)),
+            Arc::new(VolumeEntry::new(old.current_record(), volume)),
         );
     }
 
