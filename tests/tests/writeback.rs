@@ -519,6 +519,26 @@ fn restart_serving(
     );
 }
 
+/// A vestad with an 8 MiB `wb` volume `w` on `default` and a second `dir` datastore, `dst`.
+fn wb_volume_and_a_second_datastore() -> Vestad {
+    let v = Vestad::start();
+    let dst = v.scratch.join("dst");
+    std::fs::create_dir_all(&dst).unwrap();
+    v.vesta_ok(&["datastore", "add", "dst", "--dir", dst.to_str().unwrap()]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wb",
+        "--datastore",
+        "default",
+    ]);
+    v
+}
+
 /// `vesta volume relocate NAME --datastore TO --offline`, once the clients that just ended
 /// have left (the server counts a connection until its thread has seen the close).
 fn relocate_detached(v: &Vestad, name: &str, to: &str) {
@@ -640,21 +660,7 @@ fn a_wb_volume_with_nothing_dirty_goes_on_uncached_when_the_cache_device_fails()
 /// reports the policy in effect, not the one the volume was created with.
 #[test]
 fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
-    let mut v = Vestad::start();
-    let dst = v.scratch.join("dst");
-    std::fs::create_dir_all(&dst).unwrap();
-    v.vesta_ok(&["datastore", "add", "dst", "--dir", dst.to_str().unwrap()]);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wb",
-        "--datastore",
-        "default",
-    ]);
+    let mut v = wb_volume_and_a_second_datastore();
     qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
     v.wait_clean("w");
     v.fail_cache_device();
@@ -694,18 +700,7 @@ fn a_volume_relocated_while_a_failure_keeps_it_uncached_keeps_its_own_policy() {
 /// device failed. The restart must drop that record, not replay it over the newer write.
 #[test]
 fn a_wb_volume_that_went_uncached_is_not_replayed_over_its_newer_writes() {
-    let mut v = Vestad::start();
-    v.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
-    v.record_power_cut();
-    qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
-    v.wait_clean("w");
-    v.fail_cache_device();
-    // Stalls for a moment, then goes to the datastore.
-    qemu_io(&v.url("w"), &["write -P 0x62 0 64k"]);
-    assert_eq!(show(&v, "w")["policy"], "uncached");
-    v.power_cut();
-    v.launch();
-    qemu_io(&v.url("w"), &["read -P 0x62 0 64k"]);
+    went_uncached_then_power_cut(false);
 }
 
 /// The same after an offline relocation of the volume while it runs uncached: the reopened
@@ -713,31 +708,31 @@ fn a_wb_volume_that_went_uncached_is_not_replayed_over_its_newer_writes() {
 /// recorded, or the restart replays the old record onto the new datastore over newer data.
 #[test]
 fn a_volume_relocated_while_uncached_is_not_replayed_over_its_newer_writes() {
-    let mut v = Vestad::start();
-    let dst = v.scratch.join("dst");
-    std::fs::create_dir_all(&dst).unwrap();
-    v.vesta_ok(&["datastore", "add", "dst", "--dir", dst.to_str().unwrap()]);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "8M",
-        "--policy",
-        "wb",
-        "--datastore",
-        "default",
-    ]);
+    went_uncached_then_power_cut(true);
+}
+
+/// The two tests above: a destaged write, the cache device failing, a newer write uncached
+/// (after an offline relocation too, if `relocate`), a power cut; then the newest write must
+/// read back.
+fn went_uncached_then_power_cut(relocate: bool) {
+    let mut v = wb_volume_and_a_second_datastore();
     v.record_power_cut();
     qemu_io(&v.url("w"), &["write -P 0x61 0 64k"]);
     v.wait_clean("w");
     v.fail_cache_device();
+    // Stalls for a moment, then goes to the datastore.
     qemu_io(&v.url("w"), &["write -P 0x62 0 64k"]);
     assert_eq!(show(&v, "w")["policy"], "uncached");
-    relocate_detached(&v, "w", "dst");
-    qemu_io(&v.url("w"), &["write -P 0x63 0 64k"]);
+    let newest = if relocate {
+        relocate_detached(&v, "w", "dst");
+        qemu_io(&v.url("w"), &["write -P 0x63 0 64k"]);
+        "read -P 0x63 0 64k"
+    } else {
+        "read -P 0x62 0 64k"
+    };
     v.power_cut();
     v.launch();
-    assert_eq!(show(&v, "w")["datastore"], "dst");
-    qemu_io(&v.url("w"), &["read -P 0x63 0 64k"]);
+    let s = show(&v, "w");
+    assert_eq!(s["datastore"], if relocate { "dst" } else { "default" });
+    qemu_io(&v.url("w"), &[newest]);
 }
