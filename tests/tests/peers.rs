@@ -1113,6 +1113,119 @@ fn a_stalled_hand_off_holds_io_and_does_not_hold_up_a_shutdown() {
     );
 }
 
+/// A hand-off no peer can take (a double failure, beyond FVP Table 1): the peer's host dies
+/// without a word while the owner's link to it is idle and comes back on an empty cache
+/// device, so the owner does not notice and the vault still names it; then the owner's
+/// cache device fails with dirty data. What the two caches held is gone. The owner must not
+/// stall forever waiting for a replay nobody can do: it asks the peer, hears that it holds
+/// nothing, and reports the loss as when no peer is named. Writes fail, a read of what was
+/// lost fails rather than return older data, other reads go on from the datastore, and the
+/// datastore is still the prefix it was.
+#[test]
+fn a_hand_off_to_a_peer_that_holds_nothing_reports_the_loss() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let (mut b, proxy) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 4 0 1M"]);
+    proxy.freeze();
+    b.kill9();
+    std::fs::remove_file(b.data_dir.join("cache.img")).expect("remove b's cache file");
+    b.launch();
+    let s = wait_replicating(&a, "w", &["b"]);
+    assert_eq!(s["cache"]["dirty_bytes"], 1 << 20, "{s}");
+    a.fail_cache_device();
+    wait_for(Duration::from_secs(40), "a to report the loss", || {
+        a.log()
+            .contains("holds nothing of the volume")
+            .then_some(())
+    });
+    let v = vault(&etcd);
+    assert_eq!(v["peers"], serde_json::json!([]), "{v}");
+    assert_ne!(v["handoff"], true, "{v}");
+    assert_eq!(v["owner"], "a", "{v}");
+    for (op, what) in [
+        ("write -P 5 2M 64k", "a write"),
+        ("read 0 64k", "a read of lost data"),
+    ] {
+        let out = vesta_tests::run(std::process::Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            "-c",
+            op,
+            &a.url("w"),
+        ]));
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() || text.contains("failed"),
+            "{what} must fail once the loss is reported: {text}"
+        );
+    }
+    qemu_io(&a.url("w"), &["read -P 0 4M 64k"]);
+    assert!(
+        on_datastore(&lun, 4 << 20).iter().all(|x| *x == 0),
+        "the datastore must still be the prefix it was (nothing destaged)"
+    );
+    assert!(!b.log().contains("online replay done"), "{}", b.log());
+    one_writer_at_a_time(&lun);
+}
+
+/// An owner whose hand-off has not ended asks its peers whether any still holds the volume
+/// (above). A peer in the middle of its replay no longer holds its replicas as such, and
+/// answers that it holds nothing: the owner must not take that for a loss. It decides only
+/// with the vault lock, which the replaying peer holds. Here the LUN fails every write for
+/// a while, so the replay waits with the lock held while the owner asks.
+#[test]
+fn an_owner_reports_no_loss_while_its_peer_replays() {
+    let etcd = Etcd::start();
+    let errors = vesta_tests::Scratch::new("errfile");
+    let on = errors.join("on");
+    let lun = Nbdkit::start(
+        128 << 20,
+        &["--filter=error"],
+        &[
+            "error-pwrite=EIO",
+            "error-pwrite-rate=100%",
+            &format!("error-pwrite-file={}", on.display()),
+        ],
+    );
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 6 0 64k", "write -P 7 1M 64k"]);
+    std::fs::write(&on, b"").unwrap();
+    a.fail_cache_device();
+    wait_for(Duration::from_secs(30), "b to start replaying", || {
+        b.log().contains("replaying 2 write(s)").then_some(())
+    });
+    wait_for(
+        Duration::from_secs(30),
+        "a to ask b during the replay",
+        || a.log().contains("asked what it holds").then_some(()),
+    );
+    std::fs::remove_file(&on).unwrap();
+    wait_for(Duration::from_secs(60), "b's replay to end", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
+        let s = show(&a, "w");
+        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
+    });
+    let log = a.log();
+    assert!(!log.contains("holds nothing of the volume"), "{log}");
+    assert_eq!(
+        on_datastore(&lun, 2 << 20),
+        expect(2 << 20, &[(0, 64 << 10, 6), (1 << 20, 64 << 10, 7)]),
+        "the replay must leave every completed write on the datastore"
+    );
+    qemu_io(&a.url("w"), &["read -P 6 0 64k", "write -P 8 64k 4k"]);
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
 /// survives; another host replays it (surrogate replay) and the datastore is current.
 #[test]

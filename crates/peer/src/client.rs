@@ -52,6 +52,9 @@ pub enum PeerError {
     Refused { peer: String, msg: String },
     #[error("peer {peer} knows a newer generation: {msg}")]
     Stale { peer: String, msg: String },
+    /// An answer to [`Link::held`]: the peer holds no replicas of that generation.
+    #[error("peer {peer} holds nothing: {msg}")]
+    Absent { peer: String, msg: String },
 }
 
 /// A request's reply channel, and whether a refusal of it breaks the link: a peer that did
@@ -329,6 +332,7 @@ impl Link {
 
     /// Asks the peer up to which `ser` it holds `volume`'s generation `gen` without a gap
     /// above `from`, durably (a host about to replay the volume asks its other peers).
+    /// [`PeerError::Absent`] if it holds no replicas of that generation.
     pub async fn held(&self, volume: uuid::Uuid, gen: u64, from: u64) -> Result<u64, PeerError> {
         let answer = self.request(Msg::Held { volume, gen, from }, 0).await?;
         answer.parse().map_err(|_| PeerError::Refused {
@@ -510,6 +514,7 @@ async fn read_loop(rd: tokio::net::tcp::OwnedReadHalf, link: std::sync::Weak<Inn
             Status::Ok => Ok(msg),
             Status::Failed => Err(PeerError::Refused { peer, msg }),
             Status::Stale => Err(PeerError::Stale { peer, msg }),
+            Status::Absent => Err(PeerError::Absent { peer, msg }),
         });
     };
     if let Some(l) = link.upgrade() {

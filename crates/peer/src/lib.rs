@@ -79,7 +79,7 @@ mod tests {
         /// The highest write taken (this sink takes them in order, without gaps).
         fn held(&self, _v: Uuid, gen: u64, from: u64) -> Result<u64, Refusal> {
             if gen != *self.gen.lock().unwrap() {
-                return Err(Refusal::Failed(format!(
+                return Err(Refusal::Absent(format!(
                     "holds no replicas of generation {gen}"
                 )));
             }
@@ -382,7 +382,7 @@ mod tests {
         assert_eq!(other.held(Uuid::nil(), 3, 9).await.unwrap(), 9);
         let e = other.held(Uuid::nil(), 2, 0).await.unwrap_err();
         assert!(
-            matches!(&e, PeerError::Refused { peer, msg } if peer == "p1" && msg.contains("generation 2")),
+            matches!(&e, PeerError::Absent { peer, msg } if peer == "p1" && msg.contains("generation 2")),
             "{e}"
         );
         assert!(

@@ -41,6 +41,8 @@ pub enum Refusal {
     Failed(String),
     /// It knows a newer generation of the volume: the sender is no longer its owner.
     Stale(String),
+    /// It holds no replicas of the volume's generation asked about (an answer to `held`).
+    Absent(String),
 }
 
 /// What a peer does with what it receives (the daemon puts it in the host's cache log).
@@ -56,7 +58,7 @@ pub trait Sink: Send + Sync + 'static {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
     /// For a host about to replay `volume`: makes this host's replicas durable and says up to
     /// which `ser` it holds generation `gen` without a gap above `from` (`from` if it holds
-    /// none above it). Refused if it holds none of that generation.
+    /// none above it). [`Refusal::Absent`] if it holds none of that generation.
     fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal>;
 }
 
@@ -248,6 +250,10 @@ fn reply_of(result: Result<String, Refusal>) -> Msg {
             status: Status::Stale,
             msg,
         },
+        Err(Refusal::Absent(msg)) => Msg::Reply {
+            status: Status::Absent,
+            msg,
+        },
     }
 }
 
@@ -415,7 +421,8 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
                         // The owner counts nothing after a refused write and breaks the link:
                         // the writes queued behind this one are not applied (each could wait
                         // for room again), the connection ends here.
-                        let (Refusal::Failed(why) | Refusal::Stale(why)) = &e;
+                        let (Refusal::Failed(why) | Refusal::Stale(why) | Refusal::Absent(why)) =
+                            &e;
                         warn!("refused a write of volume {volume} from peer {f}: {why}");
                         send(&w, h.seq, &reply_of(Err(e)))?;
                         return Ok(());

@@ -32,7 +32,9 @@
 //!   it holds contiguously above `from` in that generation, as decimal text in an `Ok` reply
 //!   (`from` itself if it holds none). Added after version 2 first shipped, without a new
 //!   version: a peer of an earlier build closes the connection on it, and the asking host
-//!   treats it as unreachable.
+//!   treats it as unreachable. A peer that holds no replicas of that generation at all
+//!   answers `Absent` (added the same way: a host of an earlier build fails the link on the
+//!   unknown status, and treats the peer as unreachable).
 //! - `Reply`: status (1: [`Status`]), then a UTF-8 message.
 //!
 //! Until the handshake is done, a frame must be the handshake's next one and carry a body of
@@ -107,6 +109,8 @@ pub enum Status {
     Failed,
     /// The peer knows a newer generation of the volume: the sender is a stale owner.
     Stale,
+    /// The peer holds no replicas of the generation asked about (an answer to `Held` only).
+    Absent,
 }
 
 impl Status {
@@ -115,6 +119,7 @@ impl Status {
             Status::Ok => 0,
             Status::Failed => 1,
             Status::Stale => 2,
+            Status::Absent => 3,
         }
     }
 
@@ -123,6 +128,7 @@ impl Status {
             0 => Status::Ok,
             1 => Status::Failed,
             2 => Status::Stale,
+            3 => Status::Absent,
             _ => return None,
         })
     }
@@ -523,7 +529,7 @@ mod tests {
                 gen,
                 from
             }),
-            (0u8..3, "[ -~]{0,40}").prop_map(|(s, msg)| Msg::Reply {
+            (0u8..4, "[ -~]{0,40}").prop_map(|(s, msg)| Msg::Reply {
                 status: Status::from_code(s).unwrap(),
                 msg
             }),

@@ -34,6 +34,9 @@ const ROUND: Duration = Duration::from_secs(1);
 const FAILED_PEER_REST: Duration = Duration::from_secs(30);
 /// The vault's checkpoint is rewritten at most this often per volume (DESIGN §11).
 const VAULT_CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// How long after handing a volume off, and then between tries, its owner asks the peers
+/// the vault names whether any of them still holds the volume ([`handed_to_nobody`]).
+const HANDOFF_ASK_EVERY: Duration = Duration::from_secs(5);
 
 /// This host as a peer: what other hosts send goes into the cache log.
 pub struct PeerService {
@@ -45,6 +48,7 @@ fn refusal(r: ReplicaRefusal) -> Refusal {
     match r {
         ReplicaRefusal::Failed(m) => Refusal::Failed(m),
         ReplicaRefusal::Stale(m) => Refusal::Stale(m),
+        ReplicaRefusal::Absent(m) => Refusal::Absent(m),
     }
 }
 
@@ -403,8 +407,9 @@ pub struct PeerState {
     last_problem: Mutex<HashMap<String, String>>,
     /// Volumes being replayed here for a dead owner.
     replaying: Mutex<std::collections::HashSet<Uuid>>,
-    /// This host's volumes handed off to their peers (its cache device failed), by name.
-    handed_off: Mutex<std::collections::HashSet<String>>,
+    /// This host's volumes handed off to their peers (its cache device failed), by name,
+    /// with when to ask next whether any peer still holds them ([`handed_to_nobody`]).
+    handed_off: Mutex<HashMap<String, Instant>>,
     /// The vault writer of each volume this host owns ([`vault_writer`]).
     writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
     /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
@@ -711,8 +716,10 @@ async fn keep_replicated(d: &Arc<Daemon>) {
 /// stalls the VM, and is then done on the datastore; reads stall too, since a peer's replay
 /// from the vault's checkpoint can take a block back to an older version for a moment. If
 /// the vault names no peer to replay, the volume reports the loss and its IO goes on as in
-/// `wb` (clean reads from the datastore, the rest failing). A hand-off whose peers never
-/// replay (they died too and do not return) stalls until the volume is deleted. A volume
+/// `wb` (clean reads from the datastore, the rest failing); so it does when every peer the
+/// vault names answers that it holds nothing of the volume ([`handed_to_nobody`]). A
+/// hand-off whose peers never replay because they died too and do not return stalls until
+/// the volume is deleted. A volume
 /// with nothing dirty needs no replay: it goes on uncached at once
 /// (`engine::Volume::go_uncached_with_nothing_lost`, as for `wb`).
 async fn flash_failed(
@@ -722,17 +729,12 @@ async fn flash_failed(
     c: &Arc<engine::cache::VolCache>,
 ) -> Result<(), String> {
     let name = &rec.name;
-    let handed = d.peers.handed_off.lock().expect("lock").contains(name);
+    let handed = d.peers.handed_off.lock().expect("lock").contains_key(name);
     let peers = c.peers();
     if !handed && peers.is_none() {
         return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
     }
-    let vault = d
-        .coord
-        .vault(rec.id)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("no vault record")?;
+    let vault = read_vault(d, rec.id).await?;
     if let (false, Some(p)) = (handed, peers) {
         // With nothing dirty the datastore holds every completed write: no peer needs to
         // replay, and the volume goes on uncached at once (its new generation makes the
@@ -773,7 +775,7 @@ async fn flash_failed(
             .handed_off
             .lock()
             .expect("lock")
-            .insert(name.clone());
+            .insert(name.clone(), Instant::now() + HANDOFF_ASK_EVERY);
         warn!(
             "volume {name:?}: the cache device failed; its peers replay what it held (vault \
              lock given up)"
@@ -782,6 +784,19 @@ async fn flash_failed(
     }
     // Waiting for a peer to finish.
     if vault.handoff || vault.gen <= c.gen() {
+        let due = {
+            let mut h = d.peers.handed_off.lock().expect("lock");
+            match h.get_mut(name) {
+                Some(next) if *next <= Instant::now() => {
+                    *next = Instant::now() + HANDOFF_ASK_EVERY;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if due && vault.handoff && vault.gen == c.gen() {
+            handed_to_nobody(d, rec, v, c).await?;
+        }
         return Ok(());
     }
     d.coord
@@ -807,6 +822,155 @@ async fn flash_failed(
         vault.owner
     );
     Ok(())
+}
+
+/// The vault record of `volume`; an error if it cannot be read or there is none.
+async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String> {
+    d.coord
+        .vault(volume)
+        .await
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "no vault record".into())
+}
+
+/// A hand-off no peer can take: every peer the vault names is up and answers that it holds
+/// no replicas of the volume's generation. That takes a second failure: each of them came
+/// back on an empty cache device while the owner's links to them were idle (a broken idle
+/// link says nothing of its peer), and then the owner's device failed. What only the owner's
+/// cache held is lost, so the volume reports the loss and its IO goes on as in `wb`, as when
+/// the vault names no peer. A peer that is down or cannot answer may come back with its
+/// replicas: the hand-off goes on waiting for it.
+///
+/// A replaying peer holds the vault lock and no longer holds its replicas as such, so the
+/// owner decides only with the lock taken back: no peer replays while it holds it, and a
+/// replay that ended has moved the vault to a new generation. Returns an error (to log) once
+/// the loss is reported.
+async fn handed_to_nobody(
+    d: &Arc<Daemon>,
+    rec: &VolumeRecord,
+    v: &Arc<Volume>,
+    c: &Arc<engine::cache::VolCache>,
+) -> Result<(), String> {
+    let name = &rec.name;
+    let vault = read_vault(d, rec.id).await?;
+    if !hold_nothing(&ask_held(d, rec, &vault, &vault.peers).await?) {
+        return Ok(());
+    }
+    match d.coord.lock_vault(rec.id).await {
+        Ok(()) => {}
+        Err(cluster::Error::Locked(_)) => return Ok(()), // a peer replays
+        Err(e) => return Err(e.to_string()),
+    }
+    let decided = async {
+        let vault = read_vault(d, rec.id).await?;
+        if !(vault.handoff && vault.gen == c.gen()) {
+            return Ok(None);
+        }
+        let answers = ask_held(d, rec, &vault, &vault.peers).await?;
+        if !hold_nothing(&answers) {
+            return Ok(None);
+        }
+        let left = Vault {
+            peers: Vec::new(),
+            handoff: false,
+            ..vault.clone()
+        };
+        vault_writer(d, rec.id).await?.replace(left).await?;
+        Ok::<_, String>(Some(answers))
+    }
+    .await;
+    let answers = match decided {
+        Ok(Some(a)) => a,
+        other => {
+            // Not decided: the lock goes back to whichever peer can replay.
+            forget_vault_writer(d, rec.id);
+            if let Err(e) = d.coord.unlock_vault(rec.id).await {
+                warn!("volume {name:?}: give the vault lock back: {e}");
+            }
+            return other.map(drop);
+        }
+    };
+    d.peers.handed_off.lock().expect("lock").remove(name);
+    let said: Vec<String> = answers
+        .iter()
+        .map(|(peer, a)| match a {
+            Held::Nothing(why) => format!("{peer}: {why}"),
+            other => format!("{peer}: {other:?}"),
+        })
+        .collect();
+    let why = "the cache device failed and no peer is left to replay from";
+    v.stop_stalling(format!(
+        "{why}: every peer the vault named holds nothing of the volume ({})",
+        said.join("; ")
+    ));
+    Err(why.into())
+}
+
+/// What a peer answered when asked how far it holds a volume ([`ask_held`]).
+#[derive(Debug)]
+enum Held {
+    /// Up to this `ser`, without a gap above the vault's checkpoint.
+    Upto(u64),
+    /// No replicas of the vault's generation at all.
+    Nothing(String),
+    /// No answer (down, unreachable, or another refusal).
+    Unknown(String),
+}
+
+/// Whether every answer says "holds nothing" (true for no answers: no peer is named).
+fn hold_nothing(answers: &[(String, Held)]) -> bool {
+    answers.iter().all(|(_, a)| matches!(a, Held::Nothing(_)))
+}
+
+/// Asks each of `peers` how far it holds `rec`'s replicas of the vault's generation (durably)
+/// above the vault's checkpoint. If the host list cannot be read, nothing is asked (an error:
+/// without it every peer would look dead).
+async fn ask_held(
+    d: &Daemon,
+    rec: &VolumeRecord,
+    vault: &Vault,
+    peers: &[String],
+) -> Result<Vec<(String, Held)>, String> {
+    if peers.is_empty() {
+        return Ok(Vec::new());
+    }
+    let me = d.coord.host().to_owned();
+    let hosts = d
+        .coord
+        .hosts()
+        .await
+        .map_err(|e| format!("list the hosts: {e}; retrying"))?;
+    let key = d.peers.key.get();
+    let asks: Vec<BoxFuture<(String, Held)>> = peers
+        .iter()
+        .map(|name| {
+            let addr = hosts
+                .iter()
+                .find(|h| h.alive && h.record.name == *name)
+                .and_then(|h| h.record.peer.clone());
+            let (name, me, key) = (name.clone(), me.clone(), key.cloned());
+            let (id, gen, from) = (rec.id, vault.gen, vault.checkpoint);
+            Box::pin(async move {
+                let answer = async {
+                    let addr = addr.ok_or_else(|| format!("{name}: not alive"))?;
+                    let key = key.ok_or("this host has not loaded the pod's peer key")?;
+                    let link = Link::connect(&name, &addr, &me, &key)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let held = link.held(id, gen, from).await;
+                    link.close("asked what it holds");
+                    Ok::<_, String>(match held {
+                        Ok(ser) => Held::Upto(ser),
+                        Err(PeerError::Absent { msg, .. }) => Held::Nothing(msg),
+                        Err(e) => Held::Unknown(e.to_string()),
+                    })
+                }
+                .await;
+                (name, answer.unwrap_or_else(Held::Unknown))
+            }) as BoxFuture<_>
+        })
+        .collect();
+    Ok(join_all(asks).await)
 }
 
 /// FVP Table 1, flash failure in `wb` with every write destaged: nothing is lost, so the
@@ -972,12 +1136,7 @@ async fn replay_locked(
 ) -> Result<(), String> {
     let me = d.coord.host().to_owned();
     // Read again under the lock: the vault may have moved on meanwhile.
-    let vault = d
-        .coord
-        .vault(rec.id)
-        .await
-        .map_err(|e| e.to_string())?
-        .ok_or("no vault record")?;
+    let vault = read_vault(d, rec.id).await?;
     let Some(set) = cache
         .replica_sets()
         .into_iter()
@@ -1071,48 +1230,19 @@ async fn ask_other_peers(
     vault: &Vault,
     own: u64,
 ) -> Result<(u64, Vec<String>), String> {
-    let me = d.coord.host().to_owned();
-    let others: Vec<&String> = vault.peers.iter().filter(|p| **p != me).collect();
-    if others.is_empty() {
-        return Ok((own, Vec::new()));
-    }
-    // Without the host list, every peer would look dead and be taken out: try again later.
-    let hosts = d
-        .coord
-        .hosts()
-        .await
-        .map_err(|e| format!("list the hosts: {e}; retrying"))?;
-    let key = d.peers.key.get();
-    let asks: Vec<BoxFuture<Result<(String, u64), String>>> = others
-        .into_iter()
-        .map(|name| {
-            let addr = hosts
-                .iter()
-                .find(|h| h.alive && h.record.name == *name)
-                .and_then(|h| h.record.peer.clone());
-            let (name, me, key) = (name.clone(), me.clone(), key.cloned());
-            let (id, gen, from) = (rec.id, vault.gen, vault.checkpoint);
-            Box::pin(async move {
-                let addr = addr.ok_or_else(|| format!("{name}: not alive"))?;
-                let key = key.ok_or("this host has not loaded the pod's peer key")?;
-                let link = Link::connect(&name, &addr, &me, &key)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let held = link.held(id, gen, from).await.map_err(|e| e.to_string());
-                link.close("asked what it holds");
-                Ok((name, held?))
-            }) as BoxFuture<_>
-        })
-        .collect();
+    let me = d.coord.host();
+    let others: Vec<String> = vault.peers.iter().filter(|p| *p != me).cloned().collect();
     let mut upto = own;
     let mut kept = Vec::new();
-    for r in join_all(asks).await {
-        match r {
-            Ok((name, held)) => {
+    for (name, answer) in ask_held(d, rec, vault, &others).await? {
+        match answer {
+            Held::Upto(held) => {
                 upto = upto.min(held);
                 kept.push(name);
             }
-            Err(e) => warn!("volume {:?}: before replaying: {e}", rec.name),
+            Held::Nothing(e) | Held::Unknown(e) => {
+                warn!("volume {:?}: before replaying: {name}: {e}", rec.name)
+            }
         }
     }
     Ok((upto, kept))

@@ -24,6 +24,8 @@ pub enum ReplicaRefusal {
     Failed(String),
     /// The request is for an older generation than this host holds: its sender is stale.
     Stale(String),
+    /// This host holds no replicas of the generation asked about ([`CacheHost::replica_held`]).
+    Absent(String),
 }
 
 /// One volume's replicas on this host.
@@ -414,8 +416,8 @@ impl CacheHost {
     /// For a host about to replay `volume` (DESIGN §4): makes every replica durable, then
     /// says up to which `ser` this host holds generation `gen` without a gap above `from`.
     /// The replaying host goes no further than every peer it keeps can go, so whichever of
-    /// them takes over if it dies can finish every write it started. Refused if this host
-    /// holds no replicas of that generation.
+    /// them takes over if it dies can finish every write it started.
+    /// [`ReplicaRefusal::Absent`] if this host holds no replicas of that generation.
     pub fn replica_held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, ReplicaRefusal> {
         self.replica_sync()?;
         let sets = lock(&self.replicas);
@@ -425,7 +427,7 @@ impl CacheHost {
                 "this host holds generation {} of volume {volume}, newer than {gen}",
                 set.gen
             ))),
-            _ => Err(ReplicaRefusal::Failed(format!(
+            _ => Err(ReplicaRefusal::Absent(format!(
                 "this host holds no replicas of generation {gen} of volume {volume}"
             ))),
         }
