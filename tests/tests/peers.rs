@@ -1174,10 +1174,13 @@ fn a_hand_off_to_a_peer_that_holds_nothing_reports_the_loss() {
 }
 
 /// An owner whose hand-off has not ended asks its peers whether any still holds the volume
-/// (above). A peer in the middle of its replay no longer holds its replicas as such, and
-/// answers that it holds nothing: the owner must not take that for a loss. It decides only
-/// with the vault lock, which the replaying peer holds. Here the LUN fails every write for
-/// a while, so the replay waits with the lock held while the owner asks.
+/// (above). A peer in the middle of its replay holds its replicas no longer as such: it
+/// must still say it holds the volume, and the owner must not report a loss. Three things
+/// keep it from that, each enough alone: the peer's answer (engine `wbp_replay.rs` checks
+/// it), the vault lock the replaying peer holds, and the vault write the loss needs, which
+/// is refused without that lock. This test checks the outcome with real hosts: the LUN
+/// fails every write for a while, so the replay waits with the lock held while the owner
+/// asks.
 #[test]
 fn an_owner_reports_no_loss_while_its_peer_replays() {
     let etcd = Etcd::start();

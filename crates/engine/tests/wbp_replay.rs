@@ -321,6 +321,11 @@ async fn replay_all(host: &Arc<CacheHost>, id: Uuid, store: &Arc<MemDevice>) {
     )
     .unwrap();
     let c = v.cache().unwrap();
+    // While it replays here, this host holds the volume, though no longer as replicas.
+    assert!(
+        c.clean() || !matches!(host.replica_held(id, 0, 0), Err(ReplicaRefusal::Absent(_))),
+        "a host replaying a volume said it holds nothing of it"
+    );
     for turn in 0..10_000 {
         if c.clean() {
             break;
@@ -377,11 +382,25 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     assert!(
         matches!(
             q.replica_held(id, gen + 1, 0),
-            Err(ReplicaRefusal::Absent(_))
+            Err(ReplicaRefusal::Failed(_))
         ),
-        "another generation: Q holds none of it"
+        "another generation: Q holds none of it, but holds the volume"
     );
     assert_eq!(p.promote_replicas(id, 0, 4.min(q_held)).unwrap(), 2);
+    // Promoted, P holds no replicas, but it holds the volume's data: asked, it must not say
+    // it holds nothing (an owner would conclude that nobody can replay).
+    assert!(
+        matches!(p.replica_held(id, gen, 0), Err(ReplicaRefusal::Failed(_))),
+        "a host that promoted its replicas still holds the volume"
+    );
+    let fresh = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    assert!(
+        matches!(
+            fresh.replica_held(id, gen, 0),
+            Err(ReplicaRefusal::Absent(_))
+        ),
+        "a host on an empty cache device holds nothing of the volume"
+    );
     replay_all(&p, id, &store).await;
     // P dies; Q continues from the vault's checkpoint (still 0).
     drop(p);

@@ -52,7 +52,8 @@ pub enum PeerError {
     Refused { peer: String, msg: String },
     #[error("peer {peer} knows a newer generation: {msg}")]
     Stale { peer: String, msg: String },
-    /// An answer to [`Link::held`]: the peer holds no replicas of that generation.
+    /// An answer to [`Link::held`]: the peer holds nothing of the volume (so, certainly, no
+    /// replicas of that generation).
     #[error("peer {peer} holds nothing: {msg}")]
     Absent { peer: String, msg: String },
 }
@@ -332,7 +333,7 @@ impl Link {
 
     /// Asks the peer up to which `ser` it holds `volume`'s generation `gen` without a gap
     /// above `from`, durably (a host about to replay the volume asks its other peers).
-    /// [`PeerError::Absent`] if it holds no replicas of that generation.
+    /// [`PeerError::Absent`] if it holds nothing of the volume at all.
     pub async fn held(&self, volume: uuid::Uuid, gen: u64, from: u64) -> Result<u64, PeerError> {
         let answer = self.request(Msg::Held { volume, gen, from }, 0).await?;
         answer.parse().map_err(|_| PeerError::Refused {

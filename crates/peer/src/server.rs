@@ -41,7 +41,8 @@ pub enum Refusal {
     Failed(String),
     /// It knows a newer generation of the volume: the sender is no longer its owner.
     Stale(String),
-    /// It holds no replicas of the volume's generation asked about (an answer to `held`).
+    /// It holds nothing of the volume (an answer to `held`): no replicas, and nothing it
+    /// could replay from.
     Absent(String),
 }
 
@@ -58,7 +59,8 @@ pub trait Sink: Send + Sync + 'static {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
     /// For a host about to replay `volume`: makes this host's replicas durable and says up to
     /// which `ser` it holds generation `gen` without a gap above `from` (`from` if it holds
-    /// none above it). [`Refusal::Absent`] if it holds none of that generation.
+    /// none above it). [`Refusal::Absent`] only if it holds nothing of the volume at all: an
+    /// owner that hears it from every peer concludes that nobody can replay the volume.
     fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal>;
 }
 

@@ -27,13 +27,13 @@
 //! - `Checkpoint`: volume (16), gen (8), ser (8). The datastore holds the volume's writes up to
 //!   `ser`; the peer may drop its copies of them.
 //! - `Drop`: volume (16), gen (8). The peer drops every copy of the volume of a gen ≤ this.
-//! - `Held`: volume (16), gen (8), from (8). Asked by a host about to replay the volume (not
-//!   by its owner): the peer makes its replicas durable and answers with the highest `ser`
+//! - `Held`: volume (16), gen (8), from (8). Asked by a host about to replay the volume, or
+//!   by its owner waiting on a hand-off no peer has taken up: the peer makes its replicas durable and answers with the highest `ser`
 //!   it holds contiguously above `from` in that generation, as decimal text in an `Ok` reply
 //!   (`from` itself if it holds none). Added after version 2 first shipped, without a new
 //!   version: a peer of an earlier build closes the connection on it, and the asking host
-//!   treats it as unreachable. A peer that holds no replicas of that generation at all
-//!   answers `Absent` (added the same way: a host of an earlier build fails the link on the
+//!   treats it as unreachable. A peer that holds nothing of the volume at all answers
+//!   `Absent` (added the same way: a host of an earlier build fails the link on the
 //!   unknown status, and treats the peer as unreachable).
 //! - `Reply`: status (1: [`Status`]), then a UTF-8 message.
 //!
@@ -109,7 +109,7 @@ pub enum Status {
     Failed,
     /// The peer knows a newer generation of the volume: the sender is a stale owner.
     Stale,
-    /// The peer holds no replicas of the generation asked about (an answer to `Held` only).
+    /// The peer holds nothing of the volume asked about (an answer to `Held` only).
     Absent,
 }
 

@@ -407,13 +407,21 @@ pub struct PeerState {
     last_problem: Mutex<HashMap<String, String>>,
     /// Volumes being replayed here for a dead owner.
     replaying: Mutex<std::collections::HashSet<Uuid>>,
-    /// This host's volumes handed off to their peers (its cache device failed), by name,
-    /// with when to ask next whether any peer still holds them ([`handed_to_nobody`]).
-    handed_off: Mutex<HashMap<String, Instant>>,
+    /// This host's volumes handed off to their peers (its cache device failed), by name.
+    handed_off: Mutex<HashMap<String, Handoff>>,
     /// The vault writer of each volume this host owns ([`vault_writer`]).
     writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
     /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
     uncached_tries: Mutex<HashMap<Uuid, u32>>,
+}
+
+/// A hand-off this host waits on ([`flash_failed`], [`handed_to_nobody`]).
+struct Handoff {
+    /// When to ask next whether any peer still holds the volume.
+    next_ask: Instant,
+    /// The vault lock, taken back to decide, could not be given back: retried every round,
+    /// since no peer can replay while this host holds it.
+    unlock_owed: bool,
 }
 
 /// Tries (a round apart, each as long as the coordinator takes to fail) a `wb` volume whose
@@ -771,11 +779,13 @@ async fn flash_failed(
             .map_err(|e| e.to_string())?;
         // Another host writes the vault next: this host's copy is stale from here.
         forget_vault_writer(d, rec.id);
-        d.peers
-            .handed_off
-            .lock()
-            .expect("lock")
-            .insert(name.clone(), Instant::now() + HANDOFF_ASK_EVERY);
+        d.peers.handed_off.lock().expect("lock").insert(
+            name.clone(),
+            Handoff {
+                next_ask: Instant::now() + HANDOFF_ASK_EVERY,
+                unlock_owed: false,
+            },
+        );
         warn!(
             "volume {name:?}: the cache device failed; its peers replay what it held (vault \
              lock given up)"
@@ -784,17 +794,29 @@ async fn flash_failed(
     }
     // Waiting for a peer to finish.
     if vault.handoff || vault.gen <= c.gen() {
-        let due = {
+        let (due, owed) = {
             let mut h = d.peers.handed_off.lock().expect("lock");
             match h.get_mut(name) {
-                Some(next) if *next <= Instant::now() => {
-                    *next = Instant::now() + HANDOFF_ASK_EVERY;
-                    true
+                Some(w) => {
+                    let due = w.next_ask <= Instant::now();
+                    if due {
+                        w.next_ask = Instant::now() + HANDOFF_ASK_EVERY;
+                    }
+                    (due, w.unlock_owed)
                 }
-                _ => false,
+                None => (false, false),
             }
         };
-        if due && vault.handoff && vault.gen == c.gen() {
+        if owed {
+            d.coord
+                .unlock_vault(rec.id)
+                .await
+                .map_err(|e| format!("give the vault lock back: {e}; retrying"))?;
+            if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
+                w.unlock_owed = false;
+            }
+        }
+        if due && nobody_replays(d, &vault, c) {
             handed_to_nobody(d, rec, v, c).await?;
         }
         return Ok(());
@@ -841,10 +863,11 @@ async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String> {
 /// the vault names no peer. A peer that is down or cannot answer may come back with its
 /// replicas: the hand-off goes on waiting for it.
 ///
-/// A replaying peer holds the vault lock and no longer holds its replicas as such, so the
-/// owner decides only with the lock taken back: no peer replays while it holds it, and a
-/// replay that ended has moved the vault to a new generation. Returns an error (to log) once
-/// the loss is reported.
+/// A peer that promoted its replicas for a replay holds them no longer as such, but still
+/// answers that it holds the volume (`CacheHost::replica_held`), also after a replay that
+/// stopped. And the owner decides only with the vault lock taken back: no peer replays while
+/// it holds it, and a replay that ended has moved the vault to a new generation. Returns an
+/// error (to log) once the loss is reported.
 async fn handed_to_nobody(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
@@ -859,11 +882,17 @@ async fn handed_to_nobody(
     match d.coord.lock_vault(rec.id).await {
         Ok(()) => {}
         Err(cluster::Error::Locked(_)) => return Ok(()), // a peer replays
-        Err(e) => return Err(e.to_string()),
+        Err(e) => {
+            // The coordinator may have taken it all the same: given back to be sure.
+            if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
+                w.unlock_owed = true;
+            }
+            return Err(e.to_string());
+        }
     }
     let decided = async {
         let vault = read_vault(d, rec.id).await?;
-        if !(vault.handoff && vault.gen == c.gen()) {
+        if !nobody_replays(d, &vault, c) {
             return Ok(None);
         }
         let answers = ask_held(d, rec, &vault, &vault.peers).await?;
@@ -885,7 +914,10 @@ async fn handed_to_nobody(
             // Not decided: the lock goes back to whichever peer can replay.
             forget_vault_writer(d, rec.id);
             if let Err(e) = d.coord.unlock_vault(rec.id).await {
-                warn!("volume {name:?}: give the vault lock back: {e}");
+                warn!("volume {name:?}: give the vault lock back: {e}; retrying");
+                if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
+                    w.unlock_owed = true;
+                }
             }
             return other.map(drop);
         }
@@ -904,6 +936,17 @@ async fn handed_to_nobody(
         said.join("; ")
     ));
     Err(why.into())
+}
+
+/// Whether `vault` is still this host's hand-off of the generation its cache failed in, as
+/// far as the vault says: a replaying peer names itself owner once it records progress (and
+/// keeps the generation until it is done); before that, only its lock, and its answer that
+/// it holds the volume, say it replays. With no peers named and no hand-off flag, it is a
+/// loss this host recorded before (that write may have landed though it answered an error).
+fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> bool {
+    vault.gen == c.gen()
+        && vault.owner == d.coord.host()
+        && (vault.handoff || vault.peers.is_empty())
 }
 
 /// What a peer answered when asked how far it holds a volume ([`ask_held`]).
@@ -952,7 +995,7 @@ async fn ask_held(
             let (id, gen, from) = (rec.id, vault.gen, vault.checkpoint);
             Box::pin(async move {
                 let answer = async {
-                    let addr = addr.ok_or_else(|| format!("{name}: not alive"))?;
+                    let addr = addr.ok_or("not alive")?;
                     let key = key.ok_or("this host has not loaded the pod's peer key")?;
                     let link = Link::connect(&name, &addr, &me, &key)
                         .await

@@ -417,20 +417,44 @@ impl CacheHost {
     /// says up to which `ser` this host holds generation `gen` without a gap above `from`.
     /// The replaying host goes no further than every peer it keeps can go, so whichever of
     /// them takes over if it dies can finish every write it started.
-    /// [`ReplicaRefusal::Absent`] if this host holds no replicas of that generation.
+    ///
+    /// [`ReplicaRefusal::Absent`] only if this host holds nothing of the volume at all: no
+    /// replicas, and no record of it in its log. Replicas promoted for a replay are no
+    /// longer replicas but are still here (recovered, attached, or kept for the next start
+    /// after a replay that stopped), and an owner told "absent" may conclude that nobody can
+    /// replay what it held.
     pub fn replica_held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, ReplicaRefusal> {
         self.replica_sync()?;
-        let sets = lock(&self.replicas);
-        match sets.get(&volume) {
-            Some(set) if set.gen == gen => Ok(set.contiguous_end(from)),
-            Some(set) if set.gen > gen => Err(ReplicaRefusal::Stale(format!(
-                "this host holds generation {} of volume {volume}, newer than {gen}",
-                set.gen
-            ))),
-            _ => Err(ReplicaRefusal::Absent(format!(
-                "this host holds no replicas of generation {gen} of volume {volume}"
-            ))),
+        {
+            let sets = lock(&self.replicas);
+            match sets.get(&volume) {
+                Some(set) if set.gen == gen => return Ok(set.contiguous_end(from)),
+                Some(set) if set.gen > gen => {
+                    return Err(ReplicaRefusal::Stale(format!(
+                        "this host holds generation {} of volume {volume}, newer than {gen}",
+                        set.gen
+                    )))
+                }
+                Some(set) => {
+                    return Err(ReplicaRefusal::Failed(format!(
+                        "this host holds generation {} of volume {volume}, not {gen}",
+                        set.gen
+                    )))
+                }
+                None => {}
+            }
         }
+        // Promotion takes the set away before the recovered data is in place; the records
+        // stay in the log throughout, so the log is asked last.
+        if lock(&self.recovered).contains_key(&volume) || self.shared.log.segments_of(volume) > 0 {
+            return Err(ReplicaRefusal::Failed(format!(
+                "this host holds records of volume {volume} that are no longer replicas (it \
+                 replays them, or kept them from a replay that stopped)"
+            )));
+        }
+        Err(ReplicaRefusal::Absent(format!(
+            "this host holds nothing of volume {volume}"
+        )))
     }
 
     /// Online replay, before anything else: this host takes no more of `volume`'s writes
