@@ -382,6 +382,7 @@ impl Client {
             return Ok(());
         }
         // All sent before any answer is awaited; the reader records what each covers.
+        let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
         let sent: Vec<_> = unflushed
             .iter()
             .map(|l| send_on(l, proto::CMD_FLUSH, 0, 0, 0, None))
@@ -389,7 +390,7 @@ impl Client {
         let mut first_err = None;
         for (l, rx) in unflushed.iter().zip(sent) {
             let answer = match rx {
-                Ok(rx) => reply_of(l, proto::CMD_FLUSH, rx).await,
+                Ok(rx) => reply_by(l, proto::CMD_FLUSH, rx, deadline).await,
                 Err(e) => Err(e),
             };
             if let Err(e) = answer {
@@ -544,7 +545,25 @@ fn send_on(
 /// The answer to a request [`send_on`] sent on `live`; the connection fails if it takes
 /// longer than [`REQUEST_TIMEOUT`].
 async fn reply_of(live: &Live, kind: u16, rx: Reply) -> Result<Bytes, ClientError> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, rx).await {
+    reply_by(
+        live,
+        kind,
+        rx,
+        tokio::time::Instant::now() + REQUEST_TIMEOUT,
+    )
+    .await
+}
+
+/// [`reply_of`] for a request sent earlier, at the same time as others: each gets
+/// [`REQUEST_TIMEOUT`] from when they were all sent, not from when its answer is awaited, so
+/// requests awaited one after another on silent connections fail together.
+async fn reply_by(
+    live: &Live,
+    kind: u16,
+    rx: Reply,
+    deadline: tokio::time::Instant,
+) -> Result<Bytes, ClientError> {
+    match tokio::time::timeout_at(deadline, rx).await {
         Ok(r) => r.unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into()))),
         Err(_) => {
             let why = format!(

@@ -1478,14 +1478,15 @@ mod budget_tests {
     use crate::uri::NbdUri;
     use tokio::net::UnixListener;
 
-    /// Writes to `stuck` never complete (a datastore that does not answer); to any other
-    /// export they complete at once.
+    /// Writes to `stuck` never complete (a datastore that does not answer), nor do FLUSHes
+    /// to `stuckflush` (which allows several connections); everything else completes at once.
     struct Exports {
         stop: StopHandle,
     }
 
     struct Exp {
         stuck: bool,
+        stuck_flush: bool,
         stop: Stop,
     }
 
@@ -1500,6 +1501,9 @@ mod budget_tests {
             Ok(())
         }
         async fn flush(&self) -> CmdResult<()> {
+            if self.stuck_flush {
+                std::future::pending::<()>().await;
+            }
             Ok(())
         }
         async fn trim(&self, _offset: u64, _len: u32, _fua: bool) -> CmdResult<()> {
@@ -1513,11 +1517,11 @@ mod budget_tests {
         }
     }
 
-    fn info() -> ExportInfo {
+    fn info(name: &str) -> ExportInfo {
         ExportInfo {
             size: 1 << 30,
             read_only: false,
-            can_multi_conn: false,
+            can_multi_conn: name == "stuckflush",
             description: String::new(),
         }
     }
@@ -1527,16 +1531,84 @@ mod budget_tests {
         fn list(&self) -> Vec<(String, String)> {
             Vec::new()
         }
-        fn info(&self, _name: &str) -> Option<ExportInfo> {
-            Some(info())
+        fn info(&self, name: &str) -> Option<ExportInfo> {
+            Some(info(name))
         }
         fn open(&self, name: &str) -> Result<(ExportInfo, Exp), String> {
             let e = Exp {
                 stuck: name == "stuck",
+                stuck_flush: name == "stuckflush",
                 stop: self.stop.subscribe(),
             };
-            Ok((info(), e))
+            Ok((info(name), e))
         }
+    }
+
+    /// Serves [`Exports`] on a new unix socket; returns the socket's directory (to remove),
+    /// a URI maker and the accept task.
+    fn serve_exports(
+        tag: &str,
+        shared: Arc<Semaphore>,
+    ) -> (
+        std::path::PathBuf,
+        impl Fn(&str) -> NbdUri,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let dir = std::env::temp_dir().join(format!("nbd-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("s.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = UnixListener::bind(&sock).unwrap();
+        let exports = Arc::new(Exports {
+            stop: StopHandle::new(),
+        });
+        let server = tokio::spawn(async move {
+            loop {
+                let (s, _) = listener.accept().await.unwrap();
+                let (exports, shared) = (exports.clone(), shared.clone());
+                tokio::spawn(serve_connection(
+                    s,
+                    Peer("test".into()),
+                    exports,
+                    Stop::never(),
+                    shared,
+                ));
+            }
+        });
+        let uri = move |name: &str| {
+            NbdUri::parse(&format!("nbd+unix:///{name}?socket={}", sock.display())).unwrap()
+        };
+        (dir, uri, server)
+    }
+
+    /// A FLUSH goes to every connection of the client's pool that holds unflushed writes; if
+    /// none of them answers, it fails once the first request timeout has passed, not one
+    /// timeout after another (a pool of two took twice as long). Run on tokio's paused clock
+    /// once the writes are done: the wait costs no real time.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_flush_no_connection_answers_fails_after_one_timeout() {
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("flush", shared);
+        let c = Client::connect(&uri("stuckflush"), 2).await.unwrap();
+        assert_eq!(c.pool_size(), 2);
+        // Requests take the pool's connections in turn: one write on each.
+        for i in 0..2u64 {
+            c.write(i << 12, Bytes::from(vec![3u8; 4096]), false)
+                .await
+                .unwrap();
+        }
+        tokio::time::pause();
+        let started = tokio::time::Instant::now();
+        let r = c.flush().await;
+        let took = started.elapsed();
+        assert!(r.is_err(), "a FLUSH no connection answered succeeded");
+        assert!(
+            took >= crate::client::REQUEST_TIMEOUT
+                && took < crate::client::REQUEST_TIMEOUT + crate::client::REQUEST_TIMEOUT / 2,
+            "the FLUSH failed after {took:?}, not one request timeout"
+        );
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Writes stalled on one export use up the whole shared budget (here 4 MiB, the stalled
@@ -1545,34 +1617,8 @@ mod budget_tests {
     /// writes forever.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn writes_stalled_on_one_export_do_not_hold_up_another() {
-        let dir = std::env::temp_dir().join(format!("nbd-budget-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let sock = dir.join("s.sock");
-        let _ = std::fs::remove_file(&sock);
-        let listener = UnixListener::bind(&sock).unwrap();
-        let exports = Arc::new(Exports {
-            stop: StopHandle::new(),
-        });
         let shared = Arc::new(Semaphore::new((4 << 20) / BUDGET_UNIT));
-        let server = {
-            let (exports, shared) = (exports.clone(), shared.clone());
-            tokio::spawn(async move {
-                loop {
-                    let (s, _) = listener.accept().await.unwrap();
-                    let (exports, shared) = (exports.clone(), shared.clone());
-                    tokio::spawn(serve_connection(
-                        s,
-                        Peer("test".into()),
-                        exports,
-                        Stop::never(),
-                        shared,
-                    ));
-                }
-            })
-        };
-        let uri = |name: &str| {
-            NbdUri::parse(&format!("nbd+unix:///{name}?socket={}", sock.display())).unwrap()
-        };
+        let (dir, uri, server) = serve_exports("budget", shared.clone());
         // Two connections to the stalled export, each writing 1 MiB at a time until the
         // shared budget is gone: 2 MiB of reserve each, then 4 MiB shared between them.
         let mut stalled = Vec::new();
