@@ -1101,6 +1101,16 @@ fn a_stalled_hand_off_holds_io_and_does_not_hold_up_a_shutdown() {
     assert!(!b.log().contains("online replay done"));
     let status = show(&a, "w")["status"].as_str().unwrap_or("").to_owned();
     assert!(status.starts_with("IO stalled"), "{status}");
+    // The owner asks its peers after a while, and says what they answered.
+    wait_for(
+        Duration::from_secs(15),
+        "the peer's answer in the status",
+        || {
+            let s = show(&a, "w")["status"].as_str().unwrap_or("").to_owned();
+            s.contains("(peers asked: b: holds its replicas (to write")
+                .then_some(())
+        },
+    );
     let st = a.terminate();
     assert!(st.success(), "vestad exited with {st}:\n{}", a.log());
     // The stalled write ends with ESHUTDOWN: a planned stop, not a loss.

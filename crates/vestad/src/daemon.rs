@@ -776,14 +776,21 @@ impl Daemon {
             },
             cache: cache.map(cache_info),
             status: match &e.volume {
-                Ok(v) if v.stalled() => if v.cache().is_some_and(|c| c.has_peers()) {
-                    "IO stalled: the cache device failed, and the volume's peers replay what \
-                         it held; it then serves uncached"
-                } else {
-                    "writes stalled: the cache device failed with nothing dirty; the volume \
-                     goes on uncached within a second"
+                Ok(v) if v.stalled() => {
+                    if v.cache().is_some_and(|c| c.has_peers()) {
+                        let mut s = "IO stalled: the cache device failed, and the volume's \
+                                     peers replay what it held; it then serves uncached"
+                            .to_string();
+                        if let Some(a) = self.peers.handoff_answers(&e.record.name) {
+                            s += &format!(" (peers asked: {a})");
+                        }
+                        s
+                    } else {
+                        "writes stalled: the cache device failed with nothing dirty; the \
+                         volume goes on uncached within a second"
+                            .into()
+                    }
                 }
-                .into(),
                 Ok(_) => "ok".into(),
                 Err(m) => m.clone(),
             },

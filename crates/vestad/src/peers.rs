@@ -422,6 +422,8 @@ struct Handoff {
     /// The vault lock, taken back to decide, could not be given back: retried every round,
     /// since no peer can replay while this host holds it.
     unlock_owed: bool,
+    /// What the peers answered when last asked, for `vesta volume show`.
+    answers: Option<String>,
 }
 
 /// Tries (a round apart, each as long as the coordinator takes to fail) a `wb` volume whose
@@ -784,6 +786,7 @@ async fn flash_failed(
             Handoff {
                 next_ask: Instant::now() + HANDOFF_ASK_EVERY,
                 unlock_owed: false,
+                answers: None,
             },
         );
         warn!(
@@ -876,7 +879,11 @@ async fn handed_to_nobody(
 ) -> Result<(), String> {
     let name = &rec.name;
     let vault = read_vault(d, rec.id).await?;
-    if !hold_nothing(&ask_held(d, rec, &vault, &vault.peers).await?) {
+    let answers = ask_held(d, rec, &vault, &vault.peers).await?;
+    if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
+        w.answers = Some(said(&answers));
+    }
+    if !hold_nothing(&answers) {
         return Ok(());
     }
     match d.coord.lock_vault(rec.id).await {
@@ -923,19 +930,36 @@ async fn handed_to_nobody(
         }
     };
     d.peers.handed_off.lock().expect("lock").remove(name);
-    let said: Vec<String> = answers
-        .iter()
-        .map(|(peer, a)| match a {
-            Held::Nothing(why) => format!("{peer}: {why}"),
-            other => format!("{peer}: {other:?}"),
-        })
-        .collect();
     let why = "the cache device failed and no peer is left to replay from";
     v.stop_stalling(format!(
         "{why}: every peer the vault named holds nothing of the volume ({})",
-        said.join("; ")
+        said(&answers)
     ));
     Err(why.into())
+}
+
+/// The peers' answers, for people: `b: holds its replicas (to write 42); c: not alive`.
+fn said(answers: &[(String, Held)]) -> String {
+    let each: Vec<String> = answers
+        .iter()
+        .map(|(peer, a)| match a {
+            Held::Upto(ser) => format!("{peer}: holds its replicas (to write {ser})"),
+            Held::Nothing(why) | Held::Unknown(why) => format!("{peer}: {why}"),
+        })
+        .collect();
+    each.join("; ")
+}
+
+impl PeerState {
+    /// For a volume handed off to its peers: what they answered when last asked whether they
+    /// hold it (asked 5 s after the hand-off, and every 5 s after).
+    pub fn handoff_answers(&self, volume: &str) -> Option<String> {
+        self.handed_off
+            .lock()
+            .expect("lock")
+            .get(volume)
+            .and_then(|w| w.answers.clone())
+    }
 }
 
 /// Whether `vault` is still this host's hand-off of the generation its cache failed in, as
