@@ -627,6 +627,27 @@ pub struct Nbdkit {
     doors: std::sync::Mutex<Vec<Door>>,
 }
 
+/// nbdkit's error filter, switched by a file: while on, every IO of the chosen kind fails
+/// with EIO (a datastore that fails, then heals). See [`Nbdkit::start_failing`].
+pub struct ErrorSwitch {
+    _dir: Scratch,
+    file: PathBuf,
+}
+
+impl ErrorSwitch {
+    pub fn on(&self) {
+        fs::write(&self.file, b"").expect("switch the datastore's errors on");
+    }
+
+    pub fn off(&self) {
+        fs::remove_file(&self.file).expect("switch the datastore's errors off");
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.file.exists()
+    }
+}
+
 /// A host's own way onto the LUN: another nbdkit on the same image with the same filters,
 /// and nbdkit's log filter outermost, so its log says what that host wrote and when
 /// ([`writers`]).
@@ -638,6 +659,38 @@ struct Door {
 }
 
 impl Nbdkit {
+    /// [`Nbdkit::start`] with the error filter first: while the switch is on, every IO of
+    /// kind `op` ("pread", "pwrite", …; "" for every kind) fails with EIO.
+    pub fn start_failing(
+        size: u64,
+        op: &str,
+        filter_args: &[&str],
+        plugin_params: &[&str],
+    ) -> (Nbdkit, ErrorSwitch) {
+        let dir = Scratch::new("errfile");
+        let file = dir.join("on");
+        let op = if op.is_empty() {
+            String::new()
+        } else {
+            format!("-{op}")
+        };
+        let filters: Vec<&str> = std::iter::once("--filter=error")
+            .chain(filter_args.iter().copied())
+            .collect();
+        let errors = [
+            format!("error{op}=EIO"),
+            format!("error{op}-rate=100%"),
+            format!("error{op}-file={}", file.display()),
+        ];
+        let params: Vec<&str> = errors
+            .iter()
+            .map(String::as_str)
+            .chain(plugin_params.iter().copied())
+            .collect();
+        let k = Nbdkit::start(size, &filters, &params);
+        (k, ErrorSwitch { _dir: dir, file })
+    }
+
     /// Serves a new sparse image of `size` bytes. `filter_args` go before the plugin (e.g.
     /// `["--filter=delay"]`), `plugin_params` after the image (e.g. `["delay-write=2ms"]`).
     pub fn start(size: u64, filter_args: &[&str], plugin_params: &[&str]) -> Nbdkit {

@@ -319,17 +319,7 @@ fn calibrate_stores_constants_the_models_then_use() {
 fn a_failed_relocation_leaves_the_volume_where_it_was() {
     // The source fails reads while `on` exists: the copy is created on the target, then
     // the copy fails halfway.
-    let errors = Scratch::new("errfile");
-    let on = errors.join("on");
-    let src = Nbdkit::start(
-        256 << 20,
-        &["--filter=error"],
-        &[
-            "error-pread=EIO",
-            "error-pread-rate=100%",
-            &format!("error-pread-file={}", on.display()),
-        ],
-    );
+    let (src, errors) = Nbdkit::start_failing(256 << 20, "pread", &[], &[]);
     let dst = Nbdkit::start(256 << 20, &[], &[]);
     let v = Vestad::start();
     v.add_lun("src", &src, 8);
@@ -360,10 +350,10 @@ fn a_failed_relocation_leaves_the_volume_where_it_was() {
     // A policy set at run time survives the failed relocation: the volume put back asks
     // for it, not for the one it was opened with.
     v.vesta_ok(&["volume", "policy", "r", "uncached"]);
-    fs::write(&on, b"").unwrap();
+    errors.on();
     let e = v.vesta_err(&["volume", "relocate", "r", "--datastore", "dst", "--offline"]);
     assert!(e.contains("stays on \"src\""), "{e}");
-    fs::remove_file(&on).unwrap();
+    errors.off();
     let s = v.vesta_json(&["volume", "show", "r"]);
     assert_eq!(
         (s["datastore"].as_str(), s["status"].as_str()),

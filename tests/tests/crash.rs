@@ -99,17 +99,11 @@ fn completed_writes_survive_kill_9_of_vestad() {
 #[test]
 fn completed_writes_survive_kill_9_while_the_datastore_fails() {
     let (rounds, seed0) = campaign("datastore failure", "VESTA_DATASTORE_CRASH_ROUNDS", 4);
-    let errors = vesta_tests::Scratch::new("errfile");
-    let on = errors.join("on");
-    let mut lun = Nbdkit::start(
+    let (mut lun, errors) = Nbdkit::start_failing(
         64 << 20,
-        &["--filter=error", "--filter=delay"],
-        &[
-            "error-pwrite=EIO",
-            "error-pwrite-rate=100%",
-            &format!("error-pwrite-file={}", on.display()),
-            "delay-write=1ms",
-        ],
+        "pwrite",
+        &["--filter=delay"],
+        &["delay-write=1ms"],
     );
     let mut v = wb_volume_on(&lun);
     let ck = Checker::new();
@@ -120,24 +114,24 @@ fn completed_writes_survive_kill_9_while_the_datastore_fails() {
         let mut r = Xorshift(seed | 1);
         let writers = ck.write(v.url("c"), seed);
         std::thread::sleep(Duration::from_millis(50 + r.next_u64() % 300));
-        std::fs::write(&on, b"").unwrap();
+        errors.on();
         std::thread::sleep(Duration::from_millis(r.next_u64() % 400));
         let healed_before_kill = r.next_u64().is_multiple_of(3);
         if healed_before_kill {
-            std::fs::remove_file(&on).unwrap();
+            errors.off();
             std::thread::sleep(Duration::from_millis(r.next_u64() % 200));
         }
         v.kill9();
         writers.stop();
         lun.outlive_killed_client();
         v.launch();
-        if on.exists() {
+        if errors.is_on() {
             // Still failing: the replay waits, and reads come from the cache meanwhile.
             stalled_restarts += 1;
             let got = ck.read(&v.url("c"));
             assert_holds_completed(&got, &ck.known, round, seed);
             std::thread::sleep(Duration::from_millis(r.next_u64() % 1000));
-            std::fs::remove_file(&on).unwrap();
+            errors.off();
         }
         let got = completed_writes_read_back(&ck, &v, round, seed);
         v.wait_clean("c");

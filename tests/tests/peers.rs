@@ -690,22 +690,12 @@ fn a_wbp_volume_with_nothing_dirty_goes_on_uncached_without_a_replay() {
 #[test]
 fn a_failing_datastore_stalls_with_no_loss_and_the_peer_replays_when_it_returns() {
     let etcd = Etcd::start();
-    let errors = vesta_tests::Scratch::new("errfile");
-    let on = errors.join("on");
-    let lun = Nbdkit::start(
-        128 << 20,
-        &["--filter=error"],
-        &[
-            "error=EIO",
-            "error-rate=100%",
-            &format!("error-file={}", on.display()),
-        ],
-    );
+    let (lun, errors) = Nbdkit::start_failing(128 << 20, "", &[], &[]);
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     a.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wbp:1"]);
     wait_replicating(&a, "w", &["b"]);
-    std::fs::write(&on, b"").unwrap();
+    errors.on();
     qemu_io(
         &a.url("w"),
         &["write -P 3 0 1M", "write -P 8 5M 64k", "flush"],
@@ -726,7 +716,7 @@ fn a_failing_datastore_stalls_with_no_loss_and_the_peer_replays_when_it_returns(
     // b takes over but cannot reach the datastore yet: it keeps trying, nothing is dropped.
     std::thread::sleep(Duration::from_secs(TTL_S + 3));
     assert!(!b.log().contains("online replay done"));
-    std::fs::remove_file(&on).unwrap();
+    errors.off();
     wait_for(
         Duration::from_secs(60),
         "b's replay once the datastore is back",
@@ -1194,23 +1184,13 @@ fn a_hand_off_to_a_peer_that_holds_nothing_reports_the_loss() {
 #[test]
 fn an_owner_reports_no_loss_while_its_peer_replays() {
     let etcd = Etcd::start();
-    let errors = vesta_tests::Scratch::new("errfile");
-    let on = errors.join("on");
-    let lun = Nbdkit::start(
-        128 << 20,
-        &["--filter=error"],
-        &[
-            "error-pwrite=EIO",
-            "error-pwrite-rate=100%",
-            &format!("error-pwrite-file={}", on.display()),
-        ],
-    );
+    let (lun, errors) = Nbdkit::start_failing(128 << 20, "pwrite", &[], &[]);
     let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     create_held(&a, "w", "wbp:1");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 6 0 64k", "write -P 7 1M 64k"]);
-    std::fs::write(&on, b"").unwrap();
+    errors.on();
     a.fail_cache_device();
     wait_for(Duration::from_secs(30), "b to start replaying", || {
         b.log().contains("replaying 2 write(s)").then_some(())
@@ -1220,7 +1200,7 @@ fn an_owner_reports_no_loss_while_its_peer_replays() {
         "a to ask b during the replay",
         || a.log().contains("asked what it holds").then_some(()),
     );
-    std::fs::remove_file(&on).unwrap();
+    errors.off();
     wait_for(Duration::from_secs(60), "b's replay to end", || {
         b.log().contains("online replay done").then_some(())
     });

@@ -339,17 +339,7 @@ fn a_corrupted_record_is_detected_and_never_served_or_destaged() {
 /// retry brings the LUN to exactly the volume's contents.
 #[test]
 fn wb_datastore_errors_stall_destaging_with_no_loss() {
-    let errors = vesta_tests::Scratch::new("errfile");
-    let on = errors.join("on");
-    let lun = vesta_tests::Nbdkit::start(
-        64 << 20,
-        &["--filter=error"],
-        &[
-            "error=EIO",
-            "error-rate=100%",
-            &format!("error-file={}", on.display()),
-        ],
-    );
+    let (lun, errors) = vesta_tests::Nbdkit::start_failing(64 << 20, "", &[], &[]);
     let v = Vestad::start();
     v.add_lun("san", &lun, 8);
     v.vesta_ok(&[
@@ -375,7 +365,7 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
         "wb",
     ]);
     // The datastore fails from here on.
-    std::fs::write(&on, b"").unwrap();
+    errors.on();
     qemu_io(
         &v.url("e"),
         &[
@@ -455,7 +445,7 @@ fn wb_datastore_errors_stall_destaging_with_no_loss() {
     );
     // The datastore heals; the destager's next retry (backoff at most a few seconds here)
     // destages everything.
-    std::fs::remove_file(&on).unwrap();
+    errors.off();
     wait_for(Duration::from_secs(60), "dirty data to destage", || {
         let j = show(&v, "e");
         (j["cache"]["dirty_bytes"] == 0).then_some(())
