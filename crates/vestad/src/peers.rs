@@ -859,7 +859,7 @@ async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String> {
 }
 
 /// A hand-off no peer can take: every peer the vault names is up and answers that it holds
-/// no replicas of the volume's generation. That takes a second failure: each of them came
+/// nothing of the volume ([`Held::Nothing`]). That takes a second failure: each of them came
 /// back on an empty cache device while the owner's links to them were idle (a broken idle
 /// link says nothing of its peer), and then the owner's device failed. What only the owner's
 /// cache held is lost, so the volume reports the loss and its IO goes on as in `wb`, as when
@@ -978,7 +978,7 @@ fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> boo
 enum Held {
     /// Up to this `ser`, without a gap above the vault's checkpoint.
     Upto(u64),
-    /// No replicas of the vault's generation at all.
+    /// Nothing of the volume at all: no replicas, no record in its log.
     Nothing(String),
     /// No answer (down, unreachable, or another refusal).
     Unknown(String),
