@@ -24,7 +24,8 @@ pub enum ReplicaRefusal {
     Failed(String),
     /// The request is for an older generation than this host holds: its sender is stale.
     Stale(String),
-    /// This host holds no replicas of the generation asked about ([`CacheHost::replica_held`]).
+    /// This host holds nothing of the volume asked about: no replicas, no record in its log
+    /// ([`CacheHost::replica_held`]).
     Absent(String),
 }
 
