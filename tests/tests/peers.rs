@@ -471,6 +471,56 @@ fn an_owner_back_on_a_new_cache_device_lets_its_peer_replay_first() {
     one_writer_at_a_time(&lun);
 }
 
+/// The owner above comes back on a new cache device, but its peer cannot replay (it cannot
+/// reach the datastore): the volume does not open on the owner, and says why. The operator
+/// accepts the loss of what the peer held: the vault gets a new generation and no peers,
+/// the volume opens on the owner with the datastore's data, and the peer, once it reaches
+/// the datastore again, drops its stale replicas instead of replaying them.
+#[test]
+fn an_owner_back_on_a_new_cache_device_can_accept_the_loss_its_peer_cannot_replay() {
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 5 0 1M"]);
+    lun.close_door("b");
+    a.kill9();
+    std::fs::remove_file(a.data_dir.join("cache.img")).expect("remove a's cache file");
+    a.launch();
+    let status = show(&a, "w")["status"].as_str().unwrap_or("").to_owned();
+    assert!(
+        status.contains("waiting for its peer(s)") && status.contains("accept-loss w"),
+        "{status}"
+    );
+    let r = a.vesta_json(&["volume", "accept-loss", "w", "--yes"]);
+    assert_eq!(r["accepted"], true, "{r}");
+    assert_eq!(r["dirty_bytes"], Value::Null, "{r}");
+    assert_eq!(r["peers"], serde_json::json!(["b"]), "{r}");
+    wait_for(Duration::from_secs(30), "a to serve w again", || {
+        qemu_io_ok(&a.url("w")).then_some(())
+    });
+    qemu_io(
+        &a.url("w"),
+        &["read -P 0 0 1M", "write -P 6 64k 4k", "flush"],
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "b to drop its stale replicas",
+        || b.log().contains("dropping stale replicas").then_some(()),
+    );
+    lun.restart();
+    qemu_io(&a.url("w"), &["write -P 7 2M 4k", "flush"]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!b.log().contains("online replay done"), "{}", b.log());
+    assert_eq!(
+        on_datastore(&lun, 4 << 20),
+        expect(4 << 20, &[(64 << 10, 4 << 10, 6), (2 << 20, 4 << 10, 7)]),
+    );
+    one_writer_at_a_time(&lun);
+}
+
 /// Whether a one-sector read of `url` works.
 fn qemu_io_ok(url: &str) -> bool {
     let out = vesta_tests::run(std::process::Command::new("qemu-io").args([
@@ -1111,6 +1161,94 @@ fn a_stalled_hand_off_holds_io_and_does_not_hold_up_a_shutdown() {
         out.contains("write failed: Cannot send after transport endpoint shutdown"),
         "{out}"
     );
+}
+
+/// A hand-off no peer can finish (the peer cannot reach the datastore) stalls the volume's
+/// IO for as long as it takes, above. The operator may decide otherwise and accept the loss
+/// (`vesta volume accept-loss`): the owner takes the vault lock back from between the peer's
+/// tries, records the vault with no peers and a new generation, and serves the volume
+/// uncached from the datastore. The stalled write goes on there. When the peer reaches the
+/// datastore again, it drops its stale replicas instead of replaying them over what the
+/// volume wrote since.
+#[test]
+fn an_accepted_loss_ends_a_hand_off_no_peer_can_finish() {
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 4 0 64k", "write -P 4 1M 64k"]);
+    let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
+    lun.close_door("b");
+    a.fail_cache_device();
+    let url = a.url("w");
+    let stalled = std::thread::spawn(move || {
+        vesta_tests::run(std::process::Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            "-c",
+            "write -P 5 2M 4k",
+            &url,
+        ]))
+    });
+    wait_for(Duration::from_secs(30), "the hand-off to b", || {
+        a.log()
+            .contains("its peers replay what it held")
+            .then_some(())
+    });
+    // Without --yes: what would be lost, and the hand-off goes on.
+    let out = a.vesta(&["volume", "accept-loss", "w"]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("128 KiB of dirty data (2 write(s))") && said.contains("peers b"),
+        "{said}"
+    );
+    assert!(
+        !stalled.is_finished(),
+        "the stalled write ended on a dry run"
+    );
+
+    let r = a.vesta_json(&["volume", "accept-loss", "w", "--yes"]);
+    assert_eq!(r["accepted"], true, "{r}");
+    assert_eq!(r["peers"], serde_json::json!(["b"]), "{r}");
+    let v = vault(&etcd);
+    assert_eq!(v["peers"], serde_json::json!([]), "{v}");
+    assert_ne!(v["handoff"], true, "{v}");
+    assert_eq!(v["owner"], "a", "{v}");
+    assert!(v["gen"].as_u64() > Some(gen), "{v}");
+    let out = stalled.join().expect("the stalled write's thread");
+    assert!(out.status.success(), "the stalled write failed: {out:?}");
+    let s = show(&a, "w");
+    assert_eq!(s["policy"], "uncached", "{s}");
+    assert_eq!(s["status"], "ok", "{s}");
+    qemu_io(
+        &a.url("w"),
+        &["read -P 0 0 64k", "write -P 6 1M 64k", "flush"],
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "b to drop its stale replicas",
+        || b.log().contains("dropping stale replicas").then_some(()),
+    );
+    // b reaches the datastore again; nothing of the old generation may land there.
+    lun.restart();
+    qemu_io(&a.url("w"), &["write -P 7 3M 4k", "flush"]);
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!b.log().contains("online replay done"), "{}", b.log());
+    assert_eq!(
+        on_datastore(&lun, 4 << 20),
+        expect(
+            4 << 20,
+            &[
+                (1 << 20, 64 << 10, 6),
+                (2 << 20, 4 << 10, 5),
+                (3 << 20, 4 << 10, 7)
+            ]
+        ),
+    );
+    one_writer_at_a_time(&lun);
 }
 
 /// A hand-off no peer can take (a double failure, beyond FVP Table 1): the peer's host dies

@@ -276,6 +276,98 @@ fn a_wb_volume_reports_the_loss_honestly_when_the_cache_device_fails() {
     );
 }
 
+/// After a `wb` volume's cache device failed holding dirty data, the operator accepts the
+/// loss (`vesta volume accept-loss`): without --yes nothing changes and the command says
+/// what would be lost; with it the volume serves what the datastore holds, uncached. A
+/// restart on the device, readable again, must not replay what was given up over what the
+/// volume wrote since.
+#[test]
+fn an_accepted_loss_serves_the_datastore_and_a_restart_does_not_undo_it() {
+    let mut v = Vestad::start();
+    v.vesta_ok(&["volume", "create", "b", "--size", "16M", "--policy", "wb"]);
+    qemu_io(&v.url("b"), &["write -P 0x41 0 64k"]);
+    v.wait_clean("b");
+    v.vesta_ok(&[
+        "volume",
+        "policy",
+        "b",
+        "wb",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    qemu_io(
+        &v.url("b"),
+        &["write -P 0x42 0 64k", "write -P 0x43 1M 64k"],
+    );
+    // The device works: nothing to accept.
+    let e = v.vesta_err(&["volume", "accept-loss", "b", "--yes"]);
+    assert!(e.contains("cache device works"), "{e}");
+    v.fail_cache_device();
+    // Noticed within a second (vestad probes the device), or at the next IO.
+    let status = wait_for(Duration::from_secs(10), "the loss in the status", || {
+        let s = show(&v, "b")["status"].as_str().unwrap_or("").to_owned();
+        s.starts_with("data lost").then_some(s)
+    });
+    assert!(status.contains("accept-loss b"), "{status}");
+
+    // Without --yes: what would be lost, and nothing changed.
+    let out = v.vesta(&["volume", "accept-loss", "b"]);
+    let said = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!out.status.success(), "a dry run must not succeed: {said}");
+    assert!(
+        said.contains("128 KiB of dirty data (2 write(s))"),
+        "{said}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--yes"),
+        "{out:?}"
+    );
+    assert_eq!(show(&v, "b")["policy"], "wb");
+    let w = vesta_tests::run(
+        Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "write -P 0x44 2M 64k"])
+            .arg(v.url("b")),
+    );
+    let text = String::from_utf8_lossy(&w.stdout).to_string() + &String::from_utf8_lossy(&w.stderr);
+    assert!(!w.status.success() || text.contains("error"), "{text}");
+
+    let r = v.vesta_json(&["volume", "accept-loss", "b", "--yes"]);
+    assert_eq!(r["accepted"], true, "{r}");
+    assert_eq!(r["dirty_bytes"], 128 << 10, "{r}");
+    assert_eq!(r["dirty_writes"], 2, "{r}");
+    let s = show(&v, "b");
+    assert_eq!(s["policy"], "uncached", "{s}");
+    assert_eq!(s["policy_asked"], "wb", "{s}");
+    assert_eq!(s["status"], "ok", "{s}");
+    let e = v.vesta_err(&["volume", "accept-loss", "b", "--yes"]);
+    assert!(e.contains("not cached"), "{e}");
+    // What the datastore holds: the destaged write, and nothing under the lost one.
+    qemu_io(
+        &v.url("b"),
+        &[
+            "read -P 0x41 0 64k",
+            "read -P 0 1M 64k",
+            "write -P 0x45 1M 64k",
+            "flush",
+        ],
+    );
+
+    // The device is readable again after a restart, its log still holding 0x42 and 0x43.
+    v.kill9();
+    v.launch();
+    let s = show(&v, "b");
+    assert_eq!(s["policy"], "wb", "cached again on a working device: {s}");
+    qemu_io(&v.url("b"), &["read -P 0x41 0 64k", "read -P 0x45 1M 64k"]);
+    assert!(
+        v.log()
+            .contains("dropping the 2 write(s) this host's cache log still held"),
+        "{}",
+        v.log()
+    );
+}
+
 /// Finds the cache log record whose payload starts with `marker` and flips a payload bit.
 fn corrupt_record(cache: &std::path::Path, marker: &[u8]) {
     let mut b = read_file(cache);

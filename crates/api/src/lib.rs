@@ -13,6 +13,7 @@
 //! | DELETE | /v1/volumes/{name}?force=true | | [`VolumeInfo`] of what was deleted |
 //! | POST | /v1/volumes/{name}/policy | [`SetPolicy`] | [`VolumeInfo`] |
 //! | POST | /v1/volumes/{name}/relocate | [`Relocate`] | [`VolumeInfo`] |
+//! | POST | /v1/volumes/{name}/accept-loss | [`AcceptLoss`] | [`LossReport`] |
 //! | GET | /v1/stats?volume=NAME | | [`StatsReport`] |
 //! | GET | /v1/models | | [`ModelsReport`] |
 //! | GET | /v1/balance/plan?max_moves=N&threshold=F | | [`BalancePlan`] |
@@ -216,6 +217,34 @@ pub struct SetPolicy {
     pub hold_s: Option<f64>,
     pub max_dirty_age_s: Option<f64>,
     pub rpo_s: Option<f64>,
+}
+
+/// Accept the loss of what this host's failed cache device held of a volume, which no peer
+/// can replay (`vesta volume accept-loss`): the volume goes on from what its datastore holds.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct AcceptLoss {
+    /// Only say what would be lost; change nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// What accepting a loss gave up (or would, in a dry run).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LossReport {
+    pub name: String,
+    pub datastore: String,
+    /// False for a dry run.
+    pub accepted: bool,
+    /// The dirty data only the failed cache device (or peers that cannot replay it) held;
+    /// `None` when this host cannot tell (its cache device was replaced: only the peers knew).
+    pub dirty_bytes: Option<u64>,
+    pub dirty_writes: Option<u64>,
+    /// Every write up to this one (its `ser`) is on the datastore.
+    pub checkpoint: u64,
+    /// The peers the vault named, whose replicas of the volume become stale.
+    pub peers: Vec<String>,
+    /// What they answered when last asked whether they hold the volume.
+    pub peers_said: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

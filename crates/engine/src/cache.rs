@@ -2255,6 +2255,11 @@ impl VolCache {
         }
     }
 
+    /// Whether [`VolCache::stop_destaging`] stopped the destager for this volume.
+    pub fn destaging_stopped(&self) -> bool {
+        self.destage_stopped.load(Ordering::SeqCst)
+    }
+
     pub fn resume_destaging(&self) {
         self.destage_stopped.store(false, Ordering::SeqCst);
         self.shared.wake.notify_one();

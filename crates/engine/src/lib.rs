@@ -114,6 +114,16 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// What [`Volume::accept_loss`] gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dropped {
+    /// Dirty data only the failed cache device (or peers that cannot replay it) held.
+    pub dirty_bytes: u64,
+    pub dirty_writes: u64,
+    /// Every write up to this `ser` is on the datastore.
+    pub checkpoint: u64,
+}
+
 /// How long [`Volume::go_uncached_with_nothing_lost`] waits for IO in flight (a datastore
 /// read, an append into a dying device) with the volume paused.
 const REROUTE_PAUSE: Duration = Duration::from_secs(1);
@@ -479,6 +489,92 @@ impl Volume {
         *lost = Some(why);
         drop(lost);
         self.rerouted.notify_waiters();
+    }
+
+    /// What the volume would give up if its loss were accepted now ([`Volume::accept_loss`]):
+    /// an error unless the host's cache device failed under it.
+    pub fn loss(&self) -> Result<Dropped> {
+        let Route::Cached(c) = self.route() else {
+            return Err(Error::Cache(
+                "the volume is not cached: nothing of it is lost".into(),
+            ));
+        };
+        if !c.cache_failed() {
+            return Err(Error::Cache(
+                "this host's cache device works: nothing of the volume is lost".into(),
+            ));
+        }
+        let r = c.report();
+        Ok(Dropped {
+            dirty_bytes: r.dirty_bytes,
+            dirty_writes: r.dirty_writes,
+            checkpoint: c.checkpoint(),
+        })
+    }
+
+    /// The operator accepts that what the host's failed cache device held of the volume is
+    /// lost: the writes above the checkpoint that only it (or peers that cannot replay them)
+    /// had. The volume goes on uncached, its content from here on what the datastore holds
+    /// (every write up to the checkpoint, maybe some of the window the destager was writing
+    /// when the device failed), and its IO stops failing or stalling.
+    ///
+    /// IO pauses first (for at most [`REROUTE_PAUSE`]), so that no write is left between
+    /// its append and its answer; then `hook` runs with the generation after the cache's
+    /// and its checkpoint, while IO waits: the daemon records the vault there, with no
+    /// peers, so that neither a restart on the device (if it works again) nor a former peer
+    /// puts what it still holds of the volume over what the volume writes uncached. Only
+    /// then does the route change. If IO in flight does not end in time, or `hook` fails,
+    /// nothing changes and this fails.
+    pub async fn accept_loss(&self, hook: SwitchHook) -> Result<Dropped> {
+        let _one = self.transition.lock().await;
+        let dropped = self.loss()?;
+        let Route::Cached(c) = self.route() else {
+            unreachable!("loss() answers only for a cached volume");
+        };
+        // A window the destager is writing ends first: none of it may land on the datastore
+        // after a write the volume does uncached.
+        let was_stopped = c.destaging_stopped();
+        c.stop_destaging().await;
+        self.paused.store(true, Ordering::SeqCst);
+        let r = async {
+            if !self.quiesce(REROUTE_PAUSE).await {
+                return Err(Error::Cache(format!(
+                    "IO in flight did not end within {REROUTE_PAUSE:?}; nothing changed, retry"
+                )));
+            }
+            // Counted again with IO quiet: a write may have completed in the cache as it
+            // failed.
+            let dropped = self.loss().unwrap_or(dropped);
+            hook(c.gen() + 1, c.checkpoint())
+                .await
+                .map_err(|e| Error::Cache(format!("{e}; nothing changed")))?;
+            self.set_route(Route::Uncached);
+            *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
+            *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            Ok(dropped)
+        }
+        .await;
+        self.resume();
+        let dropped = match r {
+            Ok(d) => d,
+            Err(e) => {
+                if !was_stopped {
+                    c.resume_destaging();
+                }
+                return Err(e);
+            }
+        };
+        if let Some(h) = &self.host {
+            if let Err(e) = h.detach(&c).await {
+                warn!("volume {:?}: leaving the cache: {e}", self.name);
+            }
+        }
+        warn!(
+            "volume {:?}: loss accepted: {} dirty byte(s) in {} write(s) dropped; serving it \
+             uncached from what the datastore holds (every write up to {})",
+            self.name, dropped.dirty_bytes, dropped.dirty_writes, dropped.checkpoint
+        );
+        Ok(dropped)
     }
 
     /// vestad is stopping, and nothing will reroute the volume: IO stalled for a hand-off to

@@ -437,3 +437,135 @@ async fn a_write_that_completes_in_the_failing_cache_keeps_the_volume_from_going
 async fn a_write_that_completes_in_the_failing_cache_ends_the_stall() {
     a_late_write(false).await;
 }
+
+/// Fails the device, and has the log notice at once (the daemon probes it every second).
+fn fail(cache: &SimDevice, host: &CacheHost) {
+    cache.fail();
+    assert!(host.log().probe().is_err());
+}
+
+/// A hook that fails, as a vault write does when the coordinator is down.
+fn failing_hook() -> engine::SwitchHook {
+    Box::new(|_, _| Box::pin(async { Err("the coordinator is down".to_string()) }))
+}
+
+/// The operator accepts the loss of a `wb` volume's dirty data after its cache device failed
+/// (`vesta volume accept-loss`): the hook gets the next generation, the volume goes on
+/// uncached, reads show what the datastore holds (the destaged block, and the older data
+/// under the lost one), and writes go to the datastore. Before that, nothing changes while
+/// the device works, and a failed hook changes nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wb_volume_whose_loss_is_accepted_goes_on_uncached_from_the_datastore() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (store, vol, host) = wb_volume(cache.clone(), true).await;
+    vol.write(0, Bytes::from(vec![0x51; BLOCK]), false)
+        .await
+        .unwrap();
+    vol.write(2 * BLOCK as u64, Bytes::from(vec![0x52; BLOCK]), false)
+        .await
+        .unwrap();
+    let c = vol.cache().unwrap();
+    let (gen, checkpoint) = (c.gen(), c.checkpoint());
+
+    // The device works: there is no loss to accept.
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    let e = vol.accept_loss(recording_hook(&ran)).await.unwrap_err();
+    assert!(e.to_string().contains("cache device works"), "{e}");
+    assert!(vol.loss().is_err());
+    assert!(ran.lock().unwrap().is_none(), "the hook ran");
+    assert_eq!(vol.policy(), Policy::Wb);
+
+    fail(&cache, &host);
+    let lost = vol.loss().unwrap();
+    assert_eq!((lost.dirty_bytes, lost.dirty_writes), (2 * BLOCK as u64, 2));
+    assert_eq!(lost.checkpoint, checkpoint);
+
+    // A hook that fails changes nothing: the volume still fails its writes in the cache.
+    let e = vol.accept_loss(failing_hook()).await.unwrap_err();
+    assert!(e.to_string().contains("nothing changed"), "{e}");
+    assert_eq!(vol.policy(), Policy::Wb);
+    assert!(vol
+        .write(4 * BLOCK as u64, Bytes::from(vec![0x53; BLOCK]), false)
+        .await
+        .is_err());
+
+    let dropped = vol.accept_loss(recording_hook(&ran)).await.unwrap();
+    assert_eq!(dropped, lost);
+    assert_eq!(
+        *ran.lock().unwrap(),
+        Some((gen + 1, checkpoint)),
+        "the hook did not get the next generation and the checkpoint"
+    );
+    assert_eq!(vol.policy(), Policy::Uncached);
+    assert!(vol.cache().is_none());
+    assert!(vol.loss().is_err(), "a loss to accept twice");
+    // What the datastore holds: the destaged block, and zeroes under the lost ones.
+    let got = vol.read(0, 3 * BLOCK as u32).await.unwrap();
+    assert!(got[..BLOCK] == [0x41; BLOCK], "the destaged block");
+    assert!(got[BLOCK..].iter().all(|b| *b == 0), "lost blocks");
+    vol.write(2 * BLOCK as u64, Bytes::from(vec![0x54; BLOCK]), true)
+        .await
+        .unwrap();
+    vol.flush().await.unwrap();
+    assert!(store.image()[2 * BLOCK..3 * BLOCK] == [0x54; BLOCK]);
+    // The cache no longer knows the volume: its destager sends nothing more.
+    assert!(!host.destage_turn(0).await);
+    assert!(store.image()[..BLOCK] == [0x41; BLOCK]);
+}
+
+/// A `wbp` volume whose hand-off no peer can finish: the operator accepts the loss, and the
+/// IO stalled meanwhile goes on uncached instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_loss_ends_a_stalled_hand_off() {
+    let (_cache, store, vol) = failed_under_wbp().await;
+    let (write, read, flush) = io(&vol);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!write.is_finished() && !read.is_finished() && !flush.is_finished());
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    let dropped = tokio::time::timeout(
+        Duration::from_secs(5),
+        vol.accept_loss(recording_hook(&ran)),
+    )
+    .await
+    .expect("accepting the loss waited for the stalled IO")
+    .unwrap();
+    assert_eq!(dropped.dirty_writes, 1);
+    assert!(ran.lock().unwrap().is_some());
+    within(write, "the write").await.unwrap();
+    let got = within(read, "the read").await.unwrap();
+    assert!(
+        got.iter().all(|b| *b == 0),
+        "the lost block reads as the datastore has it"
+    );
+    within(flush, "the flush").await.unwrap();
+    assert!(store.image()[BLOCK..2 * BLOCK] == [0x42; BLOCK]);
+    assert!(store.image()[..BLOCK].iter().all(|b| *b == 0));
+}
+
+/// A window the destager was writing when the device failed must not land on the datastore
+/// after a write the volume makes uncached once the loss is accepted: that would take the
+/// block back to older data with no error anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_loss_waits_for_the_window_in_flight() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (store, vol, host) = wb_volume(cache.clone(), false).await;
+    store.set_write_delay(Some(Duration::from_millis(800)));
+    let destaging = {
+        let host = host.clone();
+        tokio::spawn(async move { host.destage_turn(0).await })
+    };
+    // The window's write of block 0 (0x41) is on its way to the datastore.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    fail(&cache, &host);
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    vol.accept_loss(recording_hook(&ran)).await.unwrap();
+    store.set_write_delay(None);
+    vol.write(0, Bytes::from(vec![0x43; BLOCK]), true)
+        .await
+        .unwrap();
+    within(destaging, "the destage turn").await;
+    assert!(
+        store.image()[..BLOCK] == [0x43; BLOCK],
+        "the destager's older write landed over the uncached one"
+    );
+}

@@ -175,6 +175,15 @@ enum VolumeCmd {
         #[arg(long)]
         offline: bool,
     },
+    /// Give up what this host's failed cache device held of a volume, when no peer can
+    /// replay it: the volume goes on uncached from what its datastore holds. Without --yes,
+    /// only says what would be lost.
+    AcceptLoss {
+        name: String,
+        /// Accept the loss (dirty data that only the failed cache held is dropped).
+        #[arg(long)]
+        yes: bool,
+    },
     /// Print the NBD URI a client uses to reach the volume.
     Url {
         name: String,
@@ -283,6 +292,43 @@ impl Client {
 
     fn delete<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         self.answer(self.agent.delete(format!("{}{path}", self.base)).call())
+    }
+}
+
+/// `vesta volume accept-loss`, for people.
+fn print_loss(r: &api::LossReport) {
+    let what = match (r.dirty_bytes, r.dirty_writes) {
+        (Some(b), Some(w)) => format!("{} of dirty data ({w} write(s))", format_size(b)),
+        _ => "the writes its peers held (this host's cache device was replaced, so it \
+              cannot say how many)"
+            .into(),
+    };
+    let peers = if r.peers.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; peers {}{}",
+            r.peers.join(", "),
+            r.peers_said
+                .as_deref()
+                .map(|s| format!(" ({s})"))
+                .unwrap_or_default()
+        )
+    };
+    if r.accepted {
+        println!(
+            "volume {}: loss accepted; {what} dropped{peers}. It serves what datastore {} \
+             holds (every write up to write {}). Check the guest's file system.",
+            r.name, r.datastore, r.checkpoint
+        );
+    } else {
+        println!(
+            "volume {}: this host's cache device failed holding {what} that no peer has \
+             replayed{peers}. Accepting the loss drops it: the volume then serves what \
+             datastore {} holds (every write up to write {}), and the guest's file system \
+             should be checked.",
+            r.name, r.datastore, r.checkpoint
+        );
     }
 }
 
@@ -671,6 +717,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 return print_json(&v);
             }
             println!("deleted volume {} ({})", v.name, format_size(v.size));
+        }
+        Cmd::Volume(VolumeCmd::AcceptLoss { name, yes }) => {
+            let r: api::LossReport = c.post_long(
+                &format!("/v1/volumes/{name}/accept-loss"),
+                &api::AcceptLoss { dry_run: !yes },
+            )?;
+            if cli.json {
+                print_json(&r)?;
+            } else {
+                print_loss(&r);
+            }
+            if !r.accepted {
+                bail!("nothing was changed; run again with --yes to accept the loss");
+            }
         }
         Cmd::Volume(VolumeCmd::Url { name, tcp }) => {
             let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{name}"))?;

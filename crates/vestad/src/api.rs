@@ -56,6 +56,10 @@ pub fn router(d: Arc<Daemon>) -> Router {
         .route("/v1/volumes/{name}", get(show_volume).delete(delete_volume))
         .route("/v1/volumes/{name}/policy", axum::routing::post(set_policy))
         .route("/v1/volumes/{name}/relocate", axum::routing::post(relocate))
+        .route(
+            "/v1/volumes/{name}/accept-loss",
+            axum::routing::post(accept_loss),
+        )
         .route("/v1/stats", get(stats))
         .route("/v1/models", get(models))
         .route("/v1/balance/plan", get(balance_plan))
@@ -293,4 +297,14 @@ async fn put_calibration(
         c.constants
     );
     Ok(Json(c))
+}
+
+async fn accept_loss(
+    State(d): D,
+    Path(name): Path<String>,
+    b: Result<Json<api::AcceptLoss>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<api::LossReport>, OpError> {
+    let req = body(b)?;
+    let r = detached(async move { d.accept_loss(&name, req.dry_run).await }).await?;
+    Ok(Json(r))
 }

@@ -423,8 +423,9 @@ impl Daemon {
                 }
                 return Err(format!(
                     "waiting for its peer(s) {:?} to replay it (this host's cache log holds \
-                     nothing of generation {}); it serves here again once they have",
-                    v.peers, v.gen
+                     nothing of generation {}); it serves here again once they have. If \
+                     none can, `vesta volume accept-loss {}` gives up what they held",
+                    v.peers, v.gen, rec.name
                 ));
             }
         }
@@ -784,6 +785,10 @@ impl Daemon {
                         if let Some(a) = self.peers.handoff_answers(&e.record.name) {
                             s += &format!(" (peers asked: {a})");
                         }
+                        s += &format!(
+                            "; if none can, `vesta volume accept-loss {}` gives up what it held",
+                            e.record.name
+                        );
                         s
                     } else {
                         "writes stalled: the cache device failed with nothing dirty; the \
@@ -791,7 +796,16 @@ impl Daemon {
                             .into()
                     }
                 }
-                Ok(_) => "ok".into(),
+                Ok(v) => match v.loss() {
+                    Ok(l) if l.dirty_bytes > 0 => format!(
+                        "data lost: the cache device failed holding {} of dirty data, which \
+                         writes and reads of it fail on; `vesta volume accept-loss {}` gives \
+                         it up and serves what the datastore holds",
+                        api::format_size(l.dirty_bytes),
+                        e.record.name
+                    ),
+                    _ => "ok".into(),
+                },
                 Err(m) => m.clone(),
             },
             connections: e.connections(),
@@ -1668,7 +1682,16 @@ impl Daemon {
                 Ok(hook) => volume
                     .set_policy_with(policy, None, Some(hook))
                     .await
-                    .map_err(|e| OpError::Unavailable(format!("volume {name:?}: {e}"))),
+                    .map_err(|e| {
+                        let hint = match volume.loss() {
+                            Ok(l) if l.dirty_bytes > 0 => format!(
+                                "; if no peer can replay it, `vesta volume accept-loss {name}` \
+                                 gives it up"
+                            ),
+                            _ => String::new(),
+                        };
+                        OpError::Unavailable(format!("volume {name:?}: {e}{hint}"))
+                    }),
                 Err(e) => Err(OpError::Unavailable(e)),
             }
         };
@@ -1768,16 +1791,31 @@ impl Daemon {
             let Some(_busy) = self.claim_entry(&e, "reopen") else {
                 continue;
             };
-            let Ok(volume) = self.open_volume(rec).await else {
-                continue;
-            };
-            info!("volume {:?} can serve IO again", rec.name);
-            // Under the claim nothing else replaces the entry.
-            self.volumes.write().expect("lock").insert(
-                rec.name.clone(),
-                Arc::new(VolumeEntry::new(rec.clone(), Ok(volume))),
-            );
+            let _ = self.reopen(&e).await;
         }
+    }
+
+    /// Opens again the volume of entry `e`, which could not be opened, and serves it. The
+    /// caller holds the volume's claim, under which nothing else replaces the entry.
+    pub(crate) async fn reopen(&self, e: &VolumeEntry) -> Result<(), String> {
+        let rec = &e.record;
+        let volume = self.open_volume(rec).await?;
+        info!("volume {:?} can serve IO again", rec.name);
+        self.volumes.write().expect("lock").insert(
+            rec.name.clone(),
+            Arc::new(VolumeEntry::new(rec.clone(), Ok(volume))),
+        );
+        Ok(())
+    }
+
+    /// Accepts the loss of what this host's failed cache device held of a volume, which no
+    /// peer can replay, or with `dry_run` says what it would be ([`crate::loss`]).
+    pub async fn accept_loss(&self, name: &str, dry_run: bool) -> OpResult<api::LossReport> {
+        let _busy = self
+            .claim_within(name, "loss acceptance", CLAIM_WAIT)
+            .await?;
+        let entry = self.local_entry(name).await?;
+        crate::loss::accept(self, &entry, dry_run).await
     }
 
     /// vestad is stopping: IO of every volume stalled for a hand-off to peers, which nothing

@@ -8,6 +8,7 @@ mod balancing;
 mod config;
 mod daemon;
 mod exports;
+mod loss;
 mod peers;
 mod stats;
 

@@ -850,7 +850,7 @@ async fn flash_failed(
 }
 
 /// The vault record of `volume`; an error if it cannot be read or there is none.
-async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String> {
+pub(crate) async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String> {
     d.coord
         .vault(volume)
         .await
@@ -951,6 +951,25 @@ fn said(answers: &[(String, Held)]) -> String {
 }
 
 impl PeerState {
+    /// Whether this host handed `volume` off to its peers and waits for one to replay it.
+    pub fn handed_off(&self, volume: &str) -> bool {
+        self.handed_off.lock().expect("lock").contains_key(volume)
+    }
+
+    /// The hand-off of `volume` is over without a replay (its loss was accepted).
+    pub fn end_handoff(&self, volume: &str) {
+        self.handed_off.lock().expect("lock").remove(volume);
+        self.note(volume, None);
+    }
+
+    /// The vault lock of handed-off `volume`, taken back, could not be given back: the
+    /// rounds retry ([`flash_failed`]).
+    pub fn owe_unlock(&self, volume: &str) {
+        if let Some(w) = self.handed_off.lock().expect("lock").get_mut(volume) {
+            w.unlock_owed = true;
+        }
+    }
+
     /// For a volume handed off to its peers: what they answered when last asked whether they
     /// hold it (asked 5 s after the hand-off, and every 5 s after).
     pub fn handoff_answers(&self, volume: &str) -> Option<String> {
@@ -967,7 +986,7 @@ impl PeerState {
 /// keeps the generation until it is done); before that, only its lock, and its answer that
 /// it holds the volume, say it replays. With no peers named and no hand-off flag, it is a
 /// loss this host recorded before (that write may have landed though it answered an error).
-fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> bool {
+pub(crate) fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> bool {
     vault.gen == c.gen()
         && vault.owner == d.coord.host()
         && (vault.handoff || vault.peers.is_empty())
