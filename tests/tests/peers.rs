@@ -1251,6 +1251,65 @@ fn an_accepted_loss_ends_a_hand_off_no_peer_can_finish() {
     one_writer_at_a_time(&lun);
 }
 
+/// A peer's replay that stops midway (its own cache device fails after it recorded some
+/// progress: the vault then names it owner, at the same generation, without the hand-off
+/// flag) leaves the owner waiting for a replay nothing will finish. The operator can accept
+/// the loss then too: the datastore keeps what the replay wrote, the owner serves it
+/// uncached.
+#[test]
+fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
+    let etcd = Etcd::start();
+    // Each datastore write takes 300 ms, so the replay's windows take seconds.
+    let lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["wdelay=300ms"]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "64M",
+        "--policy",
+        "wbp:1",
+        "--hold",
+        "600",
+        "--max-dirty-age",
+        "600",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 8 0 40M"]);
+    let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
+    a.fail_cache_device();
+    let v = wait_for(
+        Duration::from_secs(60),
+        "b to record replay progress",
+        || {
+            let v = vault(&etcd);
+            (v["owner"] == "b" && v["checkpoint"].as_u64() > Some(0)).then_some(v)
+        },
+    );
+    b.fail_cache_device();
+    wait_for(Duration::from_secs(30), "b's replay to stop", || {
+        b.log().contains("replay stopped").then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let now = vault(&etcd);
+    assert_eq!(now["gen"], gen, "the replay ended: {now}");
+    assert_eq!(now["owner"], "b", "{now}");
+    let r = a.vesta_json(&["volume", "accept-loss", "w", "--yes"]);
+    assert_eq!(r["accepted"], true, "{r}");
+    let s = show(&a, "w");
+    assert_eq!(s["policy"], "uncached", "{s}");
+    // What b's first window wrote stays; the volume reads what the datastore holds.
+    let upto = v["checkpoint"].as_u64().unwrap();
+    assert!(upto > 0);
+    qemu_io(&a.url("w"), &["read -P 8 0 1M", "write -P 9 0 4k", "flush"]);
+    let img = on_datastore(&lun, 1 << 20);
+    assert!(img[..4096].iter().all(|x| *x == 9) && img[4096..].iter().all(|x| *x == 8));
+    assert!(!b.log().contains("online replay done"), "{}", b.log());
+    one_writer_at_a_time(&lun);
+}
+
 /// A hand-off no peer can take (a double failure, beyond FVP Table 1): the peer's host dies
 /// without a word while the owner's link to it is idle and comes back on an empty cache
 /// device, so the owner does not notice and the vault still names it; then the owner's

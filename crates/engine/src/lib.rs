@@ -547,7 +547,7 @@ impl Volume {
             let dropped = self.loss().unwrap_or(dropped);
             hook(c.gen() + 1, c.checkpoint())
                 .await
-                .map_err(|e| Error::Cache(format!("{e}; nothing changed")))?;
+                .map_err(|e| Error::Cache(format!("record the loss: {e}")))?;
             self.set_route(Route::Uncached);
             *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Uncached;
             *self.handoff_lost.lock().unwrap_or_else(|e| e.into_inner()) = None;

@@ -322,11 +322,15 @@ fn print_loss(r: &api::LossReport) {
             r.name, r.datastore, r.checkpoint
         );
     } else {
+        let lost = if r.dirty_bytes.is_some() {
+            format!("this host's cache device failed holding {what} that no peer has replayed")
+        } else {
+            format!("no peer has replayed {what}")
+        };
         println!(
-            "volume {}: this host's cache device failed holding {what} that no peer has \
-             replayed{peers}. Accepting the loss drops it: the volume then serves what \
-             datastore {} holds (every write up to write {}), and the guest's file system \
-             should be checked.",
+            "volume {}: {lost}{peers}. Accepting the loss drops it: the volume then serves \
+             what datastore {} holds (every write up to write {}), and the guest's file \
+             system should be checked.",
             r.name, r.datastore, r.checkpoint
         );
     }

@@ -785,10 +785,13 @@ impl Daemon {
                         if let Some(a) = self.peers.handoff_answers(&e.record.name) {
                             s += &format!(" (peers asked: {a})");
                         }
-                        s += &format!(
-                            "; if none can, `vesta volume accept-loss {}` gives up what it held",
-                            e.record.name
-                        );
+                        if self.peers.handed_off(&e.record.name) {
+                            s += &format!(
+                                "; if none can, `vesta volume accept-loss {}` gives up what it \
+                                 held",
+                                e.record.name
+                            );
+                        }
                         s
                     } else {
                         "writes stalled: the cache device failed with nothing dirty; the \
@@ -1635,7 +1638,7 @@ impl Daemon {
             v.detach_cache().await;
         }
         self.coord.delete_volume(name).await?;
-        crate::peers::forget_vault_writer(self, entry.record.id);
+        crate::peers::forget_vault_writer(self, entry.record.id).await;
         self.sampler.lock().expect("lock").forget_volume(name);
         info!("deleted volume {name:?}");
         Ok(info)

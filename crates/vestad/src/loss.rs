@@ -35,8 +35,9 @@ use crate::daemon::{Daemon, OpError, OpResult, VolumeEntry};
 use crate::peers;
 
 /// How long a vault lock held by another host is waited for: a peer that cannot reach the
-/// datastore takes it for a moment every second, to try again.
-const LOCK_WAIT: Duration = Duration::from_secs(5);
+/// datastore takes it every second to try again, for as long as its attempt to open the
+/// datastore takes.
+const LOCK_WAIT: Duration = Duration::from_secs(30);
 
 /// Accepts the loss of entry `e`'s volume (or, with `dry_run`, says what it would be). The
 /// caller holds the volume's claim.
@@ -90,14 +91,21 @@ async fn accept_open(
     if dry_run {
         return Ok(report);
     }
+    let me = d.coord.host().to_owned();
+    // This command's own record, from an earlier try whose vault write landed although it
+    // answered an error (the volume did not switch then).
+    let ours = |v: &Vault| v.gen > c.gen() && v.owner == me && v.peers.is_empty() && !v.handoff;
     if handed {
-        // The hand-off gave the lock up for a peer to replay; it comes back here first.
+        // The hand-off gave the lock up for a peer to replay; it comes back here first. With
+        // the lock held no peer replays, and one whose replay ended moved the vault to a new
+        // generation; a replay that stopped midway (its device failed, it lost the lock)
+        // left the generation as it was, and nothing will finish it.
         take_lock(d, name, id).await?;
         let checked = async {
             let vault = peers::read_vault(d, id)
                 .await
                 .map_err(OpError::Unavailable)?;
-            if !peers::nobody_replays(d, &vault, &c) {
+            if vault.gen > c.gen() && !ours(&vault) {
                 return Err(OpError::Conflict(format!(
                     "volume {name:?}: host {:?} replayed it meanwhile (vault generation {}); \
                      nothing is lost, and it goes on uncached within seconds",
@@ -108,14 +116,15 @@ async fn accept_open(
         }
         .await;
         match checked {
-            Ok(vault) => report.peers = vault.peers,
+            Ok(vault) if !ours(&vault) => report.peers = vault.peers,
+            Ok(_) => {}
             Err(err) => {
                 give_lock_back(d, name, id).await;
                 return Err(err);
             }
         }
         // The writer this host had before the hand-off is stale: read the vault afresh.
-        peers::forget_vault_writer(d, id);
+        peers::forget_vault_writer(d, id).await;
     }
     let hook = match peers::switch_hook(d, id, Policy::Uncached).await {
         Ok(h) => h,
@@ -138,11 +147,23 @@ async fn accept_open(
             Ok(report)
         }
         Err(err) => {
+            // A vault write may have landed although it answered an error: then the loss is
+            // recorded, and this host keeps the lock (no peer may replay now); running the
+            // command again finishes it.
+            if let Ok(Some(vault)) = d.coord.vault(id).await {
+                if ours(&vault) {
+                    return Err(OpError::Unavailable(format!(
+                        "volume {name:?}: the vault records the loss, but the volume has not \
+                         switched yet ({}); run the command again to finish",
+                        msg(err)
+                    )));
+                }
+            }
             if handed {
                 give_lock_back(d, name, id).await;
             }
             Err(OpError::Unavailable(format!(
-                "volume {name:?}: {}",
+                "volume {name:?}: {}; nothing changed",
                 msg(err)
             )))
         }
@@ -193,6 +214,7 @@ async fn accept_not_open(
         return Ok(report);
     }
     take_lock(d, name, id).await?;
+    let me = d.coord.host().to_owned();
     let recorded = async {
         let vault = peers::read_vault(d, id)
             .await
@@ -207,14 +229,21 @@ async fn accept_not_open(
         let left = Vault {
             policy: Policy::Wt,
             gen: vault.gen + 1,
+            owner: me.clone(),
             peers: Vec::new(),
+            previous_owner: Some(vault.owner.clone()).filter(|o| *o != me),
             handoff: false,
             ..vault.clone()
         };
-        d.coord
-            .put_vault(&left)
-            .await
-            .map_err(|err| OpError::Unavailable(format!("record the vault: {err}")))?;
+        if let Err(err) = d.coord.put_vault(&left).await {
+            // It may have landed all the same.
+            let now = d.coord.vault(id).await.ok().flatten();
+            if now.as_ref() != Some(&left) {
+                return Err(OpError::Unavailable(format!(
+                    "record the vault: {err}; nothing changed"
+                )));
+            }
+        }
         Ok(vault)
     }
     .await;
@@ -225,7 +254,7 @@ async fn accept_not_open(
             return Err(err);
         }
     };
-    peers::forget_vault_writer(d, id);
+    peers::forget_vault_writer(d, id).await;
     warn!(
         "volume {name:?}: loss accepted: what its peer(s) {:?} held of generation {} is \
          given up; it serves what datastore {:?} holds (every write up to {})",
@@ -248,8 +277,9 @@ async fn take_lock(d: &Daemon, name: &str, id: uuid::Uuid) -> OpResult<()> {
             Ok(()) => return Ok(()),
             Err(cluster::Error::Locked(who)) if start.elapsed() >= LOCK_WAIT => {
                 return Err(OpError::Conflict(format!(
-                    "volume {name:?} is being replayed by another host ({who}); nothing is \
-                     lost if it finishes. Retry once it is done, or stop that host first"
+                    "volume {name:?}: another host holds its vault lock ({who}): it is \
+                     replaying the volume, or trying to reach the datastore to; nothing is \
+                     lost if it finishes. Retry later, or stop that host first"
                 )))
             }
             Err(cluster::Error::Locked(_)) => {
@@ -266,7 +296,7 @@ async fn take_lock(d: &Daemon, name: &str, id: uuid::Uuid) -> OpResult<()> {
 
 /// Gives back a vault lock taken to accept a loss that did not happen, so a peer can replay.
 async fn give_lock_back(d: &Daemon, name: &str, id: uuid::Uuid) {
-    peers::forget_vault_writer(d, id);
+    peers::forget_vault_writer(d, id).await;
     if let Err(err) = d.coord.unlock_vault(id).await {
         warn!("volume {name:?}: give the vault lock back: {err}; retrying");
         d.peers.owe_unlock(name);

@@ -115,11 +115,24 @@ async fn join_all<T>(mut futs: Vec<BoxFuture<T>>) -> Vec<T> {
 pub struct VaultWriter {
     coord: Arc<dyn Coordinator>,
     vault: tokio::sync::Mutex<(Vault, Instant)>,
+    /// Set when the writer is forgotten ([`forget_vault_writer`]): its copy of the record
+    /// may be stale, so whoever still has it (a peer set's checkpoint task) writes nothing
+    /// more. Read under the lock.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 impl VaultWriter {
+    /// The lock on the record, if the writer may still write.
+    async fn lock(&self) -> Result<tokio::sync::MutexGuard<'_, (Vault, Instant)>, String> {
+        let g = self.vault.lock().await;
+        if self.retired.load(Ordering::SeqCst) {
+            return Err("this host's copy of the vault record is stale".into());
+        }
+        Ok(g)
+    }
+
     async fn update(&self, f: impl FnOnce(&mut Vault)) -> Result<(), String> {
-        let mut g = self.vault.lock().await;
+        let mut g = self.lock().await?;
         let mut v = g.0.clone();
         f(&mut v);
         if v == g.0 {
@@ -132,7 +145,7 @@ impl VaultWriter {
 
     /// Writes `v` whole, carrying `previous_owner` over and never lowering the generation.
     pub async fn replace(&self, mut v: Vault) -> Result<(), String> {
-        let mut g = self.vault.lock().await;
+        let mut g = self.lock().await?;
         let cur = &g.0;
         v.gen = v.gen.max(cur.gen);
         if cur.owner != v.owner && !cur.owner.is_empty() {
@@ -172,6 +185,7 @@ pub async fn vault_writer(d: &Daemon, volume: Uuid) -> Result<Arc<VaultWriter>, 
     let w = Arc::new(VaultWriter {
         coord: d.coord.clone(),
         vault: tokio::sync::Mutex::new((cur, Instant::now())),
+        retired: Default::default(),
     });
     Ok(d.peers
         .writers
@@ -182,9 +196,17 @@ pub async fn vault_writer(d: &Daemon, volume: Uuid) -> Result<Arc<VaultWriter>, 
         .clone())
 }
 
-/// Forgets the vault writer of a volume this host no longer holds the lock of.
-pub fn forget_vault_writer(d: &Daemon, volume: Uuid) {
-    d.peers.writers.lock().expect("lock").remove(&volume);
+/// Forgets the vault writer of a volume this host no longer holds the lock of (or whose
+/// record it must read afresh), and retires it: whoever still holds it writes nothing more,
+/// and a write of it under way has ended when this returns. Otherwise a late checkpoint
+/// update of an old peer set, landing once this host holds the lock again, could put an old
+/// generation and its peers back over a newer record.
+pub async fn forget_vault_writer(d: &Daemon, volume: Uuid) {
+    let w = d.peers.writers.lock().expect("lock").remove(&volume);
+    if let Some(w) = w {
+        w.retired.store(true, Ordering::SeqCst);
+        drop(w.vault.lock().await);
+    }
 }
 
 /// A `wbp` volume's peers, from its owner's side. Cheap to clone.
@@ -780,7 +802,7 @@ async fn flash_failed(
             .await
             .map_err(|e| e.to_string())?;
         // Another host writes the vault next: this host's copy is stale from here.
-        forget_vault_writer(d, rec.id);
+        forget_vault_writer(d, rec.id).await;
         d.peers.handed_off.lock().expect("lock").insert(
             name.clone(),
             Handoff {
@@ -919,7 +941,7 @@ async fn handed_to_nobody(
         Ok(Some(a)) => a,
         other => {
             // Not decided: the lock goes back to whichever peer can replay.
-            forget_vault_writer(d, rec.id);
+            forget_vault_writer(d, rec.id).await;
             if let Err(e) = d.coord.unlock_vault(rec.id).await {
                 warn!("volume {name:?}: give the vault lock back: {e}; retrying");
                 if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
@@ -986,7 +1008,7 @@ impl PeerState {
 /// keeps the generation until it is done); before that, only its lock, and its answer that
 /// it holds the volume, say it replays. With no peers named and no hand-off flag, it is a
 /// loss this host recorded before (that write may have landed though it answered an error).
-pub(crate) fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> bool {
+fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> bool {
     vault.gen == c.gen()
         && vault.owner == d.coord.host()
         && (vault.handoff || vault.peers.is_empty())
