@@ -835,6 +835,42 @@ fn a_partition_from_the_peer_moves_the_volume_to_a_new_peer_with_nothing_lost() 
     one_writer_at_a_time(&lun);
 }
 
+/// A peer whose host goes silent (it lost power, or the network to it drops everything)
+/// while its owner writes nothing: the owner must not count on it for as long as it stays
+/// idle, holding its dirty data alone. It pings idle links, finds the peer silent within
+/// seconds, and moves to a new peer, destaging on the way the data only it and the silent
+/// peer held. No write is made after the cut.
+#[test]
+fn an_idle_owner_finds_a_silent_peer_and_moves_to_a_new_one() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let (_b, proxy) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
+    create_held(&a, "w", "wbp:1:remote");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 1 0 1M"]);
+    proxy.blackhole();
+    let _c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    wait_for(Duration::from_secs(60), "a to replicate to c", || {
+        let s = show(&a, "w");
+        let peers: Vec<&str> = s["cache"]["peers"]
+            .as_array()
+            .map(|p| p.iter().filter_map(|x| x["host"].as_str()).collect())
+            .unwrap_or_default();
+        (s["cache"]["mode"] == "wbp:1" && peers == ["c"]).then_some(())
+    });
+    assert_eq!(vault(&etcd)["peers"], serde_json::json!(["c"]));
+    assert!(
+        on_datastore(&lun, 1 << 20).iter().all(|b| *b == 1),
+        "the dirty data only a and the silent peer held must be on the datastore"
+    );
+    assert!(
+        a.log().contains("link to peer b broken: no reply within"),
+        "{}",
+        a.log()
+    );
+}
+
 /// Network failures between owner and peer at random moments under a checker's writes (FVP
 /// Table 1, network row, with random timing): the link to the volume's peer is cut (reset)
 /// or blackholed (silent), and the owner is killed either while it is still partitioned or

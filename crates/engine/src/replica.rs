@@ -49,5 +49,9 @@ pub trait Replicator: Send + Sync + 'static {
     fn hand_off(&self) -> BoxFuture<Result<(), String>>;
     /// Whether every peer is still taking writes.
     fn healthy(&self) -> bool;
+    /// Called about once a second while the volume replicates: checks that peers whose
+    /// links have been idle a while still answer, so that [`Replicator::healthy`] turns
+    /// false for a peer gone silent without waiting for the next write. Default: nothing.
+    fn keep_alive(&self) {}
     fn report(&self) -> Vec<PeerReport>;
 }

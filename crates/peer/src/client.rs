@@ -64,6 +64,9 @@ type Waiter = (oneshot::Sender<Result<String, PeerError>>, bool);
 
 struct Inner {
     peer: String,
+    /// When the link was made, and when it last heard a reply (ms after that).
+    born: std::time::Instant,
+    heard_ms: AtomicU64,
     pending: Mutex<HashMap<u64, Waiter>>,
     broken: Mutex<Option<String>>,
     next: AtomicU64,
@@ -190,6 +193,8 @@ impl Link {
         });
         let inner = Arc::new(Inner {
             peer: peer.to_owned(),
+            born: std::time::Instant::now(),
+            heard_ms: AtomicU64::new(0),
             pending: Mutex::new(HashMap::new()),
             broken: Mutex::new(None),
             next: AtomicU64::new(1),
@@ -211,6 +216,25 @@ impl Link {
     /// Why the link is broken, if it is.
     pub fn broken(&self) -> Option<String> {
         self.inner.broken()
+    }
+
+    /// How long the link has been idle: no request waiting for its reply (a waiting one has
+    /// its own timeout) and no reply heard. `None` while a request waits.
+    pub fn idle_for(&self) -> Option<Duration> {
+        if !self.inner.pending.lock().expect("lock").is_empty() {
+            return None;
+        }
+        let heard = Duration::from_millis(self.inner.heard_ms.load(Ordering::Relaxed));
+        Some(self.inner.born.elapsed().saturating_sub(heard))
+    }
+
+    /// Asks the peer for an answer and nothing else, so that a peer gone silent (its host
+    /// lost power, the network to it drops everything) is found while the link is idle, not
+    /// at the owner's next write: without an answer within [`REQUEST_TIMEOUT`] the link
+    /// breaks. It is a `Checkpoint` of `volume` at write 0 of generation 0, which a peer of
+    /// any build answers at once with no IO: no copy is below write 0.
+    pub async fn ping(&self, volume: uuid::Uuid) -> Result<(), PeerError> {
+        self.checkpoint(volume, 0, 0).await
     }
 
     /// Breaks the link on purpose (the owner gave the peer up).
@@ -495,6 +519,8 @@ async fn read_loop(rd: tokio::net::tcp::OwnedReadHalf, link: std::sync::Weak<Inn
             Err(e) => break e.to_string(),
         };
         let Some(l) = link.upgrade() else { return };
+        l.heard_ms
+            .store(l.born.elapsed().as_millis() as u64, Ordering::Relaxed);
         let waiter = l.pending.lock().expect("lock").remove(&h.seq);
         let Some((waiter, fatal)) = waiter else {
             break format!("reply to unknown request {}", h.seq);

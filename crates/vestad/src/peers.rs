@@ -402,6 +402,27 @@ impl Replicator for PeerSet {
         self.0.links.iter().all(|l| l.broken().is_none())
     }
 
+    /// Pings each peer whose link has been idle [`KEEPALIVE_IDLE`]. A ping not answered
+    /// within the request timeout breaks the link (a refusal breaks it here), and the round
+    /// then replaces the peer (`keep_replicated`): the owner falls back to `wt`, which
+    /// destages what only it and that peer held, until new peers are in place. Without it an
+    /// idle owner would go on counting on a peer that died without a word, and hold its dirty
+    /// data alone for as long as it wrote nothing.
+    fn keep_alive(&self) {
+        for l in &self.0.links {
+            if l.broken().is_some() || l.idle_for().is_none_or(|t| t < KEEPALIVE_IDLE) {
+                continue;
+            }
+            let (l, set) = (l.clone(), self.0.clone());
+            tokio::spawn(async move {
+                if let Err(e) = l.ping(set.volume).await {
+                    l.close(&format!("no answer to a keep-alive: {e}"));
+                    set.note_failures();
+                }
+            });
+        }
+    }
+
     fn report(&self) -> Vec<PeerReport> {
         self.0
             .links
@@ -415,6 +436,10 @@ impl Replicator for PeerSet {
             .collect()
     }
 }
+
+/// How long a peer link stays idle before the owner checks that the peer still answers
+/// ([`PeerSet::keep_alive`]); a silent peer is found within this and the request timeout.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
 
 /// What the daemon keeps for `wbp`.
 #[derive(Default)]
@@ -694,6 +719,9 @@ async fn keep_replicated(d: &Arc<Daemon>) {
         let Some(c) = v.cache() else { continue };
         if c.replicating() && v.policy() == want && !c.cache_failed() {
             d.peers.note(&e.record.name, None);
+            if let Some(p) = c.peers() {
+                p.keep_alive();
+            }
             continue;
         }
         if c.report().replaying {
