@@ -369,6 +369,61 @@ fn when_the_replaying_peer_dies_the_next_peer_finishes_the_replay() {
     one_writer_at_a_time(&lun);
 }
 
+/// The same cascade with one peer (`wbp:1`): the owner dies, its only peer dies midway
+/// through the replay and comes back (its cache file intact) while the owner stays down.
+/// The peer's log is now the only copy of the writes the datastore lacks: it must finish
+/// the replay, not drop them.
+#[test]
+fn a_replaying_peer_that_restarts_finishes_the_replay() {
+    let etcd = Etcd::start();
+    let mut lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["delay-write=40ms"]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    let cmds: Vec<String> = (0..64u64)
+        .map(|i| format!("write -P {} {} 4k", i + 1, i * 64 * 1024))
+        .collect();
+    let cmds: Vec<&str> = cmds.iter().map(|s| s.as_str()).collect();
+    qemu_io(&a.url("w"), &cmds);
+    a.kill9();
+    wait_for(
+        Duration::from_secs(TTL_S + 20),
+        "b to start replaying",
+        || b.log().contains("is gone; replaying").then_some(()),
+    );
+    b.kill9();
+    assert!(
+        !b.log().contains("online replay done"),
+        "the replay finished before it could be interrupted; slow the datastore down"
+    );
+    lun.keep_running();
+    b.launch();
+    wait_for(
+        Duration::from_secs(TTL_S + 30),
+        "b to finish the replay",
+        || {
+            lun.keep_running();
+            b.log().contains("online replay done").then_some(())
+        },
+    );
+    let mut want = vec![0u8; 8 << 20];
+    for i in 0..64usize {
+        want[i * 65536..i * 65536 + 4096].fill(i as u8 + 1);
+    }
+    assert!(
+        on_datastore(&lun, 8 << 20) == want,
+        "the datastore must hold every completed write"
+    );
+    // The owner comes back to a current datastore, and must not replay over it.
+    a.launch();
+    wait_for(Duration::from_secs(30), "a to serve w again", || {
+        qemu_io_ok(&a.url("w")).then_some(())
+    });
+    qemu_io(&a.url("w"), &["read -P 1 0 4k", "read -P 64 4128768 4k"]);
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1's cascade, its hard case: the owner of a `wbp:2` volume dies with a write
 /// sent to peer b but not yet to peer c, so it never completed. Whichever peer replays must
 /// go no further than the other holds: if b replayed that write and died midway, c would
