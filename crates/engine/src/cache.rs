@@ -2780,7 +2780,7 @@ impl VolCache {
                     st.draining = false;
                     return Err(Error::Cache(format!(
                         "the cache device failed with {} dirty write(s) ({} bytes) not destaged",
-                        st.staged.len(),
+                        writes_among(st.staged.iter().map(|w| w.w.ser)),
                         st.dirty_bytes
                     )));
                 }

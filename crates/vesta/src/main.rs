@@ -315,23 +315,37 @@ fn print_loss(r: &api::LossReport) {
                 .unwrap_or_default()
         )
     };
+    // `checkpoint` numbers the volume's writes in the cache, in the order they were made.
+    let kept = if r.checkpoint == 0 {
+        format!(
+            "what datastore {} holds (none of the writes made through the cache had reached it)",
+            r.datastore
+        )
+    } else {
+        format!(
+            "what datastore {} holds (every write made through the cache up to #{}, the last \
+             destaged)",
+            r.datastore, r.checkpoint
+        )
+    };
     if r.accepted {
         println!(
-            "volume {}: loss accepted; {what} dropped{peers}. It serves what datastore {} \
-             holds (every write up to write {}). Check the guest's file system.",
-            r.name, r.datastore, r.checkpoint
+            "volume {}: loss accepted; {what} dropped{peers}. It serves {kept}, uncached. \
+             Check the guest's file system.",
+            r.name
         );
     } else {
-        let lost = if r.dirty_bytes.is_some() {
-            format!("this host's cache device failed holding {what} that no peer has replayed")
-        } else {
-            format!("no peer has replayed {what}")
+        let lost = match (r.dirty_bytes.is_some(), r.peers.is_empty()) {
+            (true, true) => format!("this host's cache device failed holding {what}"),
+            (true, false) => format!(
+                "this host's cache device failed holding {what}, which no peer has replayed"
+            ),
+            (false, _) => format!("no peer has replayed {what}"),
         };
         println!(
             "volume {}: {lost}{peers}. Accepting the loss drops it: the volume then serves \
-             what datastore {} holds (every write up to write {}), and the guest's file \
-             system should be checked.",
-            r.name, r.datastore, r.checkpoint
+             {kept}, and the guest's file system should be checked.",
+            r.name
         );
     }
 }

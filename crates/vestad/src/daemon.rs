@@ -1686,10 +1686,15 @@ impl Daemon {
                     .set_policy_with(policy, None, Some(hook))
                     .await
                     .map_err(|e| {
+                        let peers = volume.cache().is_some_and(|c| c.has_peers());
                         let hint = match volume.loss() {
                             Ok(l) if l.dirty_bytes > 0 => format!(
-                                "; if no peer can replay it, `vesta volume accept-loss {name}` \
-                                 gives it up"
+                                "; {}`vesta volume accept-loss {name}` gives it up",
+                                if peers {
+                                    "if no peer can replay it, "
+                                } else {
+                                    ""
+                                }
                             ),
                             _ => String::new(),
                         };
