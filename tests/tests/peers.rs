@@ -49,12 +49,17 @@ fn host_behind_proxy(
 /// An 8 MiB volume whose destaging is held back (600 s): what it is written stays dirty in
 /// the owner's cache and the peers' replicas until something forces it out.
 fn create_held(v: &Vestad, name: &str, policy: &str) {
+    create_held_sized(v, name, policy, "8M");
+}
+
+/// [`create_held`] of another size.
+fn create_held_sized(v: &Vestad, name: &str, policy: &str, size: &str) {
     v.vesta_ok(&[
         "volume",
         "create",
         name,
         "--size",
-        "8M",
+        size,
         "--policy",
         policy,
         "--hold",
@@ -261,19 +266,7 @@ fn a_peer_refuses_replicas_beyond_their_share_and_the_owner_writes_through() {
     let lun = Nbdkit::start(256 << 20, &[], &[]);
     let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "64M",
-        "--policy",
-        "wbp:1",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held_sized(&a, "w", "wbp:1", "64M");
     wait_replicating(&a, "w", &["b"]);
     // b serves three volumes of its own: with a's replicas, each has a quarter of its
     // 128 MiB cache, 32 MiB; a's own share of its cache is all of it.

@@ -892,10 +892,19 @@ async fn flash_failed(
     };
     vault_writer(d, rec.id).await?.replace(back).await?;
     d.peers.handed_off.lock().expect("lock").remove(name);
-    info!(
-        "volume {name:?}: host {:?} replayed it; serving it uncached (the cache device failed)",
-        vault.owner
-    );
+    if vault.owner == d.coord.host() {
+        // An accept-loss whose vault write landed although it answered an error.
+        info!(
+            "volume {name:?}: the vault records its loss as accepted; serving it uncached (the \
+             cache device failed)"
+        );
+    } else {
+        info!(
+            "volume {name:?}: host {:?} replayed it; serving it uncached (the cache device \
+             failed)",
+            vault.owner
+        );
+    }
     Ok(())
 }
 
