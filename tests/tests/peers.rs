@@ -1384,9 +1384,12 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
     assert_eq!(r["accepted"], true, "{r}");
     let s = show(&a, "w");
     assert_eq!(s["policy"], "uncached", "{s}");
-    // What b's first window wrote stays; the volume reads what the datastore holds.
-    let upto = v["checkpoint"].as_u64().unwrap();
-    assert!(upto > 0);
+    // What b's first window wrote stays; the volume reads what the datastore holds, and the
+    // report and the vault say so (the owner's own checkpoint is older).
+    let upto = now["checkpoint"].as_u64().unwrap();
+    assert!(upto >= v["checkpoint"].as_u64().unwrap() && upto > 0);
+    assert!(r["checkpoint"].as_u64() >= Some(upto), "{r}");
+    assert!(vault(&etcd)["checkpoint"].as_u64() >= Some(upto));
     qemu_io(&a.url("w"), &["read -P 8 0 1M", "write -P 9 0 4k", "flush"]);
     let img = on_datastore(&lun, 1 << 20);
     assert!(img[..4096].iter().all(|x| *x == 9) && img[4096..].iter().all(|x| *x == 8));
@@ -1396,8 +1399,9 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
 
 /// A hand-off no peer can take (a double failure, beyond FVP Table 1): the peer's host dies
 /// without a word while the owner's link to it is idle and comes back on an empty cache
-/// device, so the owner does not notice and the vault still names it; then the owner's
-/// cache device fails with dirty data. What the two caches held is gone. The owner must not
+/// device, and the owner's cache device fails with dirty data before the owner notices (its
+/// keep-alive would within seconds; here it is set to an hour, so the test does not race
+/// it), while the vault still names the peer. What the two caches held is gone. The owner must not
 /// stall forever waiting for a replay nobody can do: it asks the peer, hears that it holds
 /// nothing, and reports the loss as when no peer is named. Writes fail, a read of what was
 /// lost fails rather than return older data, other reads go on from the datastore, and the
@@ -1406,7 +1410,13 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
 fn a_hand_off_to_a_peer_that_holds_nothing_reports_the_loss() {
     let etcd = Etcd::start();
     let lun = Nbdkit::start(128 << 20, &[], &[]);
-    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let a = etcd.host(
+        &lun,
+        Host {
+            cluster: "peer_keepalive_s = 3600\n",
+            ..Host::new("a", "rack1", "127.0.0.2")
+        },
+    );
     let (mut b, proxy) = host_behind_proxy(&etcd, "b", "rack2", "127.0.0.3", "127.0.0.5", &lun);
     create_held(&a, "w", "wbp:1");
     wait_replicating(&a, "w", &["b"]);

@@ -2022,10 +2022,15 @@ impl VolCache {
     }
 
     /// A peer failed a write or flush: waits until the failed peers are out of the vault
-    /// (retrying; meanwhile nothing more of the volume completes). See [`Replicator`].
+    /// (retrying; meanwhile nothing more of the volume completes). See [`Replicator`]. Gives
+    /// up once the cache device has failed: the vault then goes to the hand-off (or the loss),
+    /// and the caller's wait for the datastore fails the IO, which so never completes.
     async fn peer_failed(&self, p: &Arc<dyn Replicator>, e: &str) {
         let mut warned = false;
         loop {
+            if self.shared.log.is_failed() {
+                return;
+            }
             match p.exclude_failed().await {
                 Ok(()) => return,
                 Err(why) => {

@@ -571,7 +571,7 @@ impl Volume {
         }
         warn!(
             "volume {:?}: loss accepted: {} dirty byte(s) in {} write(s) dropped; serving it \
-             uncached from what the datastore holds (every write up to {})",
+             uncached from what the datastore holds (every write up to {} at least)",
             self.name, dropped.dirty_bytes, dropped.dirty_writes, dropped.checkpoint
         );
         Ok(dropped)

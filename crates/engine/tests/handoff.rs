@@ -569,3 +569,67 @@ async fn an_accepted_loss_waits_for_the_window_in_flight() {
         "the destager's older write landed over the uncached one"
     );
 }
+
+/// Peers that fail every write and flush, and cannot be taken out of the vault (the
+/// coordinator is down, or the daemon no longer writes the vault: it handed the volume off).
+struct Unexcludable;
+
+impl engine::replica::Replicator for Unexcludable {
+    fn write(
+        &self,
+        _w: engine::replica::ReplicaWrite,
+    ) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("link to peer b broken".to_string()) })
+    }
+    fn flush(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("link to peer b broken".to_string()) })
+    }
+    fn checkpoint(&self, _gen: u64, _ser: u64) {}
+    fn exclude_failed(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("the vault cannot be written".to_string()) })
+    }
+    fn hand_off(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn healthy(&self) -> bool {
+        false
+    }
+    fn report(&self) -> Vec<engine::replica::PeerReport> {
+        Vec::new()
+    }
+}
+
+/// A write whose peer failed waits until that peer is out of the vault. If the cache device
+/// fails meanwhile, that wait must end: the write never completed, and it goes on as IO on a
+/// failed device does (it stalls outside the volume for the hand-off). Waiting inside, it
+/// would hold the volume's IO slot forever, and neither a pause (accept-loss) nor a revoke
+/// (delete) could ever quiesce the volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_waiting_to_exclude_a_peer_ends_when_the_cache_device_fails() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let (host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    let vol = Arc::new(vol);
+    vol.set_policy_with(WBP, Some(Arc::new(Unexcludable)), None)
+        .await
+        .unwrap();
+    let v = vol.clone();
+    let write =
+        tokio::spawn(async move { v.write(0, Bytes::from(vec![0x61; BLOCK]), false).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !write.is_finished(),
+        "the write completed with its peer not excluded"
+    );
+    fail(&cache, &host);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        vol.revoke(Duration::from_secs(2)).await,
+        "the write waiting to exclude its peer kept the volume from draining"
+    );
+    assert!(matches!(
+        within(write, "the write").await,
+        Err(Error::Revoked)
+    ));
+    assert!(store.image().iter().all(|b| *b == 0));
+}

@@ -63,6 +63,10 @@ pub struct ClusterConfig {
     /// The address other hosts are told to reach the peer listener at, if not the one it is
     /// bound to (a NAT, a proxy); empty = the bound address.
     pub peer_advertise: String,
+    /// Seconds a link to a `wbp` peer may stay idle before the owner checks that the peer
+    /// still answers (1–3600): a peer gone silent is replaced within this plus the peer
+    /// request timeout (10 s), even while the volume writes nothing.
+    pub peer_keepalive_s: u64,
 }
 
 impl Default for ClusterConfig {
@@ -75,9 +79,14 @@ impl Default for ClusterConfig {
             lease_ttl_s: LEASE_TTL_DEFAULT_S,
             peer_listen: String::new(),
             peer_advertise: String::new(),
+            peer_keepalive_s: PEER_KEEPALIVE_DEFAULT_S,
         }
     }
 }
+
+/// Five seconds: one tiny request per idle link every five seconds, and a silent peer
+/// replaced within about fifteen.
+pub const PEER_KEEPALIVE_DEFAULT_S: u64 = 5;
 
 /// Six seconds: datastore writes stop 3 s after the last renewal, which leaves a write issued
 /// just before that 3 s to land before any contender may take a lock; a vestad killed without
@@ -133,6 +142,12 @@ impl ClusterConfig {
             bail!(
                 "cluster.lease_ttl_s = {} is out of range: use 3 to 60 seconds",
                 self.lease_ttl_s
+            );
+        }
+        if !(1..=3600).contains(&self.peer_keepalive_s) {
+            bail!(
+                "cluster.peer_keepalive_s = {} is out of range: use 1 to 3600 seconds",
+                self.peer_keepalive_s
             );
         }
         if !self.host.is_empty() {
@@ -479,6 +494,11 @@ mod tests {
         assert!(e.contains("lease_ttl_s"), "{e}");
         let e = format!(
             "{:#}",
+            Config::parse("[cluster]\npeer_keepalive_s = 0").unwrap_err()
+        );
+        assert!(e.contains("peer_keepalive_s"), "{e}");
+        let e = format!(
+            "{:#}",
             Config::parse("[cluster]\netcd = [\"127.0.0.1:2379\"]").unwrap_err()
         );
         assert!(e.contains("http://"), "{e}");
@@ -493,6 +513,7 @@ mod tests {
         assert_eq!(c.cluster.host_name(), "h1");
         assert_eq!(c.cluster.fault_domain, "rack1");
         assert_eq!(c.cluster.lease_ttl_s, LEASE_TTL_DEFAULT_S);
+        assert_eq!(c.cluster.peer_keepalive_s, PEER_KEEPALIVE_DEFAULT_S);
         assert!(Config::default().cluster.etcd.is_empty());
         assert!(!Config::default().cluster.host_name().is_empty());
     }

@@ -95,6 +95,7 @@ async fn accept_open(
     // This command's own record, from an earlier try whose vault write landed although it
     // answered an error (the volume did not switch then).
     let ours = |v: &Vault| v.gen > c.gen() && v.owner == me && v.peers.is_empty() && !v.handoff;
+    let mut floor = 0;
     if handed {
         // The hand-off gave the lock up for a peer to replay; it comes back here first. With
         // the lock held no peer replays, and one whose replay ended moved the vault to a new
@@ -116,8 +117,14 @@ async fn accept_open(
         }
         .await;
         match checked {
-            Ok(vault) if !ours(&vault) => report.peers = vault.peers,
-            Ok(_) => {}
+            Ok(vault) => {
+                // A replay that stopped midway moved the vault's checkpoint past this cache's:
+                // the datastore holds that much.
+                floor = vault.checkpoint;
+                if !ours(&vault) {
+                    report.peers = vault.peers;
+                }
+            }
             Err(err) => {
                 give_lock_back(d, name, id).await;
                 return Err(err);
@@ -135,6 +142,8 @@ async fn accept_open(
             return Err(OpError::Unavailable(format!("volume {name:?}: {err}")));
         }
     };
+    let hook: engine::SwitchHook =
+        Box::new(move |gen, checkpoint| hook(gen, checkpoint.max(floor)));
     match v.accept_loss(hook).await {
         Ok(dropped) => {
             if handed {
@@ -143,29 +152,39 @@ async fn accept_open(
             report.accepted = true;
             report.dirty_bytes = Some(dropped.dirty_bytes);
             report.dirty_writes = Some(dropped.dirty_writes);
-            report.checkpoint = dropped.checkpoint;
+            report.checkpoint = dropped.checkpoint.max(floor);
             Ok(report)
         }
         Err(err) => {
             // A vault write may have landed although it answered an error: then the loss is
-            // recorded, and this host keeps the lock (no peer may replay now); running the
-            // command again finishes it.
-            if let Ok(Some(vault)) = d.coord.vault(id).await {
-                if ours(&vault) {
-                    return Err(OpError::Unavailable(format!(
-                        "volume {name:?}: the vault records the loss, but the volume has not \
-                         switched yet ({}); run the command again to finish",
+            // recorded, and this host keeps the lock (no peer may replay now). In a hand-off
+            // the round then finishes the switch; otherwise running the command again does.
+            match d.coord.vault(id).await {
+                Ok(Some(vault)) if ours(&vault) => Err(OpError::Unavailable(format!(
+                    "volume {name:?}: the vault records the loss, but the volume has not \
+                         switched yet ({}); {}",
+                    msg(err),
+                    if handed {
+                        "it switches within seconds"
+                    } else {
+                        "run the command again to finish"
+                    }
+                ))),
+                Ok(_) => {
+                    if handed {
+                        give_lock_back(d, name, id).await;
+                    }
+                    Err(OpError::Unavailable(format!(
+                        "volume {name:?}: {}; nothing changed",
                         msg(err)
-                    )));
+                    )))
                 }
+                Err(e2) => Err(OpError::Unavailable(format!(
+                    "volume {name:?}: {}; the vault cannot be read back ({e2}), so the loss \
+                     may or may not be recorded: run the command again",
+                    msg(err)
+                ))),
             }
-            if handed {
-                give_lock_back(d, name, id).await;
-            }
-            Err(OpError::Unavailable(format!(
-                "volume {name:?}: {}; nothing changed",
-                msg(err)
-            )))
         }
     }
 }
@@ -237,11 +256,19 @@ async fn accept_not_open(
         };
         if let Err(err) = d.coord.put_vault(&left).await {
             // It may have landed all the same.
-            let now = d.coord.vault(id).await.ok().flatten();
-            if now.as_ref() != Some(&left) {
-                return Err(OpError::Unavailable(format!(
-                    "record the vault: {err}; nothing changed"
-                )));
+            match d.coord.vault(id).await {
+                Ok(now) if now.as_ref() == Some(&left) => {}
+                Ok(_) => {
+                    return Err(OpError::Unavailable(format!(
+                        "record the vault: {err}; nothing changed"
+                    )))
+                }
+                Err(e2) => {
+                    return Err(OpError::Unavailable(format!(
+                        "record the vault: {err}; it cannot be read back ({e2}), so the loss \
+                         may or may not be recorded: run the command again"
+                    )))
+                }
             }
         }
         Ok(vault)

@@ -225,6 +225,8 @@ struct PeerSetInner {
     forward: Mutex<(u64, bool)>,
     /// At most one vault checkpoint update under way.
     vault_busy: std::sync::atomic::AtomicBool,
+    /// How long a link stays idle before its peer is pinged ([`PeerSet::keep_alive`]).
+    keepalive: Duration,
 }
 
 impl PeerSetInner {
@@ -402,7 +404,7 @@ impl Replicator for PeerSet {
         self.0.links.iter().all(|l| l.broken().is_none())
     }
 
-    /// Pings each peer whose link has been idle [`KEEPALIVE_IDLE`]. A ping not answered
+    /// Pings each peer whose link has been idle `[cluster] peer_keepalive_s`. A ping not answered
     /// within the request timeout breaks the link (a refusal breaks it here), and the round
     /// then replaces the peer (`keep_replicated`): the owner falls back to `wt`, which
     /// destages what only it and that peer held, until new peers are in place. Without it an
@@ -410,7 +412,7 @@ impl Replicator for PeerSet {
     /// data alone for as long as it wrote nothing.
     fn keep_alive(&self) {
         for l in &self.0.links {
-            if l.broken().is_some() || l.idle_for().is_none_or(|t| t < KEEPALIVE_IDLE) {
+            if l.broken().is_some() || l.idle_for().is_none_or(|t| t < self.0.keepalive) {
                 continue;
             }
             let (l, set) = (l.clone(), self.0.clone());
@@ -436,10 +438,6 @@ impl Replicator for PeerSet {
             .collect()
     }
 }
-
-/// How long a peer link stays idle before the owner checks that the peer still answers
-/// ([`PeerSet::keep_alive`]); a silent peer is found within this and the request timeout.
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
 
 /// What the daemon keeps for `wbp`.
 #[derive(Default)]
@@ -583,6 +581,7 @@ pub async fn establish(
         vault_busy: Default::default(),
         vault: writer.clone(),
         failed: d.peers.failed.clone(),
+        keepalive: Duration::from_secs(d.config.cluster.peer_keepalive_s),
     }));
     let hook_writer = writer.clone();
     let joined = names.join(", ");
@@ -919,8 +918,9 @@ pub(crate) async fn read_vault(d: &Daemon, volume: Uuid) -> Result<Vault, String
 
 /// A hand-off no peer can take: every peer the vault names is up and answers that it holds
 /// nothing of the volume ([`Held::Nothing`]). That takes a second failure: each of them came
-/// back on an empty cache device while the owner's links to them were idle (a broken idle
-/// link says nothing of its peer), and then the owner's device failed. What only the owner's
+/// back on an empty cache device while the owner's links to them were idle, and the owner's
+/// device failed before its keep-alive found those links dead ([`PeerSet::keep_alive`],
+/// seconds), or while it could not replace them. What only the owner's
 /// cache held is lost, so the volume reports the loss and its IO goes on as in `wb`, as when
 /// the vault names no peer. A peer that is down or cannot answer may come back with its
 /// replicas: the hand-off goes on waiting for it.
