@@ -2837,6 +2837,17 @@ impl VolCache {
         lock(&self.st).checkpoint
     }
 
+    /// The dirty bytes and client writes staged above `ser`: what is not on the datastore
+    /// when another host (a peer's replay) has destaged the volume up to `ser`.
+    pub fn dirty_above(&self, ser: u64) -> (u64, u64) {
+        let st = lock(&self.st);
+        let above = || st.staged.iter().filter(|w| w.w.ser > ser);
+        (
+            above().map(|w| w.w.len).sum(),
+            writes_among(above().map(|w| w.w.ser)),
+        )
+    }
+
     /// What start-up recovery found: the last `ser` of the replayed prefix, and the highest
     /// `ser` seen in the log (new writes are numbered above it).
     pub fn recovery_marks(&self) -> (u64, u64) {

@@ -144,14 +144,17 @@ async fn accept_open(
     };
     let hook: engine::SwitchHook =
         Box::new(move |gen, checkpoint| hook(gen, checkpoint.max(floor)));
+    // What a peer's replay had destaged before it stopped is not lost.
+    let replayed = (floor > lost.checkpoint).then(|| c.dirty_above(floor));
     match v.accept_loss(hook).await {
         Ok(dropped) => {
             if handed {
                 d.peers.end_handoff(name);
             }
+            let (bytes, writes) = replayed.unwrap_or((dropped.dirty_bytes, dropped.dirty_writes));
             report.accepted = true;
-            report.dirty_bytes = Some(dropped.dirty_bytes);
-            report.dirty_writes = Some(dropped.dirty_writes);
+            report.dirty_bytes = Some(bytes);
+            report.dirty_writes = Some(writes);
             report.checkpoint = dropped.checkpoint.max(floor);
             Ok(report)
         }
