@@ -1347,19 +1347,7 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
     let lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["wdelay=300ms"]);
     let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
-    a.vesta_ok(&[
-        "volume",
-        "create",
-        "w",
-        "--size",
-        "64M",
-        "--policy",
-        "wbp:1",
-        "--hold",
-        "600",
-        "--max-dirty-age",
-        "600",
-    ]);
+    create_held_sized(&a, "w", "wbp:1", "64M");
     wait_replicating(&a, "w", &["b"]);
     qemu_io(&a.url("w"), &["write -P 8 0 40M"]);
     let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
