@@ -710,7 +710,11 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
     live.fail(&why);
 }
 
-async fn handshake<R, W>(rd: &mut R, wr: &mut W, uri: &NbdUri) -> Result<RemoteExport, ClientError>
+pub(crate) async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    uri: &NbdUri,
+) -> Result<RemoteExport, ClientError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,

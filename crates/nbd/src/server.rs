@@ -74,6 +74,12 @@ pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 const REJECTIONS_LOGGED: u64 = 8;
 /// Unit in which the byte budget is counted (semaphore permits are `u32`).
 const BUDGET_UNIT: usize = 4096;
+/// An idle TCP client is probed after this long without traffic ([`keep_alive`])...
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// ...then every this long...
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// ...and its connection ends after this many probes go unanswered.
+pub const KEEPALIVE_PROBES: u32 = 6;
 /// A client that has not finished negotiating by then is disconnected (slow-loris guard).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Options one client may send before entering transmission; beyond that it is looping.
@@ -279,6 +285,8 @@ pub struct ConnTracker {
     slots: Arc<Semaphore>,
     /// The server-wide payload budget ([`IN_FLIGHT_BYTES_TOTAL_MAX`]).
     bytes: Arc<Semaphore>,
+    /// [`REPLY_WRITE_TIMEOUT`]; shorter in tests.
+    reply_timeout: Duration,
 }
 
 pub struct ConnWaiter {
@@ -293,6 +301,7 @@ impl ConnTracker {
                 _alive: tx,
                 slots: Arc::new(Semaphore::new(CONNECTIONS_MAX)),
                 bytes: Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT)),
+                reply_timeout: REPLY_WRITE_TIMEOUT,
             },
             ConnWaiter { rx },
         )
@@ -322,6 +331,9 @@ pub async fn serve_tcp<X: ExportSet>(
         match accepted {
             Ok((s, addr)) => {
                 let _ = s.set_nodelay(true);
+                if let Err(e) = keep_alive(&s) {
+                    debug!("nbd {addr}: cannot turn on TCP keepalive: {e}");
+                }
                 spawn_conn(s, Peer(addr.to_string()), &exports, &stop, &tracker);
             }
             Err(e) => {
@@ -330,6 +342,44 @@ pub async fn serve_tcp<X: ExportSet>(
             }
         }
     }
+}
+
+/// Turns on TCP keepalive for a client connection, so one whose host died or dropped off the
+/// network while idle ends within [`KEEPALIVE_IDLE`] plus [`KEEPALIVE_PROBES`] probes
+/// [`KEEPALIVE_INTERVAL`] apart (two minutes). Otherwise it stays open for good: its volume
+/// counts as attached (delete and relocate refuse it) and it holds a connection slot.
+fn keep_alive(s: &impl std::os::fd::AsRawFd) -> io::Result<()> {
+    let fd = s.as_raw_fd();
+    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
+        // SAFETY: fd is an open socket; the option value is a c_int that outlives the call.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPIDLE,
+        KEEPALIVE_IDLE.as_secs() as libc::c_int,
+    )?;
+    let interval = KEEPALIVE_INTERVAL.as_secs() as libc::c_int;
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
+    set(
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPCNT,
+        KEEPALIVE_PROBES as libc::c_int,
+    )
 }
 
 /// Serves a Unix socket listener until `stop` fires.
@@ -394,7 +444,8 @@ fn spawn_conn<X: ExportSet, S: Stream>(
     let stop = stop.clone();
     let tracker = tracker.clone();
     tokio::spawn(async move {
-        serve_connection(s, peer, exports, stop, tracker.bytes.clone()).await;
+        let (bytes, timeout) = (tracker.bytes.clone(), tracker.reply_timeout);
+        serve_connection(s, peer, exports, stop, bytes, timeout).await;
         drop(slot);
         drop(tracker);
     });
@@ -413,6 +464,7 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
     exports: Arc<X>,
     stop: Stop,
     total_bytes: Arc<Semaphore>,
+    reply_timeout: Duration,
 ) {
     let negotiated = tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
@@ -461,7 +513,8 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
     let spawned = std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
-            transmission(conn, p, n, info, export, exports, total_bytes, handle);
+            let (bytes, timeout) = (total_bytes, reply_timeout);
+            transmission(conn, p, n, info, export, exports, bytes, timeout, handle);
             let _ = done_tx.send(());
         });
     if let Err(e) = spawned {
@@ -671,12 +724,14 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
 
 /// A request's share of the server-wide budget: from the connection's reserve
 /// ([`IN_FLIGHT_BYTES_RESERVED`]) while that has room, else from the shared budget. A request
-/// that has to wait takes whichever frees first (one larger than the reserve, only shared).
+/// that has to wait takes whichever frees first (one larger than the reserve, only shared),
+/// after `before_wait`.
 fn reserved_or_shared(
     reserve: &Arc<Semaphore>,
     shared: &Arc<Semaphore>,
     units: u32,
     handle: &tokio::runtime::Handle,
+    before_wait: impl FnOnce(),
 ) -> OwnedSemaphorePermit {
     if let Ok(p) = reserve.clone().try_acquire_many_owned(units) {
         return p;
@@ -684,6 +739,7 @@ fn reserved_or_shared(
     if let Ok(p) = shared.clone().try_acquire_many_owned(units) {
         return p;
     }
+    before_wait();
     let fits = units as usize * BUDGET_UNIT <= IN_FLIGHT_BYTES_RESERVED;
     handle
         .block_on(async {
@@ -778,6 +834,8 @@ struct Out {
     w: std::io::BufWriter<StdConn>,
     broken: bool,
     peer: Peer,
+    /// How long a reply may wait for the client to read (the socket's write timeout).
+    timeout: Duration,
 }
 
 /// What [`Out::send_now`] did with a reply.
@@ -791,6 +849,15 @@ enum Sent {
 }
 
 impl Out {
+    fn new(conn: StdConn, peer: Peer, timeout: Duration) -> Out {
+        Out {
+            w: std::io::BufWriter::with_capacity(128 * 1024, conn),
+            broken: false,
+            peer,
+            timeout,
+        }
+    }
+
     fn put(&mut self, r: &Reply) {
         if self.broken {
             return;
@@ -800,8 +867,7 @@ impl Out {
             None => Ok(()),
         });
         if let Err(e) = res {
-            debug!("nbd {}: writing reply failed: {e}", self.peer);
-            self.broken = true;
+            self.break_off(e);
         }
     }
 
@@ -810,9 +876,30 @@ impl Out {
             return;
         }
         if let Err(e) = self.w.flush() {
-            debug!("nbd {}: writing reply failed: {e}", self.peer);
-            self.broken = true;
+            self.break_off(e);
         }
+    }
+
+    /// A reply could not be written: the client closed, or stopped reading for
+    /// [`REPLY_WRITE_TIMEOUT`]. Later replies are dropped, so the socket is shut down both
+    /// ways at once: the client sees the connection end (and reconnects) instead of waiting
+    /// for ever on a reply cut short, and the connection thread reads the end of the stream
+    /// and drains what is in flight.
+    fn break_off(&mut self, e: io::Error) {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            warn!(
+                "nbd {}: the client read no reply for {}s; closing the connection",
+                self.peer,
+                self.timeout.as_secs_f64()
+            );
+        } else {
+            debug!("nbd {}: writing reply failed: {e}", self.peer);
+        }
+        self.broken = true;
+        let _ = self.w.get_ref().shutdown(std::net::Shutdown::Both);
     }
 
     /// Writes a reply straight to the socket without blocking, for a caller that must not
@@ -851,8 +938,7 @@ impl Out {
             return match e.kind() {
                 io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Sent::Not(r),
                 _ => {
-                    debug!("nbd {}: writing reply failed: {e}", self.peer);
-                    self.broken = true;
+                    self.break_off(e);
                     Sent::All
                 }
             };
@@ -884,6 +970,14 @@ impl Out {
 
 fn lock(out: &StdMutex<Out>) -> std::sync::MutexGuard<'_, Out> {
     out.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends the replies the connection thread has buffered, if any: before it may block.
+fn send_buffered(out: &StdMutex<Out>, unflushed: &mut bool) {
+    if *unflushed {
+        lock(out).flush();
+        *unflushed = false;
+    }
 }
 
 /// Why the connection thread stopped taking requests.
@@ -962,12 +1056,13 @@ fn transmission<X: ExportSet>(
     export: X::Export,
     exports: Arc<X>,
     total_bytes: Arc<Semaphore>,
+    reply_timeout: Duration,
     handle: tokio::runtime::Handle,
 ) {
     let _rt = handle.enter();
     let export = Arc::new(export);
     let (rd, wr) = match conn
-        .set_write_timeout(REPLY_WRITE_TIMEOUT)
+        .set_write_timeout(reply_timeout)
         .and_then(|_| conn.try_clone())
     {
         Ok(w) => (conn, w),
@@ -976,11 +1071,7 @@ fn transmission<X: ExportSet>(
             return;
         }
     };
-    let out = Arc::new(StdMutex::new(Out {
-        w: std::io::BufWriter::with_capacity(128 * 1024, wr),
-        broken: false,
-        peer: peer.clone(),
-    }));
+    let out = Arc::new(StdMutex::new(Out::new(wr, peer.clone(), reply_timeout)));
     let (tx, rx) = std_mpsc::channel::<Outgoing>();
     let reply_thread = {
         let out = out.clone();
@@ -1018,9 +1109,8 @@ fn transmission<X: ExportSet>(
     let end = loop {
         // Replies written inline are flushed before this thread could block on the socket,
         // and batched while the client keeps requests queued.
-        if unflushed && rd.buffer().len() < proto::REQUEST_LEN {
-            lock(&out).flush();
-            unflushed = false;
+        if rd.buffer().len() < proto::REQUEST_LEN {
+            send_buffered(&out, &mut unflushed);
         }
         let mut hdr = [0u8; proto::REQUEST_LEN];
         match read_header(&mut rd, &mut hdr) {
@@ -1050,18 +1140,26 @@ fn transmission<X: ExportSet>(
             _ => 0,
         };
         let units = payload_len.div_ceil(BUDGET_UNIT).max(1) as u32;
+        // Each wait for budget first sends the replies written so far: the requests holding
+        // that budget may be stalled (a failed datastore), and the client waits for those.
         let budget = Budget {
-            _slot: slots
-                .clone()
-                .try_acquire_owned()
-                .or_else(|_| handle.block_on(slots.clone().acquire_owned()))
-                .expect("never closed"),
+            _slot: slots.clone().try_acquire_owned().unwrap_or_else(|_| {
+                send_buffered(&out, &mut unflushed);
+                handle
+                    .block_on(slots.clone().acquire_owned())
+                    .expect("never closed")
+            }),
             _bytes: bytes
                 .clone()
                 .try_acquire_many_owned(units)
-                .or_else(|_| handle.block_on(bytes.clone().acquire_many_owned(units)))
-                .expect("never closed"),
-            _total: reserved_or_shared(&reserve, &total_bytes, units, &handle),
+                .unwrap_or_else(|_| {
+                    send_buffered(&out, &mut unflushed);
+                    let wait = bytes.clone().acquire_many_owned(units);
+                    handle.block_on(wait).expect("never closed")
+                }),
+            _total: reserved_or_shared(&reserve, &total_bytes, units, &handle, || {
+                send_buffered(&out, &mut unflushed)
+            }),
         };
         let data = if req.kind == proto::CMD_WRITE {
             match read_payload(&mut rd, req.len as usize) {
@@ -1371,11 +1469,7 @@ mod send_now_tests {
             let drained = room.min(queued.len());
             let mut head = vec![0u8; drained];
             b.read_exact(&mut head).unwrap();
-            let mut out = Out {
-                w: std::io::BufWriter::with_capacity(128 * 1024, StdConn::Unix(a)),
-                broken: false,
-                peer: Peer("test".into()),
-            };
+            let mut out = Out::new(StdConn::Unix(a), Peer("test".into()), REPLY_WRITE_TIMEOUT);
             let data: Vec<u8> = (0..60_000u32).map(|i| (i * 7 % 256) as u8).collect();
             let header = reply_header(Errno(0), 0xc00c1e + room as u64);
             let reply = Reply {
@@ -1428,11 +1522,7 @@ mod send_now_tests {
             whole.len() - 1,
         ] {
             let (a, _b) = StdUnix::pair().unwrap();
-            let mut out = Out {
-                w: std::io::BufWriter::with_capacity(128 * 1024, StdConn::Unix(a)),
-                broken: false,
-                peer: Peer("test".into()),
-            };
+            let mut out = Out::new(StdConn::Unix(a), Peer("test".into()), REPLY_WRITE_TIMEOUT);
             assert!(matches!(out.keep_rest(&header, &data, sent), Sent::Part));
             assert_eq!(out.w.buffer(), &whole[sent..], "sent {sent}");
         }
@@ -1442,11 +1532,7 @@ mod send_now_tests {
     #[test]
     fn send_now_leaves_a_reply_behind_buffered_ones() {
         let (a, _b) = StdUnix::pair().unwrap();
-        let mut out = Out {
-            w: std::io::BufWriter::with_capacity(128 * 1024, StdConn::Unix(a)),
-            broken: false,
-            peer: Peer("test".into()),
-        };
+        let mut out = Out::new(StdConn::Unix(a), Peer("test".into()), REPLY_WRITE_TIMEOUT);
         out.put(&Reply::error(Errno::EIO, 1, None));
         let r = Reply::error(Errno(0), 2, None);
         assert!(matches!(out.send_now(r), Sent::Not(_)));
@@ -1554,6 +1640,19 @@ mod budget_tests {
         impl Fn(&str) -> NbdUri,
         tokio::task::JoinHandle<()>,
     ) {
+        serve_exports_with(tag, shared, REPLY_WRITE_TIMEOUT)
+    }
+
+    /// [`serve_exports`] with replies that time out after `reply_timeout`.
+    fn serve_exports_with(
+        tag: &str,
+        shared: Arc<Semaphore>,
+        reply_timeout: Duration,
+    ) -> (
+        std::path::PathBuf,
+        impl Fn(&str) -> NbdUri,
+        tokio::task::JoinHandle<()>,
+    ) {
         let dir = std::env::temp_dir().join(format!("nbd-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let sock = dir.join("s.sock");
@@ -1572,6 +1671,7 @@ mod budget_tests {
                     exports,
                     Stop::never(),
                     shared,
+                    reply_timeout,
                 ));
             }
         });
@@ -1652,5 +1752,146 @@ mod budget_tests {
         assert!(stalled.iter().all(|t| !t.is_finished()));
         server.abort();
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A client of the export behind `uri` that speaks the transmission phase by hand, so a
+    /// test can send requests without reading their replies.
+    async fn raw_client(uri: &NbdUri) -> tokio::net::UnixStream {
+        let crate::uri::Address::Unix(path) = &uri.address else {
+            panic!("a unix socket URI");
+        };
+        let mut s = tokio::net::UnixStream::connect(path).await.unwrap();
+        let (mut rd, mut wr) = s.split();
+        crate::client::handshake(&mut rd, &mut wr, uri)
+            .await
+            .unwrap();
+        s
+    }
+
+    fn request(kind: u16, cookie: u64, offset: u64, len: u32) -> BytesMut {
+        let mut b = BytesMut::new();
+        let r = Request {
+            flags: 0,
+            kind,
+            cookie,
+            offset,
+            len,
+        };
+        r.encode(&mut b);
+        if kind == proto::CMD_WRITE {
+            b.extend_from_slice(&vec![5u8; len as usize]);
+        }
+        b
+    }
+
+    /// Reads one simple reply header (after `skip` bytes of an earlier reply's data) and
+    /// returns its cookie and error.
+    async fn reply_cookie(s: &mut tokio::net::UnixStream) -> (u64, u32) {
+        use tokio::io::AsyncReadExt as _;
+        let mut h = [0u8; proto::SIMPLE_REPLY_LEN];
+        s.read_exact(&mut h).await.unwrap();
+        assert_eq!(proto::be32(&h[0..4]), proto::SIMPLE_REPLY_MAGIC);
+        (proto::be64(&h[8..16]), proto::be32(&h[4..8]))
+    }
+
+    /// A client that stops reading its replies is disconnected once a reply has waited out
+    /// the write timeout: the connection ends, so the client (qemu) sees it close and
+    /// reconnects. Before, the server marked the connection broken, dropped every later
+    /// reply and kept the socket open: the client waited for ever on a reply cut short.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_stops_reading_replies_is_disconnected() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports_with("unread", shared, Duration::from_secs(1));
+        let mut s = raw_client(&uri("ok")).await;
+        // Two 32 MiB READs: far more than the socket buffers hold, and nobody reads.
+        let mut reqs = request(proto::CMD_READ, 1, 0, proto::BLOCK_SIZE_MAX);
+        reqs.extend_from_slice(&request(proto::CMD_READ, 2, 0, proto::BLOCK_SIZE_MAX));
+        s.write_all(&reqs).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Reading now gets what was sent of the first reply, then the end of the stream.
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got)).await;
+        let n = read
+            .expect("the connection stayed open after its reply timed out")
+            .unwrap_or(got.len());
+        assert!(
+            n < 2 * (proto::SIMPLE_REPLY_LEN + proto::BLOCK_SIZE_MAX as usize),
+            "both replies arrived whole ({n} bytes): the write never timed out"
+        );
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Replies completed on the connection's thread are sent before that thread waits for
+    /// budget. Here the connection's budget is held by two writes stalled on their datastore;
+    /// a READ completes at once, and the next one, larger, waits for budget. The first READ's reply
+    /// must reach the client meanwhile, not sit in the buffer for as long as the datastore
+    /// is stuck.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reply_is_sent_before_the_connection_waits_for_budget() {
+        use tokio::io::AsyncWriteExt as _;
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("wait", shared);
+        let mut s = raw_client(&uri("stuck")).await;
+        let max = proto::BLOCK_SIZE_MAX;
+        // The two writes take all of the connection's budget but one unit: the first READ
+        // fits in it (and gives it back once its reply is buffered), the second does not.
+        let unit = BUDGET_UNIT as u32;
+        let mut reqs = request(proto::CMD_WRITE, 1, 0, max);
+        reqs.extend_from_slice(&request(proto::CMD_WRITE, 2, 0, max - unit));
+        reqs.extend_from_slice(&request(proto::CMD_READ, 3, 0, unit));
+        reqs.extend_from_slice(&request(proto::CMD_READ, 4, 0, 2 * unit));
+        s.write_all(&reqs).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), reply_cookie(&mut s))
+            .await
+            .expect("the READ's reply was held back while the connection waited for budget");
+        assert_eq!(answer, (3, 0));
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod keepalive_tests {
+    use super::*;
+
+    fn get(fd: std::os::fd::RawFd, level: libc::c_int, name: libc::c_int) -> libc::c_int {
+        let mut v: libc::c_int = 0;
+        let mut n = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: fd is an open socket; v and n are valid for writes of their size.
+        let r = unsafe {
+            libc::getsockopt(fd, level, name, (&mut v as *mut libc::c_int).cast(), &mut n)
+        };
+        assert_eq!(r, 0, "getsockopt: {}", io::Error::last_os_error());
+        v
+    }
+
+    /// A TCP client connection gets keepalive with the idle time, interval and probe count
+    /// the constants say (the kernel's defaults would take over two hours to notice a dead
+    /// client, and keepalive is off unless asked for).
+    #[test]
+    fn a_tcp_client_connection_is_probed_when_idle() {
+        use std::os::fd::AsRawFd as _;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let fd = s.as_raw_fd();
+        assert_eq!(get(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 0);
+        keep_alive(&s).unwrap();
+        assert_eq!(get(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        let secs = |d: Duration| d.as_secs() as libc::c_int;
+        assert_eq!(
+            get(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+            secs(KEEPALIVE_IDLE)
+        );
+        assert_eq!(
+            get(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL),
+            secs(KEEPALIVE_INTERVAL)
+        );
+        assert_eq!(
+            get(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT),
+            KEEPALIVE_PROBES as libc::c_int
+        );
     }
 }
