@@ -54,6 +54,11 @@ pub trait Device: Send + Sync + 'static {
     fn set_fence(&self, fence: Arc<Fence>) {
         let _ = fence;
     }
+    /// Whether [`Device::set_fence`] gave this device a fence (for tests of the wiring).
+    #[cfg(test)]
+    fn fenced(&self) -> bool {
+        false
+    }
     /// A hint that the range is unused; it may read back as anything afterwards.
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     /// The range reads back as zeroes afterwards; `may_trim` lets the device deallocate it.
@@ -339,6 +344,11 @@ impl Device for FileDevice {
 
     fn set_fence(&self, fence: Arc<Fence>) {
         let _ = self.fence.set(fence);
+    }
+
+    #[cfg(test)]
+    fn fenced(&self) -> bool {
+        self.fence.get().is_some()
     }
 
     async fn write_batch(

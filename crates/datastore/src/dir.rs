@@ -21,6 +21,9 @@ pub struct DirDatastore {
     spec: DatastoreSpec,
     path: PathBuf,
     gate: Arc<Gate>,
+    /// The host's fence, handed to each volume's file ([`Datastore::set_fence`]): a long
+    /// zeroing there asks it again between pieces.
+    fence: std::sync::OnceLock<Arc<crate::fence::Fence>>,
 }
 
 impl DirDatastore {
@@ -67,7 +70,17 @@ impl DirDatastore {
             gate: Arc::new(Gate::new(spec.queue_depth)),
             spec,
             path,
+            fence: std::sync::OnceLock::new(),
         })
+    }
+
+    /// A volume's extent over its file, fenced like the datastore.
+    fn extent(&self, dev: FileDevice, size: u64) -> Extent {
+        use crate::device::Device as _;
+        if let Some(f) = self.fence.get() {
+            dev.set_fence(f.clone());
+        }
+        Extent::new(Arc::new(dev), 0, size, self.gate.clone())
     }
 
     fn file_of(&self, v: &VolumeSpec) -> PathBuf {
@@ -155,6 +168,11 @@ impl Datastore for DirDatastore {
         &self.gate
     }
 
+    fn set_fence(&self, fence: Arc<crate::fence::Fence>) {
+        self.gate.set_fence(fence.clone());
+        let _ = self.fence.set(fence);
+    }
+
     async fn capacity(&self) -> Result<Capacity> {
         let p = self.path.clone();
         blocking(move || statvfs(&p))
@@ -196,7 +214,7 @@ impl Datastore for DirDatastore {
                     }
                 }
             })?;
-        Ok(Extent::new(Arc::new(dev), 0, size, self.gate.clone()))
+        Ok(self.extent(dev, size))
     }
 
     async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
@@ -227,7 +245,7 @@ impl Datastore for DirDatastore {
                 v.size
             )));
         }
-        Ok(Extent::new(Arc::new(dev), 0, v.size, self.gate.clone()))
+        Ok(self.extent(dev, v.size))
     }
 
     /// The image files tagged with the volume they were created for: what an interrupted
@@ -272,7 +290,12 @@ impl Datastore for DirDatastore {
                 std::io::ErrorKind::PermissionDenied,
                 format!("it holds volume {other}, not {id}; left in place"),
             )),
-            _ => std::fs::remove_file(&f),
+            // The directory synced too: after a power cut the file must not come back
+            // without the record its delete removes next.
+            _ => std::fs::remove_file(&f).and_then(|_| match f.parent() {
+                Some(dir) => std::fs::File::open(dir)?.sync_all(),
+                None => Ok(()),
+            }),
         });
         match removed.await {
             Ok(()) => Ok(()),
@@ -364,5 +387,20 @@ mod tests {
         assert!(same_dir(&s.0, &link).await);
         assert!(!same_dir(&s.0, &std::env::temp_dir()).await);
         std::fs::remove_file(&link).unwrap();
+    }
+
+    /// Each volume's file gets the host's fence, opened or created, so a long zeroing done
+    /// in pieces (a file system without `fallocate`, such as NFSv3) asks it between them:
+    /// at the gate alone, a host whose lease lapsed mid-zeroing would go on writing zeroes
+    /// while another host replays the volume.
+    #[tokio::test]
+    async fn each_volume_file_gets_the_hosts_fence() {
+        let s = scratch("fence").await;
+        s.1.set_fence(Arc::new(crate::fence::Fence::open()));
+        let v = spec("v");
+        let created = s.1.create_volume(&v).await.unwrap();
+        assert!(created.dev.fenced(), "a created volume's file has no fence");
+        let opened = s.1.open_volume(&v).await.unwrap();
+        assert!(opened.dev.fenced(), "an opened volume's file has no fence");
     }
 }

@@ -316,7 +316,7 @@ impl Gate {
 /// A volume's bytes on a datastore: a window `[base, base + size)` of a device.
 #[derive(Clone)]
 pub struct Extent {
-    dev: Arc<dyn Device>,
+    pub(crate) dev: Arc<dyn Device>,
     base: u64,
     size: u64,
     gate: Arc<Gate>,

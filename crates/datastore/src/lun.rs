@@ -225,6 +225,35 @@ impl LunDatastore {
             )))
     }
 
+    /// Writes `next`, the table after `t`, and makes it `t` once it is on the device. A write
+    /// that answered an error may still have landed (a sync that failed after the write, an
+    /// NBD reply lost with its connection), so the device is read again to tell: taking a
+    /// landed change for a failed one would, after a delete, serve a volume whose extent the
+    /// table has already given back for the next create to take.
+    async fn commit_or_read_back(&self, t: &mut Table, next: &Table) -> Commit {
+        let Err(e) = self.commit(next).await else {
+            *t = next.clone();
+            return Commit::Landed;
+        };
+        match self.refresh(t).await {
+            Ok(()) if t == next => {
+                warn!(
+                    "datastore {:?}: writing volume table {} answered an error ({e}), but                      reading it back finds it on the device",
+                    self.spec.name, next.generation
+                );
+                Commit::Landed
+            }
+            Ok(()) => Commit::NotLanded(e),
+            Err(read) => {
+                warn!(
+                    "datastore {:?}: writing volume table {} answered an error ({e}), and                      reading it back failed too ({read})",
+                    self.spec.name, next.generation
+                );
+                Commit::Unknown(e)
+            }
+        }
+    }
+
     /// Reads the table back from the device and takes it if it is newer than `t`: another
     /// host may have changed it. Callers on several hosts serialize table changes through the
     /// coordinator's datastore lock, so after this `t` is the newest table and the next
@@ -361,9 +390,12 @@ impl Datastore for LunDatastore {
         let mut next = t.clone();
         next.generation += 1;
         next.entries.push(entry.clone());
-        self.commit(&next).await?;
-        *t = next;
-        Ok(self.extent(&entry, v.size))
+        match self.commit_or_read_back(&mut t, &next).await {
+            Commit::Landed => Ok(self.extent(&entry, v.size)),
+            // If an unknown write did land, its entry blocks the name and holds the space
+            // until the volume is created again under another name; it names no live data.
+            Commit::NotLanded(e) | Commit::Unknown(e) => Err(e),
+        }
     }
 
     async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
@@ -400,8 +432,20 @@ impl Datastore for LunDatastore {
         let mut next = t.clone();
         next.generation += 1;
         let gone = next.entries.remove(i);
-        self.commit(&next).await?;
-        *t = next;
+        match self.commit_or_read_back(&mut t, &next).await {
+            Commit::Landed => {}
+            Commit::NotLanded(e) => return Err(e),
+            Commit::Unknown(e) => {
+                // Deleted as far as the caller knows: a volume served again could be writing
+                // an extent the next create takes. At worst its entry stays in the table,
+                // holding the space.
+                warn!(
+                    "datastore {:?}: volume {:?} counts as deleted, though the table write                      that deletes it answered {e} and could not be read back; if it did not                      land, the volume's extent stays allocated under its name",
+                    self.spec.name, gone.name
+                );
+                return Ok(());
+            }
+        }
         // Give the space back to a thin backend; a hint, so failure only costs space.
         let trimmed = match self.unfenced("trim a deleted volume") {
             Ok(()) => self.dev.trim(gone.offset, gone.len).await,
@@ -430,6 +474,15 @@ impl Datastore for LunDatastore {
     }
 }
 
+/// What became of a table write ([`LunDatastore::commit_or_read_back`]).
+enum Commit {
+    Landed,
+    /// It answered this error and the device still holds the table before it.
+    NotLanded(Error),
+    /// It answered this error and the device could not be read to tell.
+    Unknown(Error),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -447,10 +500,21 @@ mod tests {
         }
     }
 
-    /// A device that records the order of its writes, zeroings and flushes.
+    /// A device that records the order of its writes, zeroings and flushes, and on demand
+    /// answers an error for a write it did ([`Watched::landed_but_failed`]: a sync that
+    /// failed after the write, a reply lost with its connection) or fails reads.
     struct Watched {
         inner: crate::device::MemDevice,
         ops: std::sync::Mutex<Vec<String>>,
+        landed_but_failed: std::sync::atomic::AtomicBool,
+        lost: std::sync::atomic::AtomicBool,
+        /// Set by a write that landed but failed while `then_unreadable` is.
+        reads_fail: std::sync::atomic::AtomicBool,
+        then_unreadable: std::sync::atomic::AtomicBool,
+    }
+
+    fn io_error() -> std::io::Error {
+        std::io::Error::from_raw_os_error(libc::EIO)
     }
 
     #[async_trait]
@@ -462,6 +526,9 @@ mod tests {
             "watched".into()
         }
         async fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
+            if self.reads_fail.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(io_error());
+            }
             self.inner.read_at(offset, len).await
         }
         async fn write_at(
@@ -474,7 +541,18 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("write {offset} fua={fua}"));
-            self.inner.write_at(offset, data, fua).await
+            use std::sync::atomic::Ordering::SeqCst;
+            if self.lost.load(SeqCst) {
+                return Err(io_error());
+            }
+            self.inner.write_at(offset, data, fua).await?;
+            if self.landed_but_failed.load(SeqCst) {
+                if self.then_unreadable.load(SeqCst) {
+                    self.reads_fail.store(true, SeqCst);
+                }
+                return Err(io_error());
+            }
+            Ok(())
         }
         async fn flush(&self) -> std::io::Result<()> {
             self.ops.lock().unwrap().push("flush".into());
@@ -494,6 +572,10 @@ mod tests {
         let dev = Arc::new(Watched {
             inner: crate::device::MemDevice::new(64 << 20),
             ops: Default::default(),
+            landed_but_failed: Default::default(),
+            lost: Default::default(),
+            reads_fail: Default::default(),
+            then_unreadable: Default::default(),
         });
         let lun = LunDatastore::open_on(
             dev.clone(),
@@ -592,5 +674,74 @@ mod tests {
             w_reads.iter().all(|b| *b == 0),
             "host B wrote V's data into W, which took V's old extent"
         );
+    }
+
+    fn names(t: &[VolumeSpec]) -> Vec<String> {
+        let mut n: Vec<String> = t.iter().map(|v| v.name.clone()).collect();
+        n.sort();
+        n
+    }
+
+    /// A delete whose table write answered an error after landing is done: the table no
+    /// longer names the volume, so the caller must not serve it again (the next create
+    /// takes its extent). One whose write did not land failed, and the volume is still
+    /// there; one whose outcome cannot be read back counts as done (at worst a leak).
+    #[tokio::test]
+    async fn a_delete_counts_as_done_exactly_when_its_table_write_landed() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (dev, lun) = watched_lun().await;
+        let (v, w, x) = (volume("v"), volume("w"), volume("x"));
+        for vol in [&v, &w, &x] {
+            lun.create_volume(vol).await.unwrap();
+        }
+        dev.lost.store(true, SeqCst);
+        assert!(
+            lun.delete_volume(&v).await.is_err(),
+            "a lost table write deleted v"
+        );
+        dev.lost.store(false, SeqCst);
+        assert_eq!(
+            names(&lun.recorded_volumes().await.unwrap()),
+            ["v", "w", "x"]
+        );
+
+        dev.landed_but_failed.store(true, SeqCst);
+        lun.delete_volume(&v)
+            .await
+            .expect("a delete whose table write landed reported a failure");
+        dev.landed_but_failed.store(false, SeqCst);
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["w", "x"]);
+
+        dev.landed_but_failed.store(true, SeqCst);
+        dev.then_unreadable.store(true, SeqCst);
+        lun.delete_volume(&w)
+            .await
+            .expect("a delete whose outcome is unknown reported a failure");
+        assert!(dev.reads_fail.load(SeqCst), "the table was never read back");
+        dev.landed_but_failed.store(false, SeqCst);
+        dev.then_unreadable.store(false, SeqCst);
+        dev.reads_fail.store(false, SeqCst);
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["x"]);
+    }
+
+    /// A create whose table write answered an error after landing returns the volume's
+    /// extent, which the table now names; one whose write did not land fails and leaves
+    /// nothing.
+    #[tokio::test]
+    async fn a_create_succeeds_exactly_when_its_table_write_landed() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (dev, lun) = watched_lun().await;
+        dev.lost.store(true, SeqCst);
+        assert!(lun.create_volume(&volume("v")).await.is_err());
+        dev.lost.store(false, SeqCst);
+        assert!(lun.recorded_volumes().await.unwrap().is_empty());
+
+        dev.landed_but_failed.store(true, SeqCst);
+        let w = volume("w");
+        let extent = lun.create_volume(&w).await;
+        dev.landed_but_failed.store(false, SeqCst);
+        let extent = extent.expect("a create whose table write landed failed");
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["w"]);
+        assert_eq!(extent.size(), w.size);
     }
 }
