@@ -96,6 +96,13 @@ fn errors_name_the_problem_and_the_fix() {
     let e = v.vesta_err(&["datastore", "add", "default", "--dir", "/tmp"]);
     assert!(e.contains("already exists"), "{e}");
 
+    // A name is sent as itself, never as part of the request: this one is not a volume's
+    // name, so nothing is deleted (it used to delete `a`, with force).
+    let e = v.vesta_err(&["volume", "delete", "a?force=true"]);
+    assert!(e.contains("no volume named \"a?force=true\""), "{e}");
+    let e = v.vesta_err(&["volume", "show", "a/../a"]);
+    assert!(e.contains("no volume named \"a/../a\""), "{e}");
+
     let e = v.vesta_err(&["datastore", "add", "x", "--dir", "/nonexistent/vesta"]);
     assert!(e.contains("mkdir -p"), "{e}");
 
@@ -195,6 +202,27 @@ fn dir_and_lun_datastores_are_added_and_listed() {
     let local2 = &list[1];
     assert_eq!(local2["location"], s.join("ds2").display().to_string());
     assert_eq!(local2["class"], "ssd");
+
+    // So is a --lun given as a relative path.
+    let img = std::fs::File::create(s.join("lun.img")).unwrap();
+    img.set_len(64 << 20).unwrap();
+    let out = vesta_tests::run(Command::new(bin("vesta")).current_dir(s.path()).args([
+        "--api",
+        &v.api,
+        "--json",
+        "datastore",
+        "add",
+        "filelun",
+        "--lun",
+        "lun.img",
+    ]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["location"], s.join("lun.img").display().to_string());
     let table = v.vesta_ok(&["datastore", "list"]);
     assert!(table.lines().next().unwrap().starts_with("NAME"), "{table}");
 

@@ -295,6 +295,25 @@ impl Client {
     }
 }
 
+/// `s` as one segment of a URL path or a query value: every byte but the unreserved ones
+/// percent-encoded, so a name holding `?`, `/` or `#` reaches the daemon as itself (and is
+/// refused there as a name) instead of changing the request.
+fn seg(s: &str) -> String {
+    if s == "." || s == ".." {
+        // Dot segments a client library may resolve away.
+        return s.replace('.', "%2E");
+    }
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// `vesta volume accept-loss`, for people.
 fn print_loss(r: &api::LossReport) {
     let what = match (r.dirty_bytes, r.dirty_writes) {
@@ -437,6 +456,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ),
                 None => None,
             };
+            // A LUN given as a path, like --dir, is resolved here: vestad may run in another
+            // directory, and resolved there it could name (and with --force format) another
+            // file.
+            let lun = match lun {
+                Some(l) if !l.contains("://") => Some(
+                    std::path::absolute(&l)
+                        .with_context(|| format!("resolve {l}"))?
+                        .display()
+                        .to_string(),
+                ),
+                l => l,
+            };
             let req = api::AddDatastore {
                 name,
                 dir,
@@ -539,7 +570,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if !cli.json && matches!(req.policy.as_str(), "uncached" | "wt") {
                 eprintln!("changing the policy of {name} (dirty data destages first)…");
             }
-            let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{name}/policy"), &req)?;
+            let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{}/policy", seg(&name)), &req)?;
             if cli.json {
                 return print_json(&v);
             }
@@ -632,7 +663,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Cmd::Volume(VolumeCmd::Show { name }) => {
-            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{name}"))?;
+            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{}", seg(&name)))?;
             if cli.json {
                 return print_json(&v);
             }
@@ -728,7 +759,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Volume(VolumeCmd::Delete { name, force }) => {
             let v: api::VolumeInfo = c.delete(&format!(
-                "/v1/volumes/{name}{}",
+                "/v1/volumes/{}{}",
+                seg(&name),
                 if force { "?force=true" } else { "" }
             ))?;
             if cli.json {
@@ -738,7 +770,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Volume(VolumeCmd::AcceptLoss { name, yes }) => {
             let r: api::LossReport = c.post_long(
-                &format!("/v1/volumes/{name}/accept-loss"),
+                &format!("/v1/volumes/{}/accept-loss", seg(&name)),
                 &api::AcceptLoss { dry_run: !yes },
             )?;
             if cli.json {
@@ -751,7 +783,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Volume(VolumeCmd::Url { name, tcp }) => {
-            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{name}"))?;
+            let v: api::VolumeInfo = c.get(&format!("/v1/volumes/{}", seg(&name)))?;
             if cli.json {
                 return print_json(&v.urls);
             }
@@ -836,7 +868,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let started = std::time::Instant::now();
             let v: api::VolumeInfo = c.post_long(
-                &format!("/v1/volumes/{name}/relocate"),
+                &format!("/v1/volumes/{}/relocate", seg(&name)),
                 &api::Relocate { datastore, offline },
             )?;
             if cli.json {
@@ -852,7 +884,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Stats { volume, .. } => {
             let path = match &volume {
-                Some(v) => format!("/v1/stats?volume={v}"),
+                Some(v) => format!("/v1/stats?volume={}", seg(v)),
                 None => "/v1/stats".into(),
             };
             let r: api::StatsReport = c.get(&path)?;
