@@ -1248,7 +1248,9 @@ impl Daemon {
 
     /// [`Daemon::claim`], waiting for a claim of the background rounds to go: up to `wait`
     /// (usually short), or [`REOPEN_WAIT`] for the reopen of a volume that could not open;
-    /// an operator's relocation or policy change refuses at once.
+    /// an operator's relocation or policy change refuses at once. Operators' changes all
+    /// claim this way: a round that holds the volume for a moment (a `wbp` volume without
+    /// peers tries a peer change every second) must not turn their command into a conflict.
     async fn claim_within(
         &self,
         name: &str,
@@ -1294,7 +1296,7 @@ impl Daemon {
                     .into(),
             ));
         }
-        let _busy = self.claim(name, "relocation")?;
+        let _busy = self.claim_within(name, "relocation", CLAIM_WAIT).await?;
         // Held while the volume is taken out of service and the copy created, and again for
         // the switch; not during the copy, which may take hours. The claim keeps other
         // operations on this volume out meanwhile (a delete is refused).
@@ -1657,7 +1659,7 @@ impl Daemon {
     /// Changes a volume's policy and/or tuning. Leaving `wb` drains dirty data first, which
     /// can take as long as the datastore needs to take it; IO goes on meanwhile.
     pub async fn set_policy(&self, name: &str, req: api::SetPolicy) -> OpResult<api::VolumeInfo> {
-        let _busy = self.claim(name, "policy change")?;
+        let _busy = self.claim_within(name, "policy change", CLAIM_WAIT).await?;
         let entry = self.local_entry(name).await?;
         let volume = entry
             .volume

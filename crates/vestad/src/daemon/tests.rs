@@ -514,6 +514,45 @@ async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
     );
 }
 
+/// A policy change and a relocation wait out a background round's claim of their volume
+/// (a `wbp` volume without peers tries a peer change every second) instead of failing as a
+/// conflict; another operator's change still refuses them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_change_and_a_relocation_wait_out_a_rounds_claim() {
+    let dir = TempDir::new("policyclaim");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let to_uncached = || api::SetPolicy {
+        policy: "uncached".into(),
+        ..Default::default()
+    };
+    {
+        let _busy = d.try_claim("v", "relocation").unwrap();
+        let e = d.set_policy("v", to_uncached()).await.unwrap_err();
+        assert!(e.to_string().contains("relocation under way"), "{e}");
+    }
+    let busy = d.try_claim("v", "peer change").unwrap();
+    let d2 = d.clone();
+    let changing = tokio::spawn(async move { d2.set_policy("v", to_uncached()).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !changing.is_finished(),
+        "the policy change waits for the claim"
+    );
+    drop(busy);
+    let v = changing.await.unwrap().expect("the policy change failed");
+    assert_eq!(v.policy, "uncached");
+
+    let busy = d.try_claim("v", "vault record").unwrap();
+    let d2 = d.clone();
+    let moving = tokio::spawn(async move { relocate_to_other(&d2).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!moving.is_finished(), "the relocation waits for the claim");
+    drop(busy);
+    moving.await.unwrap();
+}
+
 /// The reopen of a volume that could not open can take as long as a slow NBD server makes
 /// it; a delete (the way out of such a volume) waits for it beyond the short wait it gives
 /// the other background claims, rather than fail.
