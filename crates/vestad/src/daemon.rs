@@ -1639,7 +1639,16 @@ impl Daemon {
         if let Ok(v) = &entry.volume {
             v.detach_cache().await;
         }
-        self.coord.delete_volume(name).await?;
+        if let Err(e) = self.coord.delete_volume(name).await {
+            // The storage is gone and the record is not: listed again, not open (as a start
+            // finds such a record after a crash here), so the delete can be run again rather
+            // than the name be unknown here and taken for another host's volume elsewhere.
+            let why = format!("its storage was deleted, but its record was not ({e})");
+            self.reinstate(&entry, Err(why));
+            return Err(OpError::Unavailable(format!(
+                "volume {name:?}: its storage is deleted, but removing its record failed:                  {e}; run the delete again"
+            )));
+        }
         crate::peers::forget_vault_writer(self, entry.record.id).await;
         self.sampler.lock().expect("lock").forget_volume(name);
         info!("deleted volume {name:?}");

@@ -21,6 +21,8 @@ struct FailingVault {
     locked_by: std::sync::Mutex<Option<String>>,
     /// Volume record updates are made, but answered with an error (a lost answer).
     lose_update_answers: AtomicBool,
+    /// Volume record deletes fail.
+    fail_deletes: AtomicBool,
 }
 
 #[async_trait]
@@ -50,6 +52,9 @@ impl Coordinator for FailingVault {
         Ok(())
     }
     async fn delete_volume(&self, name: &str) -> cluster::Result<()> {
+        if self.fail_deletes.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable("record deletes fail".into()));
+        }
         self.inner.delete_volume(name).await
     }
     fn host(&self) -> &str {
@@ -150,6 +155,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_vault: AtomicBool::new(false),
         locked_by: Default::default(),
         lose_update_answers: AtomicBool::new(false),
+        fail_deletes: AtomicBool::new(false),
     })
 }
 
@@ -512,6 +518,33 @@ async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
         d.try_claim("v", "policy change").is_some(),
         "the delete gave its own claim back"
     );
+}
+
+/// A delete whose last step, removing the record, fails has freed the storage already: the
+/// volume stays listed (not open) and a second delete finishes. Before, the name was gone
+/// from this host while its record stayed, so a retry answered "no volume named" and only
+/// a restart brought it back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_whose_record_removal_fails_can_be_run_again() {
+    let dir = TempDir::new("deleterecord");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let file = dir.0.join("ds");
+    let files = || std::fs::read_dir(&file).unwrap().count();
+    let before = files();
+    coord.fail_deletes.store(true, Ordering::SeqCst);
+    let e = d.delete_volume("v", false).await.unwrap_err();
+    assert!(e.to_string().contains("run the delete again"), "{e}");
+    assert!(files() < before, "the storage was deleted");
+    let listed = d.entry("v").expect("the volume is still listed");
+    assert!(listed.volume.is_err(), "and not open");
+    coord.fail_deletes.store(false, Ordering::SeqCst);
+    d.delete_volume("v", false)
+        .await
+        .expect("the second delete failed");
+    assert!(d.entry("v").is_err(), "deleted");
+    assert!(coord.inner.state().await.unwrap().volumes.is_empty());
 }
 
 /// A policy change and a relocation wait out a background round's claim of their volume
