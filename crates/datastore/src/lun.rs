@@ -238,7 +238,8 @@ impl LunDatastore {
         match self.refresh(t).await {
             Ok(()) if t == next => {
                 warn!(
-                    "datastore {:?}: writing volume table {} answered an error ({e}), but                      reading it back finds it on the device",
+                    "datastore {:?}: writing volume table {} answered an error ({e}), but \
+                     reading it back finds it on the device",
                     self.spec.name, next.generation
                 );
                 Commit::Landed
@@ -246,7 +247,8 @@ impl LunDatastore {
             Ok(()) => Commit::NotLanded(e),
             Err(read) => {
                 warn!(
-                    "datastore {:?}: writing volume table {} answered an error ({e}), and                      reading it back failed too ({read})",
+                    "datastore {:?}: writing volume table {} answered an error ({e}), and \
+                     reading it back failed too ({read})",
                     self.spec.name, next.generation
                 );
                 Commit::Unknown(e)
@@ -440,7 +442,9 @@ impl Datastore for LunDatastore {
                 // an extent the next create takes. At worst its entry stays in the table,
                 // holding the space.
                 warn!(
-                    "datastore {:?}: volume {:?} counts as deleted, though the table write                      that deletes it answered {e} and could not be read back; if it did not                      land, the volume's extent stays allocated under its name",
+                    "datastore {:?}: volume {:?} counts as deleted, though the table write \
+                     that deletes it answered {e} and could not be read back; if it did not \
+                     land, the volume's extent stays allocated under its name",
                     self.spec.name, gone.name
                 );
                 return Ok(());

@@ -1646,7 +1646,8 @@ impl Daemon {
             let why = format!("its storage was deleted, but its record was not ({e})");
             self.reinstate(&entry, Err(why));
             return Err(OpError::Unavailable(format!(
-                "volume {name:?}: its storage is deleted, but removing its record failed:                  {e}; run the delete again"
+                "volume {name:?}: its storage is deleted, but removing its record failed: \
+                 {e}; run the delete again"
             )));
         }
         crate::peers::forget_vault_writer(self, entry.record.id).await;
@@ -1726,7 +1727,15 @@ impl Daemon {
         let mut rec = entry.current_record();
         rec.policy = policy;
         rec.tuning = tuning;
-        self.coord.update_volume(rec.clone()).await?;
+        if let Err(e) = self.coord.update_volume(rec.clone()).await {
+            // The change is made; only its record may not be. The same command again is a
+            // switch to the policy in effect, and records it.
+            return Err(OpError::Unavailable(format!(
+                "volume {name:?} now runs {policy}, but recording that failed: {e}; run the \
+                 same command again to record it (until then a restart may go back to the \
+                 policy recorded before)"
+            )));
+        }
         self.record_vault(&rec, &volume).await;
         Ok(self.volume_info(&entry))
     }

@@ -23,6 +23,8 @@ struct FailingVault {
     lose_update_answers: AtomicBool,
     /// Volume record deletes fail.
     fail_deletes: AtomicBool,
+    /// Volume record updates fail (nothing is written).
+    fail_updates: AtomicBool,
 }
 
 #[async_trait]
@@ -43,6 +45,9 @@ impl Coordinator for FailingVault {
         self.inner.create_volume(v).await
     }
     async fn update_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
+        if self.fail_updates.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable("record updates fail".into()));
+        }
         self.inner.update_volume(v).await?;
         if self.lose_update_answers.load(Ordering::SeqCst) {
             return Err(cluster::Error::Unavailable(
@@ -156,6 +161,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         locked_by: Default::default(),
         lose_update_answers: AtomicBool::new(false),
         fail_deletes: AtomicBool::new(false),
+        fail_updates: AtomicBool::new(false),
     })
 }
 
@@ -545,6 +551,40 @@ async fn a_delete_whose_record_removal_fails_can_be_run_again() {
         .expect("the second delete failed");
     assert!(d.entry("v").is_err(), "deleted");
     assert!(coord.inner.state().await.unwrap().volumes.is_empty());
+}
+
+/// A policy change whose record update fails has still switched the volume: the error says
+/// so, and the same command again records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_change_whose_record_fails_says_it_took_effect_and_a_rerun_records_it() {
+    let dir = TempDir::new("policyrecord");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let to_uncached = || api::SetPolicy {
+        policy: "uncached".into(),
+        ..Default::default()
+    };
+    let recorded = || async {
+        let state = coord.inner.state().await.unwrap();
+        state.volumes.iter().find(|v| v.name == "v").unwrap().policy
+    };
+    coord.fail_updates.store(true, Ordering::SeqCst);
+    let e = d.set_policy("v", to_uncached()).await.unwrap_err();
+    assert!(
+        e.to_string().contains("now runs uncached")
+            && e.to_string().contains("run the same command again"),
+        "{e}"
+    );
+    assert_eq!(
+        recorded().await,
+        Policy::Wt,
+        "the record still has the old policy"
+    );
+    coord.fail_updates.store(false, Ordering::SeqCst);
+    let v = d.set_policy("v", to_uncached()).await.unwrap();
+    assert_eq!(v.policy, "uncached");
+    assert_eq!(recorded().await, Policy::Uncached);
 }
 
 /// A policy change and a relocation wait out a background round's claim of their volume
