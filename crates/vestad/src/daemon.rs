@@ -291,6 +291,7 @@ impl Daemon {
             let store = match datastore::open(&spec, OpenMode::Reopen).await {
                 Ok(s) => {
                     s.set_fence(d.coord.fence());
+                    d.warn_if_cached_by_host(&spec);
                     Ok(s)
                 }
                 Err(e) => {
@@ -911,6 +912,7 @@ impl Daemon {
         // A LUN must not be added twice under two names.
         let store = datastore::open(&spec, OpenMode::Add { force: req.force }).await?;
         store.set_fence(self.coord.fence());
+        self.warn_if_cached_by_host(&spec);
         let spec = store.spec().clone();
         if let Kind::Lun {
             lun_id: Some(id), ..
@@ -1750,6 +1752,29 @@ impl Daemon {
                     entry.record.name
                 );
             }
+        }
+    }
+
+    /// In a cluster, says that a datastore reached by path is not safe to share between
+    /// hosts: each host reads and writes it through its own page cache, which another host's
+    /// writes (a peer's replay, a relocation) do not update, and which can write this host's
+    /// data back after its lease lapsed. Shared storage goes behind an NBD server.
+    fn warn_if_cached_by_host(&self, spec: &DatastoreSpec) {
+        let by_path = match &spec.kind {
+            Kind::Dir { .. } => true,
+            Kind::Lun { target, .. } => !target.contains("://"),
+        };
+        if by_path && self.coord.kind() != "local" {
+            warn!(
+                "datastore {:?} ({} {}) is reached by path: do not share it with other hosts \
+                 of the cluster (NFS, a SAN disk). Each host caches it in its own page cache, \
+                 so one host may read stale data after another wrote (a peer's replay) and \
+                 write old data back after its lease lapsed. Serve shared storage with an NBD \
+                 server (nbdkit, qemu-nbd) and add it as --lun nbd://…",
+                spec.name,
+                spec.kind_name(),
+                spec.location()
+            );
         }
     }
 
