@@ -918,14 +918,30 @@ impl Daemon {
             lun_id: Some(id), ..
         } = &spec.kind
         {
-            let ds = self.datastores.read().expect("lock");
-            if let Some(other) = ds
-                .values()
-                .find(|e| matches!(&e.spec.kind, Kind::Lun { lun_id: Some(o), .. } if o == id))
-            {
+            let same =
+                |s: &DatastoreSpec| matches!(&s.kind, Kind::Lun { lun_id: Some(o), .. } if o == id);
+            let here = {
+                let ds = self.datastores.read().expect("lock");
+                ds.values()
+                    .find(|e| same(&e.spec))
+                    .map(|e| e.spec.name.clone())
+            };
+            // Also under a name another host of the cluster added, which this host may not
+            // know yet or could not open: two names would mean two locks on one table.
+            let recorded = match here {
+                Some(n) => Some(n),
+                None => self
+                    .coord
+                    .state()
+                    .await?
+                    .datastores
+                    .into_iter()
+                    .find(same)
+                    .map(|s| s.name),
+            };
+            if let Some(other) = recorded {
                 return Err(OpError::Conflict(format!(
-                    "that LUN is already datastore {:?}",
-                    other.spec.name
+                    "that LUN is already datastore {other:?}"
                 )));
             }
         }

@@ -587,6 +587,48 @@ async fn a_policy_change_whose_record_fails_says_it_took_effect_and_a_rerun_reco
     assert_eq!(recorded().await, Policy::Uncached);
 }
 
+/// A LUN another host of the cluster added under one name (recorded, not yet known to this
+/// host) is refused under a second: two names would be two locks on one volume table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lun_another_host_added_is_refused_under_a_second_name() {
+    let dir = TempDir::new("lunname");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    let img = dir.0.join("lun.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let target = img.display().to_string();
+    // The other host formats and records it as "san".
+    let mut spec = DatastoreSpec {
+        name: "san".into(),
+        kind: Kind::Lun {
+            target: target.clone(),
+            lun_id: None,
+        },
+        class: Default::default(),
+        queue_depth: 4,
+    };
+    let store = datastore::open(&spec, OpenMode::Add { force: false })
+        .await
+        .unwrap();
+    spec = store.spec().clone();
+    coord.inner.add_datastore(spec).await.unwrap();
+    let e = d
+        .add_datastore(api::AddDatastore {
+            name: "san2".into(),
+            dir: None,
+            lun: Some(target),
+            class: None,
+            queue_depth: None,
+            force: false,
+        })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already datastore \"san\""), "{e}");
+}
+
 /// A policy change and a relocation wait out a background round's claim of their volume
 /// (a `wbp` volume without peers tries a peer change every second) instead of failing as a
 /// conflict; another operator's change still refuses them at once.
