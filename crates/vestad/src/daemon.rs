@@ -319,6 +319,23 @@ impl Daemon {
                 .expect("lock")
                 .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
         }
+        // A crash between a create's storage and its record leaves storage no record knows
+        // (a LUN table entry, a tagged image), holding the name and the space. With one host
+        // nothing else can be creating meanwhile, so it is imported as when its datastore is
+        // added again: listed, and deletable. (In a cluster another host may be between the
+        // two steps of a create right now.)
+        if d.coord.kind() == "local" {
+            let stores: Vec<Arc<dyn Datastore>> = d
+                .datastores
+                .read()
+                .expect("lock")
+                .values()
+                .filter_map(|e| e.store.as_ref().ok().cloned())
+                .collect();
+            for s in &stores {
+                d.import_recorded_volumes(s, true).await;
+            }
+        }
         Ok(d)
     }
 
@@ -969,7 +986,7 @@ impl Daemon {
                 store: Ok(store.clone()),
             },
         );
-        self.import_recorded_volumes(&store).await;
+        self.import_recorded_volumes(&store, false).await;
         let cap = store.capacity().await.ok();
         let n = self
             .volumes
@@ -1014,7 +1031,7 @@ impl Daemon {
     /// A re-added datastore brings its volumes back: each volume in a LUN's table, or image
     /// file of a `dir` tagged with its volume's id, that the coordinator does not know is
     /// recorded again (policy `uncached`), unless its name is taken.
-    async fn import_recorded_volumes(&self, store: &Arc<dyn Datastore>) {
+    async fn import_recorded_volumes(&self, store: &Arc<dyn Datastore>, at_start: bool) {
         let Ok(found) = store.recorded_volumes().await else {
             return;
         };
@@ -1074,12 +1091,23 @@ impl Daemon {
                 continue;
             }
             let volume = self.open_volume(&rec).await;
-            info!(
-                "imported volume {:?} ({}) from datastore {:?}",
-                rec.name,
-                api::format_size(rec.size),
-                rec.datastore
-            );
+            if at_start {
+                warn!(
+                    "datastore {:?} holds volume {:?} ({}) that has no record (a create cut \
+                     short by a crash); imported as an uncached volume: delete it if it is \
+                     not wanted",
+                    rec.datastore,
+                    rec.name,
+                    api::format_size(rec.size)
+                );
+            } else {
+                info!(
+                    "imported volume {:?} ({}) from datastore {:?}",
+                    rec.name,
+                    api::format_size(rec.size),
+                    rec.datastore
+                );
+            }
             self.volumes
                 .write()
                 .expect("lock")

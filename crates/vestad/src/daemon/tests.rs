@@ -587,6 +587,38 @@ async fn a_policy_change_whose_record_fails_says_it_took_effect_and_a_rerun_reco
     assert_eq!(recorded().await, Policy::Uncached);
 }
 
+/// Storage a create made before a crash kept it from recording the volume is found at the
+/// next start and imported, so its name and space are not lost for good: the volume is
+/// listed, reads as zeroes and can be deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_a_crashed_create_left_is_imported_at_the_next_start() {
+    let dir = TempDir::new("orphan");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    {
+        let d = start(&dir, &coord).await;
+        // The create's first step alone: the storage, then the crash.
+        let store = d.store("default").unwrap();
+        let spec = datastore::VolumeSpec {
+            id: Uuid::new_v4(),
+            name: "cut".into(),
+            size: 1 << 20,
+        };
+        store.create_volume(&spec).await.unwrap();
+        assert!(d.entry("cut").is_err());
+    }
+    let d = start(&dir, &coord).await;
+    let e = d.entry("cut").expect("the storage was not imported");
+    let v = e.volume.as_ref().expect("the imported volume is not open");
+    assert_eq!(v.read(0, 4096).await.unwrap(), vec![0u8; 4096]);
+    assert!(
+        d.entry("v").is_ok(),
+        "the recorded volume is served as before"
+    );
+    d.delete_volume("cut", false).await.unwrap();
+    assert!(d.entry("cut").is_err());
+}
+
 /// A LUN another host of the cluster added under one name (recorded, not yet known to this
 /// host) is refused under a second: two names would be two locks on one volume table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
