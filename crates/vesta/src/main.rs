@@ -226,6 +226,13 @@ impl Client {
     }
 
     fn unreachable(&self, e: ureq::Error) -> anyhow::Error {
+        if let ureq::Error::Timeout(t) = e {
+            return anyhow!(
+                "vestad at {} did not answer in time ({t}); what was asked may still be \
+                 under way there: see `vesta volume show` or its log",
+                self.base
+            );
+        }
         anyhow!(
             "cannot reach vestad at {}: {e}. Is it running? Start it with `make run` or \
              `vestad`, or point --api / VESTA_API at it",
@@ -265,8 +272,8 @@ impl Client {
         )
     }
 
-    /// [`Client::post`] for operations that take as long as they take (copying a volume):
-    /// no overall timeout.
+    /// [`Client::post`] for operations that take as long as they take (copying a volume,
+    /// draining a volume's dirty data before a policy change): no overall timeout.
     fn post_long<B: Serialize, T: DeserializeOwned>(
         &self,
         path: &str,
@@ -570,7 +577,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if !cli.json && matches!(req.policy.as_str(), "uncached" | "wt") {
                 eprintln!("changing the policy of {name} (dirty data destages first)…");
             }
-            let v: api::VolumeInfo = c.post(&format!("/v1/volumes/{}/policy", seg(&name)), &req)?;
+            let v: api::VolumeInfo =
+                c.post_long(&format!("/v1/volumes/{}/policy", seg(&name)), &req)?;
             if cli.json {
                 return print_json(&v);
             }
