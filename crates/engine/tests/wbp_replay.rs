@@ -415,3 +415,54 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         "the datastore must be the volume as of writes 1 and 2"
     );
 }
+
+/// What a peer says it holds (`replica_held`, asked by a host about to replay) is durable
+/// when it says it: the owner's writes keep arriving while the peer is asked, and a power
+/// cut right after each answer keeps at least as much. Synced before it counted, the peer
+/// could count a write appended in between, which a power cut then took: a replay that went
+/// that far could not be continued from this peer.
+#[test]
+fn what_a_peer_says_it_holds_survives_a_power_cut_right_after() {
+    // The window is a few instructions wide: many short rounds find it.
+    let asked: usize = (0..20).map(|_| asked_while_writes_arrive()).sum();
+    assert!(
+        asked > 20,
+        "asked only {asked} times in 20 rounds of writes"
+    );
+}
+
+/// One round: a writer sends 600 writes while the peer is asked again and again; returns
+/// how many times it was asked.
+fn asked_while_writes_arrive() -> usize {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let peer = Arc::new(CacheHost::open(dev.clone(), SEG).unwrap());
+    let id = Uuid::new_v4();
+    peer.replica_open("a", id, 1, 0).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (peer, done) = (peer.clone(), done.clone());
+        std::thread::spawn(move || {
+            for ser in 1..=600u64 {
+                let data = [ser as u8; 512];
+                let at = (ser % SECTORS) * 512;
+                peer.replica_write(id, 1, ser, at, 512, Some(&data))
+                    .unwrap();
+            }
+            done.store(true, Ordering::SeqCst);
+        })
+    };
+    let mut asked = 0;
+    while !done.load(Ordering::SeqCst) || asked == 0 {
+        let said = peer.replica_held(id, 1, 0).unwrap();
+        let after = CacheHost::open(Arc::new(dev.crash_copy()), SEG).unwrap();
+        let kept = after.replica_held(id, 1, 0).unwrap_or(0);
+        assert!(
+            kept >= said,
+            "the peer said it held up to write {said}; after a power cut it held {kept}"
+        );
+        asked += 1;
+    }
+    writer.join().unwrap();
+    asked
+}

@@ -414,8 +414,8 @@ impl CacheHost {
             .map_err(|e| ReplicaRefusal::Failed(format!("cache log: {e}")))
     }
 
-    /// For a host about to replay `volume` (DESIGN §4): makes every replica durable, then
-    /// says up to which `ser` this host holds generation `gen` without a gap above `from`.
+    /// For a host about to replay `volume` (DESIGN §4): says up to which `ser` this host
+    /// holds generation `gen` without a gap above `from`, once all of that is durable.
     /// The replaying host goes no further than every peer it keeps can go, so whichever of
     /// them takes over if it dies can finish every write it started.
     ///
@@ -425,11 +425,20 @@ impl CacheHost {
     /// after a replay that stopped), and an owner told "absent" may conclude that nobody can
     /// replay what it held.
     pub fn replica_held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, ReplicaRefusal> {
-        self.replica_sync()?;
         {
             let sets = lock(&self.replicas);
             match sets.get(&volume) {
-                Some(set) if set.gen == gen => return Ok(set.contiguous_end(from)),
+                Some(set) if set.gen == gen => {
+                    // Measured first, synced after: a write is in the set only once its
+                    // append is done, so the sync covers every write counted. Synced first,
+                    // a write appended between the sync and the count would be counted
+                    // without being durable, and a replay that trusted it could go further
+                    // than this host could continue after a power cut.
+                    let end = set.contiguous_end(from);
+                    drop(sets);
+                    self.replica_sync()?;
+                    return Ok(end);
+                }
                 Some(set) if set.gen > gen => {
                     return Err(ReplicaRefusal::Stale(format!(
                         "this host holds generation {} of volume {volume}, newer than {gen}",
