@@ -1501,6 +1501,49 @@ fn an_owner_reports_no_loss_while_its_peer_replays() {
     one_writer_at_a_time(&lun);
 }
 
+/// A peer about to replay names itself in the vault before it writes the datastore. An
+/// owner that comes back (cut off from etcd, its lease lapsed while it lived) must find that
+/// another host wrote its volume even if the replay stopped before its first checkpoint
+/// update: otherwise it took the lock back as its own and destaged on from its checkpoint,
+/// over blocks the replay had set back. Here the LUN fails the replay's writes, so no
+/// checkpoint update comes; the vault names b all the same, and the replay completes once
+/// the LUN takes writes again.
+#[test]
+fn a_replaying_peer_names_itself_in_the_vault_before_it_writes() {
+    let etcd = Etcd::start();
+    let (lun, errors) = Nbdkit::start_failing(128 << 20, "pwrite", &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    create_held(&a, "w", "wbp:1");
+    wait_replicating(&a, "w", &["b"]);
+    qemu_io(&a.url("w"), &["write -P 6 0 64k", "write -P 7 1M 64k"]);
+    errors.on();
+    a.kill9();
+    wait_for(
+        Duration::from_secs(TTL_S + 20),
+        "b to start replaying",
+        || b.log().contains("replaying 2 write(s)").then_some(()),
+    );
+    let v = vault(&etcd);
+    assert_eq!(
+        v["owner"], "b",
+        "the replay started with the vault naming a: {v}"
+    );
+    assert!(
+        on_datastore(&lun, 2 << 20).iter().all(|x| *x == 0),
+        "the LUN took none of the replay's writes"
+    );
+    errors.off();
+    wait_for(Duration::from_secs(60), "b's replay to end", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    assert_eq!(
+        on_datastore(&lun, 2 << 20),
+        expect(2 << 20, &[(0, 64 << 10, 6), (1 << 20, 64 << 10, 7)])
+    );
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1's last cascade: the owner and its only peer both die. The owner's cache file
 /// survives; another host replays it (surrogate replay) and the datastore is current.
 #[test]

@@ -1337,6 +1337,21 @@ async fn replay_locked(
             rec.name
         );
     }
+    // The vault names this host as the volume's writer before anything is written: an
+    // owner that comes back (cut off from etcd, its lease lapsed while it lived) must find
+    // that another host wrote its datastore, even if this replay stops before its first
+    // checkpoint update. Otherwise it would take the lock back as its own and destage on
+    // from its own checkpoint, over blocks this replay had set back to older versions.
+    let replaying = Vault {
+        owner: me.clone(),
+        previous_owner: Some(dead.clone()),
+        handoff: false,
+        ..vault.clone()
+    };
+    d.coord
+        .put_vault(&replaying)
+        .await
+        .map_err(|e| format!("name this host as the replaying one in the vault: {e}; retrying"))?;
     let n = cache
         .promote_replicas(rec.id, vault.checkpoint, upto)
         .map_err(|e| e.to_string())?;
@@ -1348,12 +1363,6 @@ async fn replay_locked(
         vault.gen,
         vault.checkpoint.max(set.checkpoint)
     );
-    let replaying = Vault {
-        owner: me.clone(),
-        previous_owner: Some(dead.clone()),
-        handoff: false,
-        ..vault.clone()
-    };
     let done = replay_to_datastore(d, cache, rec, extent, replaying).await?;
     info!(
         "volume {:?}: online replay done in {:.1} s; its datastore is current (vault: wt, \
@@ -1570,6 +1579,11 @@ async fn surrogate_one(
             previous_owner: vault.map(|v| v.owner),
             handoff: false,
         };
+        // Named before anything is written, as in an online replay.
+        d.coord
+            .put_vault(&replaying)
+            .await
+            .map_err(|e| format!("name this host as the replaying one in the vault: {e}"))?;
         replay_to_datastore(d, host, rec, extent, replaying).await?;
         Ok(format!(
             "volume {:?}: replayed {n} write(s) in {:.1} s; its datastore is current",
