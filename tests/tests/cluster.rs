@@ -330,3 +330,51 @@ fn twin_is_refused(etcd: &Etcd) {
     );
     assert!(started.elapsed() < Duration::from_secs(TTL_S + 10));
 }
+
+/// A datastore's metadata lock held past one etcd request's timeout (5 s) by another host
+/// is waited for, up to its 30 s wait, not failed. A second create on a LUN while the
+/// first still zeroes its extent takes this wait. The client's own request timeout answers
+/// `Cancelled`, not `DeadlineExceeded`, and only the latter was retried.
+#[test]
+fn a_datastore_lock_held_past_one_request_timeout_is_waited_for() {
+    use cluster::etcd::{EtcdConfig, EtcdCoordinator};
+    use cluster::{Coordinator, HostRecord};
+    let etcd = Etcd::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let host = |name: &str| EtcdConfig {
+            endpoints: vec![etcd.endpoint.clone()],
+            prefix: "/vesta".into(),
+            host: HostRecord {
+                name: name.into(),
+                fault_domain: "rack1".into(),
+                ..Default::default()
+            },
+            lease_ttl: Duration::from_secs(6),
+        };
+        let a = EtcdCoordinator::connect(host("a")).await.unwrap();
+        let b = EtcdCoordinator::connect(host("b")).await.unwrap();
+        let held = a.lock_datastore("san").await.unwrap();
+        let started = Instant::now();
+        let waiting = tokio::spawn(async move {
+            let r = b.lock_datastore("san").await;
+            (r.map(|_| ()), started.elapsed())
+        });
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        assert!(
+            !waiting.is_finished(),
+            "b stopped waiting while a held the lock"
+        );
+        a.unlock_datastore(held).await.unwrap();
+        let (got, after) = waiting.await.unwrap();
+        assert!(got.is_ok(), "b's lock failed after {after:?}: {got:?}");
+        assert!(
+            after >= Duration::from_secs(8),
+            "b got the lock a held: {after:?}"
+        );
+    });
+}

@@ -72,6 +72,14 @@ pub struct EtcdConfig {
     pub lease_ttl: Duration,
 }
 
+/// Whether a request ended because it ran out of time (see [`REQUEST_TIMEOUT`]).
+fn timed_out(st: &tonic::Status) -> bool {
+    matches!(
+        st.code(),
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+    )
+}
+
 /// How long a datastore metadata lock is waited for before the operation fails.
 const DATASTORE_LOCK_WAIT: Duration = Duration::from_secs(30);
 /// Any one etcd request; a lock wait is made of several.
@@ -781,12 +789,14 @@ impl Coordinator for EtcdCoordinator {
                         key: r.key().to_vec(),
                     })
                 }
-                // Each attempt ends at the request timeout; etcd drops an abandoned waiter.
+                // Each attempt ends at the request timeout; etcd drops an abandoned waiter. The
+                // client's own timeout answers `Cancelled`, the server's deadline
+                // `DeadlineExceeded`, whichever comes first. A lock granted just as the
+                // attempt timed out is under this host's lease and key: the next attempt
+                // finds it held by this very lease and returns at once.
                 Err(etcd_client::Error::GRpcStatus(st))
-                    if st.code() == tonic::Code::DeadlineExceeded && Instant::now() < give_up => {}
-                Err(etcd_client::Error::GRpcStatus(st))
-                    if st.code() == tonic::Code::DeadlineExceeded =>
-                {
+                    if timed_out(&st) && Instant::now() < give_up => {}
+                Err(etcd_client::Error::GRpcStatus(st)) if timed_out(&st) => {
                     return Err(Error::Locked(format!(
                         "datastore {name:?}'s metadata is locked by another host for more \
                          than {DATASTORE_LOCK_WAIT:?}; try again"
