@@ -23,6 +23,8 @@ pub struct Fence {
     until_ns: AtomicU64,
     /// Closed for good ([`Fence::revoke`]).
     revoked: AtomicBool,
+    /// How many times it was closed ([`Fence::closes`]).
+    closes: AtomicU64,
 }
 
 fn epoch() -> Instant {
@@ -46,6 +48,7 @@ impl Fence {
         Fence {
             until_ns: AtomicU64::new(u64::MAX),
             revoked: AtomicBool::new(false),
+            closes: AtomicU64::new(0),
         }
     }
 
@@ -54,6 +57,7 @@ impl Fence {
         Fence {
             until_ns: AtomicU64::new(0),
             revoked: AtomicBool::new(false),
+            closes: AtomicU64::new(0),
         }
     }
 
@@ -72,7 +76,16 @@ impl Fence {
 
     /// Stops writes now (the lease is known to be lost).
     pub fn close(&self) {
+        self.closes.fetch_add(1, Ordering::AcqRel);
         self.until_ns.store(0, Ordering::Release);
+    }
+
+    /// How many times the fence was closed (the lease lost). What is bound to the lease (a
+    /// datastore's metadata lock) is gone after a close, though the fence opens again once
+    /// the host registers with a new lease: an operation that holds such a thing notes this
+    /// first and writes only while it is unchanged.
+    pub fn closes(&self) -> u64 {
+        self.closes.load(Ordering::Acquire)
     }
 
     /// Stops writes for good: no later [`Fence::extend_to`] opens it again (the host lost a
@@ -126,6 +139,18 @@ mod tests {
         f.close();
         assert!(!f.allows_writes());
         assert_eq!(f.remaining(), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn each_close_is_counted_though_the_fence_opens_again() {
+        let f = Fence::closed();
+        let before = f.closes();
+        f.extend_to(Instant::now() + Duration::from_secs(10));
+        assert_eq!(f.closes(), before, "opening is not a close");
+        f.close();
+        f.extend_to(Instant::now() + Duration::from_secs(10));
+        assert!(f.allows_writes());
+        assert_eq!(f.closes(), before + 1);
     }
 
     #[test]

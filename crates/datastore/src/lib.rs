@@ -237,6 +237,11 @@ impl Gate {
         let _ = self.fence.set(fence);
     }
 
+    /// [`Fence::closes`] of the host's fence; 0 without one.
+    pub(crate) fn fence_closes(&self) -> u64 {
+        self.fence.get().map_or(0, |f| f.closes())
+    }
+
     pub(crate) fn fenced(&self, op: Op) -> bool {
         op != Op::Read && self.fence.get().is_some_and(|f| !f.allows_writes())
     }

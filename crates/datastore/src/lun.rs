@@ -193,14 +193,15 @@ impl LunDatastore {
         self.label.lun_id
     }
 
-    /// Writes `t` to its slot and makes it durable. The other slot keeps the previous table,
-    /// so a crash in the middle leaves one valid copy.
-    /// Fails if this host's fence is closed. The table, and the space it hands out, are
-    /// shared by every host of the LUN, and changes to them are serialized by a lock bound to
-    /// this host's lease: past the fence another host may hold that lock, and may have given
-    /// the space this host is about to zero, trim or record to a volume of its own.
-    fn unfenced(&self, what: &str) -> Result<()> {
-        if self.gate.fenced(crate::Op::Write) {
+    /// Fails if this host's fence is closed, or was closed at any time since `since` (its
+    /// [`Gate::fence_closes`] when the table change began). The table, and the space it hands
+    /// out, are shared by every host of the LUN, and changes to them are serialized by a lock
+    /// bound to this host's lease: past the fence another host may hold that lock, and may
+    /// have given the space this host is about to zero, trim or record to a volume of its
+    /// own. A fence reopened under a new lease allows writes again, but the lock taken under
+    /// the old one is gone: a change begun before must not go on.
+    fn unfenced(&self, since: u64, what: &str) -> Result<()> {
+        if self.gate.fenced(crate::Op::Write) || self.gate.fence_closes() != since {
             return Err(Error::Io {
                 what: format!("{what} on datastore {:?}", self.spec.name),
                 source: std::io::Error::other(crate::fence::FENCED),
@@ -209,8 +210,11 @@ impl LunDatastore {
         Ok(())
     }
 
-    async fn commit(&self, t: &Table) -> Result<()> {
-        self.unfenced("write the volume table")?;
+    /// Writes `t` to its slot and makes it durable, unless fenced since `since`
+    /// ([`LunDatastore::unfenced`]). The other slot keeps the previous table, so a crash in
+    /// the middle leaves one valid copy.
+    async fn commit(&self, t: &Table, since: u64) -> Result<()> {
+        self.unfenced(since, "write the volume table")?;
         let slot = Table::slot_of(t.generation);
         self.dev
             .write_at(
@@ -230,8 +234,8 @@ impl LunDatastore {
     /// NBD reply lost with its connection), so the device is read again to tell: taking a
     /// landed change for a failed one would, after a delete, serve a volume whose extent the
     /// table has already given back for the next create to take.
-    async fn commit_or_read_back(&self, t: &mut Table, next: &Table) -> Commit {
-        let Err(e) = self.commit(next).await else {
+    async fn commit_or_read_back(&self, t: &mut Table, next: &Table, since: u64) -> Commit {
+        let Err(e) = self.commit(next, since).await else {
             *t = next.clone();
             return Commit::Landed;
         };
@@ -342,6 +346,8 @@ impl Datastore for LunDatastore {
     }
 
     async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {
+        // Noted before anything else: the caller holds the datastore's lock from before.
+        let since = self.gate.fence_closes();
         let mut t = self.table.lock().await;
         self.refresh(&mut t).await?;
         if t.entries
@@ -373,7 +379,7 @@ impl Datastore for LunDatastore {
             offset,
             len: v.size,
         };
-        self.unfenced(&format!("zero new volume {:?}", v.name))?;
+        self.unfenced(since, &format!("zero new volume {:?}", v.name))?;
         // Losses before now took no write of this volume.
         let before = self.dev.losses();
         // A new volume reads as zeroes, not as whatever an earlier volume left there; and
@@ -392,7 +398,7 @@ impl Datastore for LunDatastore {
         let mut next = t.clone();
         next.generation += 1;
         next.entries.push(entry.clone());
-        match self.commit_or_read_back(&mut t, &next).await {
+        match self.commit_or_read_back(&mut t, &next, since).await {
             Commit::Landed => Ok(self.extent(&entry, v.size)),
             // If an unknown write did land, its entry blocks the name and holds the space
             // until the volume is created again under another name; it names no live data.
@@ -426,6 +432,7 @@ impl Datastore for LunDatastore {
     }
 
     async fn delete_volume(&self, v: &VolumeSpec) -> Result<()> {
+        let since = self.gate.fence_closes();
         let mut t = self.table.lock().await;
         self.refresh(&mut t).await?;
         let Some(i) = t.entries.iter().position(|e| e.volume_id == v.id) else {
@@ -434,7 +441,7 @@ impl Datastore for LunDatastore {
         let mut next = t.clone();
         next.generation += 1;
         let gone = next.entries.remove(i);
-        match self.commit_or_read_back(&mut t, &next).await {
+        match self.commit_or_read_back(&mut t, &next, since).await {
             Commit::Landed => {}
             Commit::NotLanded(e) => return Err(e),
             Commit::Unknown(e) => {
@@ -451,7 +458,7 @@ impl Datastore for LunDatastore {
             }
         }
         // Give the space back to a thin backend; a hint, so failure only costs space.
-        let trimmed = match self.unfenced("trim a deleted volume") {
+        let trimmed = match self.unfenced(since, "trim a deleted volume") {
             Ok(()) => self.dev.trim(gone.offset, gone.len).await,
             Err(e) => Err(std::io::Error::other(e.to_string())),
         };
@@ -515,6 +522,8 @@ mod tests {
         /// Set by a write that landed but failed while `then_unreadable` is.
         reads_fail: std::sync::atomic::AtomicBool,
         then_unreadable: std::sync::atomic::AtomicBool,
+        /// Run during each zeroing (a request stalled while the world moves on).
+        during_zeroing: std::sync::Mutex<Option<Box<dyn Fn() + Send>>>,
     }
 
     fn io_error() -> std::io::Error {
@@ -567,6 +576,9 @@ mod tests {
         }
         async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> std::io::Result<()> {
             self.ops.lock().unwrap().push(format!("zero {offset}"));
+            if let Some(f) = self.during_zeroing.lock().unwrap().as_ref() {
+                f();
+            }
             self.inner.write_zeroes(offset, len, may_trim).await
         }
     }
@@ -580,6 +592,7 @@ mod tests {
             lost: Default::default(),
             reads_fail: Default::default(),
             then_unreadable: Default::default(),
+            during_zeroing: Default::default(),
         });
         let lun = LunDatastore::open_on(
             dev.clone(),
@@ -638,6 +651,33 @@ mod tests {
         let ops = dev.ops.lock().unwrap().clone();
         assert!(ops.is_empty(), "a fenced host wrote the LUN: {ops:?}");
         assert!(lun.recorded_volumes().await.unwrap().is_empty());
+    }
+
+    /// A table change begun under one lease does not finish under the next: the host's lease
+    /// is lost and it registers again (a new lease opens the fence again) while the new
+    /// volume's zeroing is stalled. The metadata lock the change held was bound to the old
+    /// lease, so another host may have changed the table meanwhile; the change must fail,
+    /// not write its table over the other host's.
+    #[tokio::test]
+    async fn a_table_change_does_not_outlive_the_lease_it_began_under() {
+        use std::time::{Duration, Instant};
+        let (dev, lun) = watched_lun().await;
+        let fence = Arc::new(crate::fence::Fence::closed());
+        fence.extend_to(Instant::now() + Duration::from_secs(60));
+        lun.set_fence(fence.clone());
+        let f = fence.clone();
+        *dev.during_zeroing.lock().unwrap() = Some(Box::new(move || {
+            f.close();
+            f.extend_to(Instant::now() + Duration::from_secs(60));
+        }));
+        let Err(e) = lun.create_volume(&volume("v")).await else {
+            panic!("a table change went on under a new lease");
+        };
+        assert!(format!("{e:?}").contains("fenced"), "{e:?}");
+        *dev.during_zeroing.lock().unwrap() = None;
+        assert!(lun.recorded_volumes().await.unwrap().is_empty());
+        // Begun under the new lease, it goes through.
+        lun.create_volume(&volume("w")).await.unwrap();
     }
 
     /// Two hosts on one LUN: host B opened volume V once. Host A then moves V away, gives
