@@ -768,4 +768,81 @@ mod tests {
             .iter()
             .any(|l| l.starts_with("write")));
     }
+
+    /// A sink whose writes need room that only a checkpoint frees, as a real peer's replica
+    /// share: a write above `room_upto` waits (up to 3 s) for a checkpoint to raise it.
+    #[derive(Default)]
+    struct Share {
+        room_upto: Mutex<u64>,
+    }
+
+    impl Sink for Share {
+        fn host(&self) -> String {
+            "p1".into()
+        }
+        fn open(&self, _f: &str, _v: Uuid, _g: u64, _c: u64) -> Result<(), Refusal> {
+            Ok(())
+        }
+        fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
+            let started = std::time::Instant::now();
+            while w.ser > *self.room_upto.lock().unwrap() {
+                if started.elapsed() > Duration::from_secs(3) {
+                    return Err(Refusal::Failed("no checkpoint freed room".into()));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok(())
+        }
+        fn flush(&self) -> Result<(), Refusal> {
+            Ok(())
+        }
+        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64) -> Result<(), Refusal> {
+            *self.room_upto.lock().unwrap() = ser + 1;
+            Ok(())
+        }
+        fn drop_replicas(&self, _v: Uuid, _g: u64) -> Result<(), Refusal> {
+            Ok(())
+        }
+        fn held(&self, _v: Uuid, _g: u64, from: u64) -> Result<u64, Refusal> {
+            Ok(from)
+        }
+    }
+
+    /// A write waiting for room in its share waits for the owner's next checkpoint, which the
+    /// owner sends on the same connection, behind the write: the peer applies it as it reads
+    /// it, so the write goes on. Applied in turn, the checkpoint stayed behind the write until
+    /// the wait gave up, the write was refused and the owner dropped the peer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_reaches_a_write_waiting_for_room_behind_it() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let sink = Arc::new(Share::default());
+        *sink.room_upto.lock().unwrap() = 1;
+        serve(l, sink.clone(), key()).unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        let w = |ser: u64| WriteMsg {
+            volume: Uuid::nil(),
+            gen: 1,
+            ser,
+            offset: ser * 4096,
+            len: 4096,
+            data: Some(Bytes::from(vec![1u8; 4096])),
+        };
+        link.write(w(1)).await.unwrap();
+        let waiting = {
+            let link = link.clone();
+            tokio::spawn(async move { link.write(w(2)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !waiting.is_finished(),
+            "write 2 had room before the checkpoint"
+        );
+        link.checkpoint(Uuid::nil(), 1, 1).await.unwrap();
+        waiting
+            .await
+            .unwrap()
+            .expect("the write waiting for room was refused");
+        link.flush().await.unwrap();
+    }
 }

@@ -5,15 +5,18 @@
 //! has not finished it within [`HANDSHAKE_TIMEOUT`] is dropped, as is any connection beyond
 //! [`HANDSHAKES_MAX`] handshakes at once.
 //!
-//! Each connection gets one thread that reads frames, hands them to the [`Sink`] in order and
-//! writes the replies; replies are flushed to the socket whenever no further request is
-//! already buffered, so a pipelined sender gets them in batches. Requests of one connection
-//! are applied in the order they were sent, which is the order of their acknowledgements.
+//! Each connection gets a thread that reads frames and one that hands them to the [`Sink`] in
+//! order and writes the replies; replies are flushed to the socket whenever no further
+//! request is queued, so a pipelined sender gets them in batches. Requests of one connection
+//! are applied in the order they were sent, which is the order of their acknowledgements,
+//! except checkpoints: the reading thread applies them at once, since a write waiting for
+//! room may be waiting for one (every write a checkpoint covers was applied already).
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::IpAddr;
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -388,10 +391,47 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
     info!("peer {from} connected");
     // Small: headers and small bodies are buffered, a write's data is read straight into
     // its own buffer.
-    let mut r = BufReader::with_capacity(16 << 10, rd);
+    let mut r = BufReader::with_capacity(16 << 10, rd.try_clone()?);
     let flushes = syncer(sink.clone(), w.clone());
+    // Frames are applied in order by a thread of their own, all but checkpoints, which this
+    // thread applies as it reads them: a write waiting for room in its volume's share waits
+    // for exactly such a checkpoint, which would otherwise sit behind it on this connection
+    // until the wait gave up.
+    let queued = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = std::sync::mpsc::channel::<(u64, Msg)>();
+    let applier = {
+        let (sink, w, from, queued) = (sink.clone(), w.clone(), from.clone(), queued.clone());
+        std::thread::Builder::new()
+            .name("peer-apply".into())
+            .spawn(move || {
+                let r = apply(rx, &*sink, &w, &from, &flushes, &queued);
+                // Ends the connection (a refused write, a lost socket): the reading thread
+                // stops at its next read.
+                let _ = rd.shutdown(std::net::Shutdown::Both);
+                r
+            })?
+    };
+    let read = read_frames(&mut r, &*sink, &w, &from, &tx, &queued);
+    drop(tx);
+    let applied = applier
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the applying thread panicked")));
+    read.and(applied)
+}
+
+/// Reads `from`'s frames: checkpoints are applied here at once, everything else is queued
+/// for [`apply`] in order. Ends at the end of the stream, a damaged or unexpected frame, or
+/// once [`apply`] has ended the connection.
+fn read_frames(
+    r: &mut impl Read,
+    sink: &dyn Sink,
+    w: &Writer,
+    from: &str,
+    tx: &std::sync::mpsc::Sender<(u64, Msg)>,
+    queued: &AtomicUsize,
+) -> std::io::Result<()> {
     loop {
-        let Some((h, body)) = read_frame(&mut r, wire::BODY_MAX)? else {
+        let Some((h, body)) = read_frame(r, wire::BODY_MAX)? else {
             info!("peer {from} disconnected");
             return Ok(());
         };
@@ -404,11 +444,48 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
                     status: Status::Failed,
                     msg: format!("damaged frame: {e}"),
                 };
-                send(&w, h.seq, &reply)?;
+                send(w, h.seq, &reply)?;
                 return Err(std::io::Error::other(e));
             }
         };
-        let f = &from;
+        match msg {
+            // Ahead of the frames queued before it. Every write it covers completed, and a
+            // write completes only once every peer acknowledged it, which this one does only
+            // after applying it: the writes still queued are all above it.
+            Msg::Checkpoint { volume, gen, ser } => {
+                let reply = reply_of(sink.checkpoint(volume, gen, ser).map(|_| String::new()));
+                send(w, h.seq, &reply)?;
+            }
+            Msg::Open { .. } | Msg::Write(_) | Msg::Flush | Msg::Drop { .. } | Msg::Held { .. } => {
+                queued.fetch_add(1, Ordering::AcqRel);
+                if tx.send((h.seq, msg)).is_err() {
+                    return Ok(()); // the applying thread ended the connection
+                }
+            }
+            other => {
+                return Err(std::io::Error::other(format!(
+                    "unexpected {} frame",
+                    kind_of(&other)
+                )))
+            }
+        }
+    }
+}
+
+/// Applies `from`'s queued frames in the order they came and writes the replies, flushed
+/// whenever nothing else is queued. Ends when the reading side is done and the queue is
+/// empty, or at a refused write (the owner counts nothing after it and breaks the link).
+fn apply(
+    rx: std::sync::mpsc::Receiver<(u64, Msg)>,
+    sink: &dyn Sink,
+    w: &Writer,
+    from: &str,
+    flushes: &std::sync::mpsc::Sender<u64>,
+    queued: &AtomicUsize,
+) -> std::io::Result<()> {
+    let f = from;
+    for (seq, msg) in rx {
+        let left = queued.fetch_sub(1, Ordering::AcqRel) - 1;
         let result = match msg {
             Msg::Open {
                 volume,
@@ -426,19 +503,16 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
                         let (Refusal::Failed(why) | Refusal::Stale(why) | Refusal::Absent(why)) =
                             &e;
                         warn!("refused a write of volume {volume} from peer {f}: {why}");
-                        send(&w, h.seq, &reply_of(Err(e)))?;
+                        send(w, seq, &reply_of(Err(e)))?;
                         return Ok(());
                     }
                 }
             }
             Msg::Flush => {
                 flushes
-                    .send(h.seq)
+                    .send(seq)
                     .map_err(|_| std::io::Error::other("flush thread gone"))?;
                 continue;
-            }
-            Msg::Checkpoint { volume, gen, ser } => {
-                sink.checkpoint(volume, gen, ser).map(|_| String::new())
             }
             Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
             Msg::Held { volume, gen, from } => {
@@ -453,9 +527,10 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
         };
         let reply = reply_of(result);
         let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
-        w.write_all(&wire::encode(h.seq, &reply))?;
-        if r.buffer().is_empty() {
+        w.write_all(&wire::encode(seq, &reply))?;
+        if left == 0 {
             w.flush()?;
         }
     }
+    Ok(())
 }
