@@ -95,6 +95,11 @@ impl Fence {
         self.close();
     }
 
+    /// Whether [`Fence::revoke`] closed it for good.
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+
     /// Whether a write may be issued now.
     pub fn allows_writes(&self) -> bool {
         let until = self.until_ns.load(Ordering::Acquire);
@@ -157,7 +162,9 @@ mod tests {
     fn a_revoked_fence_stays_closed_whatever_renewals_say() {
         let f = Fence::closed();
         f.extend_to(Instant::now() + Duration::from_secs(10));
+        assert!(!f.is_revoked());
         f.revoke();
+        assert!(f.is_revoked());
         assert!(!f.allows_writes());
         f.extend_to(Instant::now() + Duration::from_secs(10));
         assert!(!f.allows_writes(), "a renewal opened a revoked fence");

@@ -1260,8 +1260,14 @@ async fn look_after_replicas(d: &Arc<Daemon>) {
 /// With the vault lock, the replicas above the vault's checkpoint are destaged in `ser`
 /// order, the vault's checkpoint following as they go; at the end the vault says `wt` with
 /// a new generation (so every other copy is stale) and the lock is given back for the owner.
-async fn replay_for_dead_owner(d: &Arc<Daemon>, rec: &VolumeRecord) -> Result<(), String> {
+pub(crate) async fn replay_for_dead_owner(
+    d: &Arc<Daemon>,
+    rec: &VolumeRecord,
+) -> Result<(), String> {
     let cache = d.cache.clone().ok_or("no cache device")?;
+    // A host whose writes stopped for good would take the lock and then hold it for as long
+    // as it runs, its replay refused at every write, keeping every other host from replaying.
+    revoked_hosts_do_not_replay(d)?;
     match d.coord.lock_vault(rec.id).await {
         Ok(()) => {}
         Err(cluster::Error::Locked(_)) => return Ok(()), // another host got there first
@@ -1374,6 +1380,19 @@ async fn replay_locked(
     Ok(())
 }
 
+/// Refuses to start a replay on a host whose datastore writes stopped for good (it lost vault
+/// locks while its lease was gone; [`datastore::fence::Fence::revoke`]).
+fn revoked_hosts_do_not_replay(d: &Daemon) -> Result<(), String> {
+    if d.coord.fence().is_revoked() {
+        return Err(
+            "this host's datastore writes stopped for good (it lost vault locks while \
+                    its lease was gone): restart vestad; not replaying"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// Asks every other peer the vault names how far it holds `rec`'s replicas (durably) above
 /// the vault's checkpoint. Returns how far all of them and this host (`own`) hold, and the
 /// peers that answered. A peer that is down, unreachable or holds no replicas of the vault's
@@ -1449,6 +1468,11 @@ async fn replay_to_datastore(
             fail = Some(format!("replay stopped: {r}"));
             break;
         }
+        if d.coord.fence().is_revoked() {
+            // Its writes are refused from now on; the lock goes back for another host.
+            fail = Some("replay stopped: this host's datastore writes stopped for good".into());
+            break;
+        }
     }
     let done = Vault {
         policy: Policy::Wt,
@@ -1495,6 +1519,7 @@ pub async fn surrogate_replay(
                 .into(),
         );
     }
+    revoked_hosts_do_not_replay(d)?;
     let own = d.config.cache_device().ok().flatten().map(|(p, _, _)| p);
     if own.as_deref().and_then(|p| std::fs::canonicalize(p).ok())
         == std::fs::canonicalize(path).ok()

@@ -619,6 +619,23 @@ async fn storage_a_crashed_create_left_is_imported_at_the_next_start() {
     assert!(d.entry("cut").is_err());
 }
 
+/// A host whose datastore writes stopped for good (it lost vault locks while its lease was
+/// gone) does not take a dead owner's vault lock to replay: it would hold it for as long as
+/// it runs, every write refused, and keep every other host from replaying.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_host_does_not_start_a_replay() {
+    let dir = TempDir::new("revoked");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    let rec = d.entry("v").unwrap().record.clone();
+    coord.fence().revoke();
+    let e = crate::peers::replay_for_dead_owner(&d, &rec)
+        .await
+        .unwrap_err();
+    assert!(e.contains("restart vestad"), "{e}");
+}
+
 /// A LUN another host of the cluster added under one name (recorded, not yet known to this
 /// host) is refused under a second: two names would be two locks on one volume table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
