@@ -1041,7 +1041,7 @@ impl PeerState {
 }
 
 /// Whether `vault` is still this host's hand-off of the generation its cache failed in, as
-/// far as the vault says: a replaying peer names itself owner once it records progress (and
+/// far as the vault says: a replaying peer names itself owner before it writes anything (and
 /// keeps the generation until it is done); before that, only its lock, and its answer that
 /// it holds the volume, say it replays. With no peers named and no hand-off flag, it is a
 /// loss this host recorded before (that write may have landed though it answered an error).
@@ -1236,7 +1236,9 @@ async fn look_after_replicas(d: &Arc<Daemon>) {
             }
             continue;
         }
-        if alive(&vault.owner) && !vault.handoff {
+        // A vault that names this host was a replay of this host's that stopped (it is not
+        // replaying now, see above): its restart, or an error, cut it short. It goes on.
+        if vault.owner != me && alive(&vault.owner) && !vault.handoff {
             continue;
         }
         // The vault's holder is gone (or handed the volume off): replay, if this host gets
