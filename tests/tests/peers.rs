@@ -408,6 +408,13 @@ fn a_replaying_peer_that_restarts_finishes_the_replay() {
         on_datastore(&lun, 8 << 20) == want,
         "the datastore must hold every completed write"
     );
+    // b named itself in the vault before its first write; resumed, it replayed for a still.
+    let v = vault(&etcd);
+    assert_eq!(
+        (&v["owner"], &v["previous_owner"]),
+        (&"b".into(), &"a".into()),
+        "{v}"
+    );
     // The owner comes back to a current datastore, and must not replay over it.
     a.launch();
     wait_for(Duration::from_secs(30), "a to serve w again", || {

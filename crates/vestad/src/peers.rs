@@ -1301,7 +1301,12 @@ async fn replay_locked(
         let _ = cache.replica_drop(rec.id, set.gen);
         return Ok(());
     }
-    let dead = vault.owner.clone();
+    // A replay of this host's that stopped (a restart) names this host already: the owner
+    // it replays for is the one named before it.
+    let dead = match vault.previous_owner.clone() {
+        Some(before) if vault.owner == me => before,
+        _ => vault.owner.clone(),
+    };
     let started = Instant::now();
     // The datastore first: if it cannot be reached, the replicas stay as they are for the
     // next attempt.
