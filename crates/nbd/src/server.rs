@@ -348,38 +348,12 @@ pub async fn serve_tcp<X: ExportSet>(
 /// network while idle ends within [`KEEPALIVE_IDLE`] plus [`KEEPALIVE_PROBES`] probes
 /// [`KEEPALIVE_INTERVAL`] apart (two minutes). Otherwise it stays open for good: its volume
 /// counts as attached (delete and relocate refuse it) and it holds a connection slot.
-fn keep_alive(s: &impl std::os::fd::AsRawFd) -> io::Result<()> {
-    let fd = s.as_raw_fd();
-    let set = |level: libc::c_int, name: libc::c_int, value: libc::c_int| {
-        // SAFETY: fd is an open socket; the option value is a c_int that outlives the call.
-        let r = unsafe {
-            libc::setsockopt(
-                fd,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
-    };
-    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
-    set(
-        libc::IPPROTO_TCP,
-        libc::TCP_KEEPIDLE,
-        KEEPALIVE_IDLE.as_secs() as libc::c_int,
-    )?;
-    let interval = KEEPALIVE_INTERVAL.as_secs() as libc::c_int;
-    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
-    set(
-        libc::IPPROTO_TCP,
-        libc::TCP_KEEPCNT,
-        KEEPALIVE_PROBES as libc::c_int,
-    )
+fn keep_alive(s: &impl std::os::fd::AsFd) -> io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(s).set_tcp_keepalive(&probes)
 }
 
 /// Serves a Unix socket listener until `stop` fires.

@@ -388,6 +388,7 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
     };
     drop(slot);
     rd.set_read_timeout(None)?;
+    keep_alive(&rd)?;
     info!("peer {from} connected");
     // Small: headers and small bodies are buffered, a write's data is read straight into
     // its own buffer.
@@ -417,6 +418,24 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
         .join()
         .unwrap_or_else(|_| Err(std::io::Error::other("the applying thread panicked")));
     read.and(applied)
+}
+
+/// An idle connection is probed after this long without traffic ([`keep_alive`])...
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// ...then every this long, and ends after [`KEEPALIVE_PROBES`] go unanswered.
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_PROBES: u32 = 6;
+
+/// TCP keepalive for an owner's connection: one whose host lost power or dropped off the
+/// network while the link was idle ends within about two minutes, instead of holding its
+/// threads and buffers here for as long as this host runs (nothing is read from it with a
+/// timeout once the handshake is done).
+fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(s).set_tcp_keepalive(&probes)
 }
 
 /// Reads `from`'s frames: checkpoints are applied here at once, everything else is queued
@@ -533,4 +552,25 @@ fn apply(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An owner's connection is probed when idle, with the idle time, interval and probe
+    /// count the constants say (off unless asked for; the kernel's defaults take hours).
+    #[test]
+    fn an_owners_connection_is_probed_when_idle() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let sock = socket2::SockRef::from(&s);
+        assert!(!sock.keepalive().unwrap());
+        keep_alive(&s).unwrap();
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(sock.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(sock.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+    }
 }
