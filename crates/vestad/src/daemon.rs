@@ -186,6 +186,8 @@ pub struct Daemon {
     /// neither acts on a volume object or record the other has replaced.
     /// (It maps the volume to the operation, `relocation` or `policy change`.)
     busy: Mutex<HashMap<String, &'static str>>,
+    /// Set when vestad starts to stop ([`Daemon::stop_volumes`]): a relocation's copy ends.
+    stopping: std::sync::atomic::AtomicBool,
     /// `wbp`: this host's peer listener, failed peers, replays under way.
     pub peers: crate::peers::PeerState,
 }
@@ -242,6 +244,7 @@ impl Daemon {
             sampler: Mutex::new(Sampler::new(config.stats.history, config.stats.interval_s)),
             recent_moves: Mutex::new(Vec::new()),
             busy: Mutex::new(HashMap::new()),
+            stopping: std::sync::atomic::AtomicBool::new(false),
             config,
             coord,
             cache,
@@ -1469,7 +1472,7 @@ impl Daemon {
         );
         let started = std::time::Instant::now();
         drop(admin);
-        let copied = copy_extent(&src, &dst).await;
+        let copied = copy_extent(&src, &dst, &self.stopping).await;
         let _admin = self.admin.lock().await;
         let drop_copy = || {
             self.ds_locked(&to, async {
@@ -1916,8 +1919,11 @@ impl Daemon {
     }
 
     /// vestad is stopping: IO of every volume stalled for a hand-off to peers, which nothing
-    /// will reroute now, ends with ESHUTDOWN ([`engine::Volume::stop`]).
+    /// will reroute now, ends with ESHUTDOWN ([`engine::Volume::stop`]), and a relocation
+    /// under way ends its copy, as a crash would (its copy is removed, the volume stays).
     pub fn stop_volumes(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         for e in self.entries() {
             if let Ok(v) = &e.volume {
                 v.stop();
@@ -2075,7 +2081,13 @@ fn datastore_info(
 /// then flushes `dst`. Chunks that read as zeroes are skipped: a new volume reads as zeroes
 /// on every kind (a `dir` file is created new and sparse, a `lun` extent is zeroed by
 /// `create_volume`), and the target stays sparse.
-async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::io::Result<()> {
+/// Copies `src` to `dst` (zero chunks skipped) and flushes it; stops early, with an error,
+/// once `stop` is set (vestad stopping must not wait for a copy of hours).
+async fn copy_extent(
+    src: &datastore::Extent,
+    dst: &datastore::Extent,
+    stop: &std::sync::atomic::AtomicBool,
+) -> std::io::Result<()> {
     async fn chunk(
         src: datastore::Extent,
         dst: datastore::Extent,
@@ -2096,6 +2108,11 @@ async fn copy_extent(src: &datastore::Extent, dst: &datastore::Extent) -> std::i
     let mut running = tokio::task::JoinSet::new();
     let mut failed = None;
     loop {
+        if failed.is_none() && next < size && stop.load(std::sync::atomic::Ordering::SeqCst) {
+            failed = Some(std::io::Error::other(
+                "vestad is stopping; run the relocation again after it starts",
+            ));
+        }
         while failed.is_none() && next < size && running.len() < RELOCATE_IN_FLIGHT {
             let len = RELOCATE_CHUNK.min(size - next);
             running.spawn(chunk(src.clone(), dst.clone(), next, len));

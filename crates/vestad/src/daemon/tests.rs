@@ -636,6 +636,35 @@ async fn a_revoked_host_does_not_start_a_replay() {
     assert!(e.contains("restart vestad"), "{e}");
 }
 
+/// A relocation whose copy is under way when vestad starts to stop ends its copy, as a crash
+/// would: the volume stays where it was, and no copy is left on the target. Before, the
+/// stop waited for the whole copy, however long (hours, for a large volume).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_ends_a_relocations_copy() {
+    let dir = TempDir::new("relocstop");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    d.stop_volumes();
+    let e = d
+        .relocate(
+            "v",
+            api::Relocate {
+                datastore: "other".into(),
+                offline: true,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("vestad is stopping"), "{e}");
+    assert_eq!(d.entry("v").unwrap().record.datastore, "default");
+    let other = d.store("other").unwrap();
+    assert!(
+        other.recorded_volumes().await.unwrap().is_empty(),
+        "the partial copy was left on the target"
+    );
+}
+
 /// A LUN another host of the cluster added under one name (recorded, not yet known to this
 /// host) is refused under a second: two names would be two locks on one volume table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
