@@ -205,6 +205,16 @@ async fn create_and_stop(dir: &TempDir, coord: &Arc<FailingVault>) -> (Uuid, u64
     (id, gen)
 }
 
+/// A daemon on a new scratch directory, started again after [`create_and_stop`] made its
+/// volume `v`: the scratch directory, the coordinator and the daemon.
+async fn restarted_with_v(tag: &str) -> (TempDir, Arc<FailingVault>, Arc<Daemon>) {
+    let dir = TempDir::new(tag);
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let d = start(&dir, &coord).await;
+    (dir, coord, d)
+}
+
 /// Relocates volume `v` to datastore `other`, offline.
 async fn relocate_to_other(d: &Daemon) {
     d.relocate(
@@ -388,10 +398,7 @@ async fn a_volume_opened_late_is_not_handed_off_for_want_of_its_log_entry() {
 /// `Volume` of it would take writes the operation then loses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_retry_of_unopened_volumes_leaves_placeholders_alone() {
-    let dir = TempDir::new("placeholder");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, coord, d) = restarted_with_v("placeholder").await;
     let rec = d.entry("v").unwrap().record.clone();
     let _open = volume(&d, "v");
     d.volumes.write().unwrap().insert(
@@ -443,10 +450,7 @@ async fn the_retry_of_unopened_volumes_leaves_placeholders_alone() {
 /// land in whatever volume gets the space next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_waits_for_another_hosts_replay_of_the_volume() {
-    let dir = TempDir::new("delete");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, coord, d) = restarted_with_v("delete").await;
     let file = dir.0.join("ds");
     let files = || std::fs::read_dir(&file).unwrap().count();
     let before = files();
@@ -465,10 +469,7 @@ async fn a_delete_waits_for_another_hosts_replay_of_the_volume() {
 /// the copy was deleted and the volume served from the old place, against its record).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() {
-    let dir = TempDir::new("lostanswer");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, coord, d) = restarted_with_v("lostanswer").await;
     let v = volume(&d, "v");
     v.write(8192, Bytes::from(vec![4u8; 4096]), true)
         .await
@@ -493,10 +494,7 @@ async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() 
 /// out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
-    let dir = TempDir::new("deleteclaim");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, _coord, d) = restarted_with_v("deleteclaim").await;
     let file = dir.0.join("ds");
     let files = || std::fs::read_dir(&file).unwrap().count();
     let before = files();
@@ -532,10 +530,7 @@ async fn a_delete_is_refused_while_another_change_of_the_volume_runs() {
 /// a restart brought it back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_whose_record_removal_fails_can_be_run_again() {
-    let dir = TempDir::new("deleterecord");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, coord, d) = restarted_with_v("deleterecord").await;
     let file = dir.0.join("ds");
     let files = || std::fs::read_dir(&file).unwrap().count();
     let before = files();
@@ -557,10 +552,7 @@ async fn a_delete_whose_record_removal_fails_can_be_run_again() {
 /// so, and the same command again records it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_change_whose_record_fails_says_it_took_effect_and_a_rerun_records_it() {
-    let dir = TempDir::new("policyrecord");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (_dir, coord, d) = restarted_with_v("policyrecord").await;
     let to_uncached = || api::SetPolicy {
         policy: "uncached".into(),
         ..Default::default()
@@ -624,10 +616,7 @@ async fn storage_a_crashed_create_left_is_imported_at_the_next_start() {
 /// it runs, every write refused, and keep every other host from replaying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_host_does_not_start_a_replay() {
-    let dir = TempDir::new("revoked");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (_dir, coord, d) = restarted_with_v("revoked").await;
     let rec = d.entry("v").unwrap().record.clone();
     coord.fence().revoke();
     let e = crate::peers::replay_for_dead_owner(&d, &rec)
@@ -641,10 +630,7 @@ async fn a_revoked_host_does_not_start_a_replay() {
 /// stop waited for the whole copy, however long (hours, for a large volume).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_ends_a_relocations_copy() {
-    let dir = TempDir::new("relocstop");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (_dir, _coord, d) = restarted_with_v("relocstop").await;
     d.stop_volumes();
     let e = d
         .relocate(
@@ -712,10 +698,7 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
 /// conflict; another operator's change still refuses them at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_policy_change_and_a_relocation_wait_out_a_rounds_claim() {
-    let dir = TempDir::new("policyclaim");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (_dir, _coord, d) = restarted_with_v("policyclaim").await;
     let to_uncached = || api::SetPolicy {
         policy: "uncached".into(),
         ..Default::default()
@@ -751,10 +734,7 @@ async fn a_policy_change_and_a_relocation_wait_out_a_rounds_claim() {
 /// the other background claims, rather than fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_waits_out_a_slow_reopen() {
-    let dir = TempDir::new("deletereopen");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (_dir, _coord, d) = restarted_with_v("deletereopen").await;
     let busy = d.try_claim("v", "reopen").unwrap();
     let d2 = d.clone();
     let deleting = tokio::spawn(async move { d2.delete_volume("v", true).await });
@@ -771,10 +751,7 @@ async fn a_delete_waits_out_a_slow_reopen() {
 /// not made for this volume is left alone and named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relocation_retried_after_a_crash_replaces_its_own_stale_copy_on_a_dir() {
-    let dir = TempDir::new("stalecopy");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, _coord, d) = restarted_with_v("stalecopy").await;
     let v = volume(&d, "v");
     v.write(8192, Bytes::from(vec![6u8; 4096]), true)
         .await
@@ -882,10 +859,7 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
 /// volume's own image for a copy left behind and remove it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_directory_is_never_two_datastores() {
-    let dir = TempDir::new("alias");
-    let coord = coordinator(&dir);
-    create_and_stop(&dir, &coord).await;
-    let d = start(&dir, &coord).await;
+    let (dir, coord, d) = restarted_with_v("alias").await;
     let link = dir.0.join("ds-link");
     std::os::unix::fs::symlink(dir.0.join("ds"), &link).unwrap();
     let e = d
