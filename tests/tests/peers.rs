@@ -560,10 +560,17 @@ fn an_owner_back_on_a_new_cache_device_can_accept_the_loss_its_peer_cannot_repla
         &a.url("w"),
         &["read -P 0 0 1M", "write -P 6 64k 4k", "flush"],
     );
+    // b lets the old generation go: its round drops it, or a takes b as its peer again
+    // first, and opening the new generation drops the older copies.
     wait_for(
         Duration::from_secs(30),
         "b to drop its stale replicas",
-        || b.log().contains("dropping stale replicas").then_some(()),
+        || {
+            let log = b.log();
+            (log.contains("dropping stale replicas")
+                || log.matches("replicating volume").count() >= 2)
+                .then_some(())
+        },
     );
     lun.restart();
     qemu_io(&a.url("w"), &["write -P 7 2M 4k", "flush"]);
