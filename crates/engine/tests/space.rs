@@ -322,6 +322,14 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
         taken * W <= 8 * SEG + W,
         "the replicas took {taken} writes of {W} bytes, over their share of 8 segments"
     );
+    // Asked not to wait, the next write says at once that it would have to, and takes
+    // nothing (the peer's reading thread asks so, and queues the write if it must wait).
+    let again = vec![2u8; W as usize];
+    assert_eq!(
+        host.replica_write_at_once(other, 1, taken + 1, 0, W, Some(&again)),
+        Ok(false)
+    );
+    assert_eq!(host.replica_held(other, 1, 0), Ok(taken));
     // The host's own volume still has its share.
     let mut expect = vec![0u8; VOL as usize];
     let writes = async {
@@ -339,9 +347,14 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     assert!(own.read(0, VOL as u32).await.unwrap()[..] == expect[..]);
     // A checkpoint frees the replicas' space: writes are taken again.
     host.replica_checkpoint(other, 1, taken).unwrap();
+    assert_eq!(
+        host.replica_write_at_once(other, 1, taken + 1, 0, W, Some(&again)),
+        Ok(true)
+    );
+    assert_eq!(host.replica_held(other, 1, 0), Ok(taken + 1));
     let h = host.clone();
     tokio::task::spawn_blocking(move || {
-        h.replica_write(other, 1, taken + 1, 0, W, Some(&vec![1u8; W as usize]))
+        h.replica_write(other, 1, taken + 2, 0, W, Some(&vec![1u8; W as usize]))
     })
     .await
     .unwrap()

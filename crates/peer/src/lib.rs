@@ -64,6 +64,9 @@ mod tests {
             ));
             Ok(())
         }
+        fn write_at_once(&self, from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>> {
+            Some(self.write(from, w.clone()))
+        }
         fn flush(&self) -> Result<(), Refusal> {
             self.log.lock().unwrap().push("flush".into());
             Ok(())
@@ -190,10 +193,29 @@ mod tests {
     }
 
     /// A sink that checks every byte of each write against [`pattern`] and records which
-    /// writes it applied, in order.
+    /// writes it applied, in order. Every fourth write has no room at once
+    /// ([`Sink::write_at_once`]), so the connection applies writes both on its reading thread
+    /// and on its applying one; it counts how many each.
     #[derive(Default)]
     struct Checker {
         applied: Mutex<Vec<(Uuid, u64, bool)>>,
+        at_once: std::sync::atomic::AtomicU64,
+        waited: std::sync::atomic::AtomicU64,
+    }
+
+    impl Checker {
+        /// How many writes were applied at once, and how many by [`Sink::write`].
+        fn ways(&self) -> (u64, u64) {
+            use std::sync::atomic::Ordering::SeqCst;
+            (self.at_once.load(SeqCst), self.waited.load(SeqCst))
+        }
+        fn apply(&self, w: &WriteMsg) {
+            let intact = w
+                .data
+                .as_ref()
+                .is_some_and(|d| d.len() as u64 == w.len && *d == pattern(w.ser, w.len as usize));
+            self.applied.lock().unwrap().push((w.volume, w.ser, intact));
+        }
     }
 
     fn pattern(ser: u64, len: usize) -> Bytes {
@@ -211,12 +233,19 @@ mod tests {
             Ok(())
         }
         fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
-            let intact = w
-                .data
-                .as_ref()
-                .is_some_and(|d| d.len() as u64 == w.len && *d == pattern(w.ser, w.len as usize));
-            self.applied.lock().unwrap().push((w.volume, w.ser, intact));
+            self.apply(&w);
+            self.waited
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Ok(())
+        }
+        fn write_at_once(&self, _from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>> {
+            if w.ser.is_multiple_of(4) {
+                return None;
+            }
+            self.apply(w);
+            self.at_once
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(Ok(()))
         }
         fn flush(&self) -> Result<(), Refusal> {
             Ok(())
@@ -315,6 +344,11 @@ mod tests {
         write_all(&link, &[a, b], 120, 256 << 10).await;
         link.flush().await.unwrap();
         let applied = applied_in_order(&sink, &[a, b], 120);
+        let (at_once, waited) = sink.ways();
+        assert!(
+            at_once > 0 && waited > 0,
+            "writes applied at once {at_once}, after a wait {waited}: both ways must be taken"
+        );
         assert_eq!(applied[0].0, a);
         assert_eq!(applied[1].0, b, "issued alternately, applied alternately");
 
@@ -793,6 +827,9 @@ mod tests {
             }
             Ok(())
         }
+        fn write_at_once(&self, _from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>> {
+            (w.ser <= *self.room_upto.lock().unwrap()).then_some(Ok(()))
+        }
         fn flush(&self) -> Result<(), Refusal> {
             Ok(())
         }
@@ -811,7 +848,8 @@ mod tests {
     /// A write waiting for room in its share waits for the owner's next checkpoint, which the
     /// owner sends on the same connection, behind the write: the peer applies it as it reads
     /// it, so the write goes on. Applied in turn, the checkpoint stayed behind the write until
-    /// the wait gave up, the write was refused and the owner dropped the peer.
+    /// the wait gave up, the write was refused and the owner dropped the peer. A FLUSH sent
+    /// behind the waiting write is answered only after it: the write is not durable before.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_checkpoint_reaches_a_write_waiting_for_room_behind_it() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -833,16 +871,26 @@ mod tests {
             let link = link.clone();
             tokio::spawn(async move { link.write(w(2)).await })
         };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let flush = {
+            let link = link.clone();
+            tokio::spawn(async move { link.flush().await })
+        };
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(
             !waiting.is_finished(),
             "write 2 had room before the checkpoint"
+        );
+        assert!(
+            !flush.is_finished(),
+            "the FLUSH was answered before the write sent ahead of it was applied"
         );
         link.checkpoint(Uuid::nil(), 1, 1).await.unwrap();
         waiting
             .await
             .unwrap()
             .expect("the write waiting for room was refused");
+        flush.await.unwrap().expect("the FLUSH failed");
         link.flush().await.unwrap();
     }
 }

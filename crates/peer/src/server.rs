@@ -11,6 +11,9 @@
 //! are applied in the order they were sent, which is the order of their acknowledgements,
 //! except checkpoints: the reading thread applies them at once, since a write waiting for
 //! room may be waiting for one (every write a checkpoint covers was applied already).
+//! While nothing is queued, the reading thread also applies a write that has room and a
+//! FLUSH itself, saving a thread hand-off on every write of a lightly loaded link; a write
+//! that would wait for room is queued, so the reading thread never waits for a checkpoint.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -56,6 +59,10 @@ pub trait Sink: Send + Sync + 'static {
     fn host(&self) -> String;
     fn open(&self, from: &str, volume: Uuid, gen: u64, checkpoint: u64) -> Result<(), Refusal>;
     fn write(&self, from: &str, w: WriteMsg) -> Result<(), Refusal>;
+    /// As [`Sink::write`], but only if it can be done without waiting for room, which only
+    /// a checkpoint frees: `None` if it would have to wait, and nothing was done. Must not
+    /// block on anything a later frame of the connection brings.
+    fn write_at_once(&self, from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>>;
     /// Makes every write taken so far durable.
     fn flush(&self) -> Result<(), Refusal>;
     fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64) -> Result<(), Refusal>;
@@ -397,22 +404,24 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
     // Frames are applied in order by a thread of their own, all but checkpoints, which this
     // thread applies as it reads them: a write waiting for room in its volume's share waits
     // for exactly such a checkpoint, which would otherwise sit behind it on this connection
-    // until the wait gave up.
-    let queued = Arc::new(AtomicUsize::new(0));
+    // until the wait gave up. While that thread has nothing to do, this one applies what
+    // needs no wait ([`read_frames`]).
+    let pending = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = std::sync::mpsc::channel::<(u64, Msg)>();
     let applier = {
-        let (sink, w, from, queued) = (sink.clone(), w.clone(), from.clone(), queued.clone());
+        let (sink, w, from, pending) = (sink.clone(), w.clone(), from.clone(), pending.clone());
+        let flushes = flushes.clone();
         std::thread::Builder::new()
             .name("peer-apply".into())
             .spawn(move || {
-                let r = apply(rx, &*sink, &w, &from, &flushes, &queued);
+                let r = apply(rx, &*sink, &w, &from, &flushes, &pending);
                 // Ends the connection (a refused write, a lost socket): the reading thread
                 // stops at its next read.
                 let _ = rd.shutdown(std::net::Shutdown::Both);
                 r
             })?
     };
-    let read = read_frames(&mut r, &*sink, &w, &from, &tx, &queued);
+    let read = read_frames(&mut r, &*sink, &w, &from, &tx, &flushes, &pending);
     drop(tx);
     let applied = applier
         .join()
@@ -439,17 +448,27 @@ fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
 }
 
 /// Reads `from`'s frames: checkpoints are applied here at once, everything else is queued
-/// for [`apply`] in order. Ends at the end of the stream, a damaged or unexpected frame, or
-/// once [`apply`] has ended the connection.
+/// for [`apply`] in order, except that while nothing is queued, a write with room
+/// ([`Sink::write_at_once`]) and a FLUSH are applied here too: nothing sent before them is
+/// still to be applied. Ends at the end of the stream, a damaged or unexpected frame, a write
+/// refused here, or once [`apply`] has ended the connection.
 fn read_frames(
-    r: &mut impl Read,
+    r: &mut BufReader<impl Read>,
     sink: &dyn Sink,
     w: &Writer,
     from: &str,
     tx: &std::sync::mpsc::Sender<(u64, Msg)>,
-    queued: &AtomicUsize,
+    flushes: &std::sync::mpsc::Sender<u64>,
+    pending: &AtomicUsize,
 ) -> std::io::Result<()> {
+    // Replies this thread wrote to the buffer and has not sent yet.
+    let mut unsent = false;
     loop {
+        if unsent && !frame_buffered(r) {
+            // The next read may wait for the owner, which may be waiting for these.
+            lock_writer(w).flush()?;
+            unsent = false;
+        }
         let Some((h, body)) = read_frame(r, wire::BODY_MAX)? else {
             info!("peer {from} disconnected");
             return Ok(());
@@ -467,16 +486,44 @@ fn read_frames(
                 return Err(std::io::Error::other(e));
             }
         };
-        match msg {
+        // Nothing queued nor being applied: a frame applied here keeps its place in the order.
+        let idle = pending.load(Ordering::Acquire) == 0;
+        let msg = match msg {
             // Ahead of the frames queued before it. Every write it covers completed, and a
             // write completes only once every peer acknowledged it, which this one does only
             // after applying it: the writes still queued are all above it.
             Msg::Checkpoint { volume, gen, ser } => {
                 let reply = reply_of(sink.checkpoint(volume, gen, ser).map(|_| String::new()));
                 send(w, h.seq, &reply)?;
+                unsent = false;
+                continue;
             }
+            Msg::Write(m) if idle => match sink.write_at_once(from, &m) {
+                Some(Ok(())) => {
+                    let ok = reply_of(Ok(String::new()));
+                    lock_writer(w).write_all(&wire::encode(h.seq, &ok))?;
+                    unsent = true;
+                    continue;
+                }
+                Some(Err(e)) => {
+                    refused(m.volume, from, &e);
+                    send(w, h.seq, &reply_of(Err(e)))?;
+                    return Ok(());
+                }
+                // It would wait for room: the applying thread waits instead.
+                None => Msg::Write(m),
+            },
+            Msg::Flush if idle => {
+                flushes
+                    .send(h.seq)
+                    .map_err(|_| std::io::Error::other("flush thread gone"))?;
+                continue;
+            }
+            m => m,
+        };
+        match msg {
             Msg::Open { .. } | Msg::Write(_) | Msg::Flush | Msg::Drop { .. } | Msg::Held { .. } => {
-                queued.fetch_add(1, Ordering::AcqRel);
+                pending.fetch_add(1, Ordering::AcqRel);
                 if tx.send((h.seq, msg)).is_err() {
                     return Ok(()); // the applying thread ended the connection
                 }
@@ -491,20 +538,39 @@ fn read_frames(
     }
 }
 
+/// Whether `r` holds a whole frame already, so reading it will not wait for the socket.
+fn frame_buffered<R>(r: &BufReader<R>) -> bool {
+    let b = r.buffer();
+    let Some(head) = b.first_chunk::<HEADER_LEN>() else {
+        return false;
+    };
+    wire::decode_head(head).is_ok_and(|h| HEADER_LEN + h.body_len as usize <= b.len())
+}
+
+fn lock_writer(w: &Writer) -> std::sync::MutexGuard<'_, BufWriter<TcpStream>> {
+    w.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Logs a write the sink refused.
+fn refused(volume: uuid::Uuid, from: &str, e: &Refusal) {
+    let (Refusal::Failed(why) | Refusal::Stale(why) | Refusal::Absent(why)) = e;
+    warn!("refused a write of volume {volume} from peer {from}: {why}");
+}
+
 /// Applies `from`'s queued frames in the order they came and writes the replies, flushed
 /// whenever nothing else is queued. Ends when the reading side is done and the queue is
 /// empty, or at a refused write (the owner counts nothing after it and breaks the link).
+/// `pending` counts the frames queued and not yet applied, the one being applied included.
 fn apply(
     rx: std::sync::mpsc::Receiver<(u64, Msg)>,
     sink: &dyn Sink,
     w: &Writer,
     from: &str,
     flushes: &std::sync::mpsc::Sender<u64>,
-    queued: &AtomicUsize,
+    pending: &AtomicUsize,
 ) -> std::io::Result<()> {
     let f = from;
     for (seq, msg) in rx {
-        let left = queued.fetch_sub(1, Ordering::AcqRel) - 1;
         let result = match msg {
             Msg::Open {
                 volume,
@@ -519,9 +585,7 @@ fn apply(
                         // The owner counts nothing after a refused write and breaks the link:
                         // the writes queued behind this one are not applied (each could wait
                         // for room again), the connection ends here.
-                        let (Refusal::Failed(why) | Refusal::Stale(why) | Refusal::Absent(why)) =
-                            &e;
-                        warn!("refused a write of volume {volume} from peer {f}: {why}");
+                        refused(volume, f, &e);
                         send(w, seq, &reply_of(Err(e)))?;
                         return Ok(());
                     }
@@ -531,6 +595,11 @@ fn apply(
                 flushes
                     .send(seq)
                     .map_err(|_| std::io::Error::other("flush thread gone"))?;
+                // Its reply comes from the syncing thread.
+                let mut w = lock_writer(w);
+                if pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    w.flush()?;
+                }
                 continue;
             }
             Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
@@ -545,9 +614,11 @@ fn apply(
             }
         };
         let reply = reply_of(result);
-        let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+        let mut w = lock_writer(w);
         w.write_all(&wire::encode(seq, &reply))?;
-        if left == 0 {
+        // Applied and answered (under the writer's lock, so that a reply the reading thread
+        // writes once it sees nothing pending comes after this one).
+        if pending.fetch_sub(1, Ordering::AcqRel) == 1 {
             w.flush()?;
         }
     }

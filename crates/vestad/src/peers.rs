@@ -67,6 +67,20 @@ impl peer::Sink for PeerService {
             .replica_write(w.volume, w.gen, w.ser, w.offset, w.len, w.data.as_deref())
             .map_err(refusal)
     }
+    fn write_at_once(&self, _from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>> {
+        match self.cache.replica_write_at_once(
+            w.volume,
+            w.gen,
+            w.ser,
+            w.offset,
+            w.len,
+            w.data.as_deref(),
+        ) {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(e) => Some(Err(refusal(e))),
+        }
+    }
     fn flush(&self) -> Result<(), Refusal> {
         self.cache.replica_sync().map_err(refusal)
     }

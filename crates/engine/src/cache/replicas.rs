@@ -151,13 +151,18 @@ impl CacheHost {
     /// the log: an owner must not crowd out this host's own volumes, nor the replicas of
     /// other owners. A write is let in while they are under the share, so they exceed it by
     /// at most one write.
-    fn replica_room(&self, volume: Uuid) -> Result<(), ReplicaRefusal> {
+    /// Without `wait`, says at once whether there is room: `Ok(false)` if the write would
+    /// have to wait.
+    fn replica_room(&self, volume: Uuid, wait: bool) -> Result<bool, ReplicaRefusal> {
         let log = &self.shared.log;
         let started = Instant::now();
         loop {
             let (used, share) = (log.segments_of(volume) as u64, self.shared.share_segments());
             if used < share {
-                return Ok(());
+                return Ok(true);
+            }
+            if !wait {
+                return Ok(false);
             }
             if started.elapsed() >= SPACE_WAIT {
                 return Err(ReplicaRefusal::Failed(format!(
@@ -237,6 +242,39 @@ impl CacheHost {
         len: u64,
         data: Option<&[u8]>,
     ) -> Result<(), ReplicaRefusal> {
+        self.append_replica(volume, gen, ser, offset, len, data, true)
+            .map(|_| ())
+    }
+
+    /// As [`CacheHost::replica_write`], but only if it need not wait for room (for the
+    /// owner's next checkpoint): `Ok(false)` if it would have to, and nothing was done.
+    /// A peer's connection applies a write this way on the thread that reads its frames,
+    /// which must never wait for a checkpoint: the checkpoint would be behind it.
+    pub fn replica_write_at_once(
+        &self,
+        volume: Uuid,
+        gen: u64,
+        ser: u64,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+    ) -> Result<bool, ReplicaRefusal> {
+        self.append_replica(volume, gen, ser, offset, len, data, false)
+    }
+
+    /// Appends one replicated write, waiting for room if `wait`; `Ok(false)` if there was
+    /// none and it did not wait.
+    #[allow(clippy::too_many_arguments)]
+    fn append_replica(
+        &self,
+        volume: Uuid,
+        gen: u64,
+        ser: u64,
+        offset: u64,
+        len: u64,
+        data: Option<&[u8]>,
+        wait: bool,
+    ) -> Result<bool, ReplicaRefusal> {
         let sector = crate::SECTOR;
         if len == 0
             || !offset.is_multiple_of(sector)
@@ -274,7 +312,9 @@ impl CacheHost {
                 Some(_) => {}
             }
         }
-        self.replica_room(volume)?;
+        if !self.replica_room(volume, wait)? {
+            return Ok(false);
+        }
         let kind = if data.is_some() {
             Kind::Replica
         } else {
@@ -307,8 +347,12 @@ impl CacheHost {
                     Ok((loc, _)) => break loc,
                     Err(LogError::NoSpace) if started.elapsed() < SPACE_WAIT => {
                         // Freed segments become reusable after a sync; wait only when none
-                        // were freed.
+                        // were freed, and only if asked to (once a first part is in, the
+                        // rest follow: a write is appended whole or not at all).
                         if !matches!(log.sync_freed(), Ok(true)) {
+                            if !wait && out.is_empty() {
+                                return Ok(false);
+                            }
                             let _ = log.sync();
                             std::thread::sleep(Duration::from_millis(10));
                         }
@@ -345,7 +389,7 @@ impl CacheHost {
                         log.unpin(&r.loc);
                     }
                 }
-                Ok(())
+                Ok(true)
             }
             _ => Err(fail(
                 &out,
