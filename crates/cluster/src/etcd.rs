@@ -36,6 +36,10 @@
 //! host took one meanwhile, this host's view of that volume is stale: the fence stays closed
 //! (no datastore writes from this host at all) and the log says to restart vestad, which
 //! then serves only what it can lock. Refusing all writes is blunt, and it is never wrong.
+//! Until a lock is confirmed taken back, this host does not write that volume's vault: a
+//! lock taken back for a volume another host took over meanwhile is given up again, and a
+//! vault write landing in between would have replaced that host's record with this one's
+//! stale copy.
 //!
 //! **Restart of the same host.** A lock whose value is this host's name but whose lease is
 //! not this incarnation's belongs to an earlier incarnation of this host. Registration
@@ -100,9 +104,16 @@ struct Session {
     host: Mutex<HostRecord>,
     /// Volumes whose vault lock this host holds.
     held: Mutex<BTreeSet<Uuid>>,
+    /// Volumes whose vault lock is being taken back after a lost lease ([`reregister`]):
+    /// their vault is not written until it is confirmed (see [`retake_lock`]). Filled
+    /// before the new lease is published, so a vault write that reads the new lease sees it.
+    retaking: Mutex<BTreeSet<Uuid>>,
     fence: Arc<Fence>,
     /// Set by [`Coordinator::shutdown`]: the renewal task stops.
     stopping: AtomicBool,
+    /// Places where a test holds the re-registration ([`pause`]).
+    #[cfg(test)]
+    pauses: Mutex<std::collections::HashMap<&'static str, Arc<tests::Pause>>>,
 }
 
 impl EtcdCoordinator {
@@ -132,8 +143,11 @@ impl EtcdCoordinator {
                 lease: AtomicI64::new(0),
                 host: Mutex::new(cfg.host),
                 held: Mutex::new(BTreeSet::new()),
+                retaking: Mutex::new(BTreeSet::new()),
                 fence: Arc::new(Fence::closed()),
                 stopping: AtomicBool::new(false),
+                #[cfg(test)]
+                pauses: Mutex::default(),
             }),
         };
         let give_up = Instant::now() + c.ttl + Duration::from_secs(1);
@@ -462,10 +476,15 @@ async fn vault_owner(
 /// Re-takes a vault lock after a lost lease, unless another host took the volume over
 /// meanwhile (a peer's online replay takes the lock, names itself the vault's owner, and
 /// gives the lock back when done): then this host's copy is stale. The vault is read before
-/// the lock is taken (after it, this host's own vault writes could cover another's), and
-/// again after: a take-over in between gives the lock back too.
+/// the lock is taken, and again after: a take-over in between gives the lock back too. This
+/// host writes none of the volume's vault until then ([`Session::retaking`]): a write landing
+/// between the take and the second read would have covered the other host's record.
+///
+/// A volume whose lock was given back meanwhile ([`Coordinator::unlock_vault`] while the lease
+/// was gone, when there was no lock to delete) is not kept: its lock goes again.
 async fn retake_lock(
     client: &Client,
+    s: &Session,
     prefix: &str,
     name: &str,
     lease: i64,
@@ -478,21 +497,49 @@ async fn retake_lock(
             "volume {volume}: host {o:?} took it over while this host's lease was gone"
         )));
     }
+    pause(s, "before take").await;
     take_lock(client, prefix, name, lease, volume).await?;
-    // Another host that took it over in between names itself the owner (this host's own
-    // vault writes, possible again now, do not count).
+    pause(s, "after take").await;
+    // Another host that took it over in between names itself the owner.
     let now = vault_owner(&mut kv, prefix, volume).await?;
     if let Some(o) = now.filter(|o| o != name) {
-        let lock = format!("{prefix}/vault-locks/{volume}");
-        let txn = Txn::new()
-            .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
-            .and_then([TxnOp::delete(lock, None)]);
-        kv.txn(txn).await?;
+        give_back(&mut kv, prefix, lease, volume).await?;
         return Err(Reg::Taken(format!(
             "volume {volume}: host {o:?} took it over while this host took its lock back"
         )));
     }
+    // Given back meanwhile: `unlock_vault` forgets the volume before it deletes the lock, so
+    // either it deleted the lock taken here or this sees it forgotten.
+    if !s.held.lock().expect("lock").contains(&volume) {
+        give_back(&mut kv, prefix, lease, volume).await?;
+    }
     Ok(())
+}
+
+/// Deletes `volume`'s vault lock if `lease` holds it.
+async fn give_back(
+    kv: &mut etcd_client::KvClient,
+    prefix: &str,
+    lease: i64,
+    volume: Uuid,
+) -> std::result::Result<(), etcd_client::Error> {
+    let lock = format!("{prefix}/vault-locks/{volume}");
+    let txn = Txn::new()
+        .when([Compare::lease(lock.clone(), CompareOp::Equal, lease)])
+        .and_then([TxnOp::delete(lock, None)]);
+    kv.txn(txn).await.map(|_| ())
+}
+
+/// Holds the re-registration at `stage` while a test asks it to; nothing outside tests.
+#[cfg(not(test))]
+async fn pause(_s: &Session, _stage: &'static str) {}
+
+#[cfg(test)]
+async fn pause(s: &Session, stage: &'static str) {
+    let p = s.pauses.lock().expect("lock").get(stage).cloned();
+    if let Some(p) = p {
+        p.hold().await;
+    }
 }
 
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
@@ -501,6 +548,9 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
     // An etcd error while re-taking the locks starts over with a new registration: nothing
     // renews the lease meanwhile, so retrying on it could outlive it.
     let registered = 'again: loop {
+        // Before a new lease can be read: every vault write under it waits for its lock.
+        let held = s.held.lock().expect("lock").clone();
+        *s.retaking.lock().expect("lock") = held;
         let sent = loop {
             if s.stopping.load(Ordering::Acquire) {
                 return;
@@ -514,13 +564,17 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
         };
         let name = s.host.lock().expect("lock").name.clone();
         let lease = s.lease.load(Ordering::Acquire);
-        let held: Vec<Uuid> = s.held.lock().expect("lock").iter().copied().collect();
+        let held: Vec<Uuid> = s.retaking.lock().expect("lock").iter().copied().collect();
         let mut lost = Vec::new();
         for v in held {
-            match retake_lock(client, prefix, &name, lease, v).await {
-                Ok(()) => {}
+            match retake_lock(client, s, prefix, &name, lease, v).await {
+                // Confirmed, or not this host's (then a vault write finds no lock).
+                Ok(()) => {
+                    s.retaking.lock().expect("lock").remove(&v);
+                }
                 Err(Reg::Taken(m)) => {
                     error!("{m}");
+                    s.retaking.lock().expect("lock").remove(&v);
                     lost.push(v);
                 }
                 Err(Reg::Etcd(e)) => {
@@ -745,13 +799,16 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn unlock_vault(&self, volume: Uuid) -> Result<()> {
+        // Forgotten first: a re-registration that takes the lock back after this reads the
+        // lease gives it up again (see `retake_lock`); one that took it before, took it under
+        // the lease read here.
+        self.session.held.lock().expect("lock").remove(&volume);
         let key = self.key("vault-locks", &volume.to_string());
         let txn = Txn::new()
             .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease())])
             .and_then([TxnOp::delete(key, None)]);
         let mut kv = self.client.kv_client();
         kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
-        self.session.held.lock().expect("lock").remove(&volume);
         Ok(())
     }
 
@@ -762,9 +819,25 @@ impl Coordinator for EtcdCoordinator {
     async fn put_vault(&self, v: &Vault) -> Result<()> {
         let id = v.volume.to_string();
         let lock = self.key("vault-locks", &id);
+        // The lease first, then the volumes being re-taken: those are marked before a new
+        // lease is published.
+        let lease = self.lease();
+        if self
+            .session
+            .retaking
+            .lock()
+            .expect("lock")
+            .contains(&v.volume)
+        {
+            return Err(Error::Unavailable(format!(
+                "host {:?} is taking the vault lock of volume {} back after its etcd lease \
+                 lapsed",
+                self.name, v.volume
+            )));
+        }
         // The fence: the write lands only while the lock is bound to this incarnation's lease.
         let txn = Txn::new()
-            .when([Compare::lease(lock, CompareOp::Equal, self.lease())])
+            .when([Compare::lease(lock, CompareOp::Equal, lease)])
             .and_then([TxnOp::put(self.key("vaults", &id), json(v), None)]);
         if self.txn_held(txn).await? {
             Ok(())
@@ -909,5 +982,138 @@ impl Coordinator for EtcdCoordinator {
 
     async fn shutdown(&self) {
         self.leave().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Policy;
+    use tokio::sync::Notify;
+    use vesta_tests::Etcd;
+
+    /// A place where the re-registration waits until the test lets it go.
+    #[derive(Default)]
+    pub(super) struct Pause {
+        reached: Notify,
+        go: Notify,
+    }
+
+    impl Pause {
+        pub(super) async fn hold(&self) {
+            self.reached.notify_one();
+            self.go.notified().await;
+        }
+        async fn reached(&self) {
+            tokio::time::timeout(Duration::from_secs(20), self.reached.notified())
+                .await
+                .expect("the re-registration never got there");
+        }
+        fn go(&self) {
+            self.go.notify_one();
+        }
+    }
+
+    /// Holds `c`'s next re-registration at `stage`.
+    fn hold_at(c: &EtcdCoordinator, stage: &'static str) -> Arc<Pause> {
+        let p = Arc::new(Pause::default());
+        c.session.pauses.lock().unwrap().insert(stage, p.clone());
+        p
+    }
+
+    async fn connect(etcd: &Etcd, name: &str) -> EtcdCoordinator {
+        EtcdCoordinator::connect(EtcdConfig {
+            endpoints: vec![etcd.endpoint.clone()],
+            prefix: "/vesta".into(),
+            host: HostRecord {
+                name: name.into(),
+                fault_domain: "rack1".into(),
+                ..Default::default()
+            },
+            lease_ttl: Duration::from_secs(3),
+        })
+        .await
+        .unwrap()
+    }
+
+    fn vault(volume: Uuid, owner: &str, gen: u64) -> Vault {
+        Vault {
+            volume,
+            policy: Policy::Wb,
+            checkpoint: 0,
+            gen,
+            owner: owner.into(),
+            peers: Vec::new(),
+            previous_owner: None,
+            handoff: false,
+        }
+    }
+
+    /// Ends `c`'s lease as etcd does when it expires: its renewals then find it gone.
+    async fn lose_lease(c: &EtcdCoordinator) {
+        c.client.lease_client().revoke(c.lease()).await.unwrap();
+    }
+
+    async fn wait_until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..200 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("{what} within 20 s");
+    }
+
+    /// Host a's lease lapsed. Another host took its volume over and gave the lock back while
+    /// a's re-registration took the lock back and before it read the vault again. A vault
+    /// write of a's in that moment would have replaced the other host's record with a's
+    /// stale copy; the second read would then have found a named and a kept the volume.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vault_is_not_written_while_its_lock_is_taken_back() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        a.put_vault(&vault(v, "a", 1)).await.unwrap();
+        let after_take = hold_at(&a, "after take");
+        lose_lease(&a).await;
+        after_take.reached().await;
+        // The take-over's record, as b left it.
+        let key = a.key("vaults", &v.to_string());
+        let b_took_it = vault(v, "b", 2);
+        let mut kv = a.client.kv_client();
+        kv.put(key.clone(), json(&b_took_it), None).await.unwrap();
+        match a.put_vault(&vault(v, "a", 1)).await {
+            Err(Error::Unavailable(m)) => assert!(m.contains("taking the vault lock"), "{m}"),
+            other => panic!("a vault write while the lock is taken back: {other:?}"),
+        }
+        after_take.go();
+        let fence = a.fence();
+        wait_until("a gives the volume up", || fence.is_revoked()).await;
+        assert_eq!(a.vault(v).await.unwrap(), Some(b_took_it));
+        let lock = a.key("vault-locks", &v.to_string());
+        assert!(kv.get(lock, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// A volume let go while the lease was gone (its lock went with the lease, so there was
+    /// nothing to delete) is not taken back by the re-registration: another host can lock
+    /// it, and a's datastore writes resume.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lock_given_back_while_the_lease_was_gone_stays_free() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let b = connect(&etcd, "b").await;
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        let before_take = hold_at(&a, "before take");
+        lose_lease(&a).await;
+        before_take.reached().await;
+        a.unlock_vault(v).await.unwrap();
+        before_take.go();
+        let fence = a.fence();
+        wait_until("a registers again", || fence.allows_writes()).await;
+        b.lock_vault(v)
+            .await
+            .expect("the lock a let go stayed with a");
     }
 }
