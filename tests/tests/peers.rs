@@ -1350,9 +1350,9 @@ fn an_accepted_loss_ends_a_hand_off_no_peer_can_finish() {
 }
 
 /// A peer's replay that stops midway (its own cache device fails after it recorded some
-/// progress: the vault then names it owner, at the same generation, without the hand-off
-/// flag) leaves the owner waiting for a replay nothing will finish. The operator can accept
-/// the loss then too: the datastore keeps what the replay wrote, the owner serves it
+/// progress: the vault then names it owner, at the same generation, handed on) leaves the
+/// owner of a `wbp:1` volume waiting for a replay nothing will finish. The operator can
+/// accept the loss then too: the datastore keeps what the replay wrote, the owner serves it
 /// uncached.
 #[test]
 fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
@@ -1399,6 +1399,48 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
     let img = on_datastore(&lun, 1 << 20);
     assert!(img[..4096].iter().all(|x| *x == 9) && img[4096..].iter().all(|x| *x == 8));
     assert!(!b.log().contains("online replay done"), "{}", b.log());
+    one_writer_at_a_time(&lun);
+}
+
+/// A peer's replay that stops on a host that goes on running (its own cache device fails
+/// midway) is handed on, and the next peer finishes it. The vault used to go on naming the
+/// stopped replayer, alive, and the other peer waited for it for as long as it ran.
+#[test]
+fn a_replay_that_stops_on_a_live_peer_is_finished_by_the_next_peer() {
+    let etcd = Etcd::start();
+    // Each datastore write takes 300 ms, so the replay's windows take seconds.
+    let lun = Nbdkit::start(128 << 20, &["--filter=delay"], &["wdelay=300ms"]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    create_held_sized(&a, "w", "wbp:2", "64M");
+    wait_replicating(&a, "w", &["b", "c"]);
+    qemu_io(&a.url("w"), &["write -P 8 0 40M"]);
+    a.fail_cache_device();
+    let first = wait_for(
+        Duration::from_secs(60),
+        "a peer to record replay progress",
+        || {
+            let v = vault(&etcd);
+            let owner = v["owner"].as_str().unwrap_or("").to_owned();
+            (owner != "a" && v["checkpoint"].as_u64() > Some(0)).then_some(owner)
+        },
+    );
+    let (stopped, other) = if first == "b" { (&b, &c) } else { (&c, &b) };
+    stopped.fail_cache_device();
+    wait_for(
+        Duration::from_secs(120),
+        "the other peer to finish the replay",
+        || other.log().contains("online replay done").then_some(()),
+    );
+    assert!(
+        !stopped.log().contains("online replay done"),
+        "the replay finished before it could be stopped; slow the datastore down"
+    );
+    assert!(
+        on_datastore(&lun, 40 << 20).iter().all(|x| *x == 8),
+        "after the replay the datastore must hold every completed write"
+    );
     one_writer_at_a_time(&lun);
 }
 

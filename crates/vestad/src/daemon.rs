@@ -415,14 +415,10 @@ impl Daemon {
             .await
             .map_err(|e| format!("read vault record: {e}"))?;
         let named_peers = vault.as_ref().is_some_and(|v| !v.peers.is_empty());
-        if let Some(v) = vault.as_ref().filter(|v| !v.peers.is_empty()) {
-            // The vault names peers of a generation this host's log never reached (a new cache
-            // device, a host that died before its log had the switch): the volume's newest
-            // writes may be only in their replicas. Serving it now would record a new
-            // generation and make them drop those. Hand it to them instead, as an owner whose
-            // cache device failed does; it serves here again once one of them has replayed.
-            let logged = self.cache.as_ref().and_then(|c| c.logged_gen(rec.id));
-            if logged.is_none_or(|g| g < v.gen) {
+        if let Some(v) = vault.as_ref() {
+            // Hand it to its peers, as an owner whose cache device failed does; it serves here
+            // again once one of them has replayed.
+            if let Some(why) = self.peers_replay_first(v) {
                 if !v.handoff {
                     let h = Vault {
                         handoff: true,
@@ -433,20 +429,19 @@ impl Daemon {
                         .await
                         .map_err(|e| format!("hand the volume to its peers: {e}"))?;
                     warn!(
-                        "volume {:?}: this host's cache log holds nothing of its generation {} \
-                         (a new cache device?); handing it to its peer(s) {:?}, which hold its \
+                        "volume {:?}: {why}; handing it to its peer(s) {:?}, which hold its \
                          latest writes, to replay first",
-                        rec.name, v.gen, v.peers
+                        rec.name, v.peers,
                     );
                 }
                 if let Err(e) = self.coord.unlock_vault(rec.id).await {
                     warn!("volume {:?}: give the vault lock back: {e}", rec.name);
                 }
                 return Err(format!(
-                    "waiting for its peer(s) {:?} to replay it (this host's cache log holds \
-                     nothing of generation {}); it serves here again once they have. If \
-                     none can, `vesta volume accept-loss {}` gives up what they held",
-                    v.peers, v.gen, rec.name
+                    "waiting for its peer(s) {:?} to replay it ({why}); it serves here again \
+                     once they have. If none can, `vesta volume accept-loss {}` gives up what \
+                     they held",
+                    v.peers, rec.name
                 ));
             }
         }
@@ -494,6 +489,39 @@ impl Daemon {
         }
         self.record_vault_or_hold(rec, &v, named_peers).await;
         Ok(v)
+    }
+
+    /// Why this host must leave volume `v.volume` to the peers its vault names, to replay
+    /// first; `None` if it may serve it.
+    ///
+    /// - The vault names peers of a generation this host's log never reached (a new cache
+    ///   device, a host that died before its log had the switch): the volume's newest writes
+    ///   may be only in their replicas. Serving it would record a new generation and make
+    ///   them drop those.
+    /// - It names another host as the writer of this host's own generation: a peer began an
+    ///   online replay and did not finish it (it died, or its cache device failed). That
+    ///   replay started from the newest checkpoint its peers knew, which may be older than
+    ///   this host's own, and rewrote blocks from there: the datastore may hold older data
+    ///   than this host's checkpoint says, and only the peers' replicas reach back far enough
+    ///   to put the newest back.
+    pub(crate) fn peers_replay_first(&self, v: &Vault) -> Option<String> {
+        if v.peers.is_empty() {
+            return None;
+        }
+        if v.owner != self.coord.host() {
+            return Some(format!(
+                "host {:?} began replaying it and did not finish",
+                v.owner
+            ));
+        }
+        let logged = self.cache.as_ref().and_then(|c| c.logged_gen(v.volume));
+        logged.is_none_or(|g| g < v.gen).then(|| {
+            format!(
+                "this host's cache log holds nothing of its generation {} (a new cache \
+                 device?)",
+                v.gen
+            )
+        })
     }
 
     /// Writes the volume's vault record as this host, its owner, sees it now. A failure is

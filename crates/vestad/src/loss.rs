@@ -19,9 +19,10 @@
 //! peer that holds the vault lock is replaying: nothing is lost if it finishes, so the
 //! operator is told to wait for it.
 //!
-//! A volume that could not open because its vault names peers of a generation this host's
-//! log never reached (it came back on a new cache device while they were to replay it) has
-//! its vault recorded the same way, and is then opened again.
+//! A volume that could not open because its peers are to replay it first (it came back on a
+//! new cache device while they were to replay it, or one of them began a replay and did not
+//! finish it: `Daemon::peers_replay_first`) has its vault recorded the same way, and is then
+//! opened again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -192,15 +193,10 @@ async fn accept_open(
     }
 }
 
-/// Whether `vault` hands the volume to peers of a generation this host's cache log never
-/// reached: the volume cannot open here until one of them has replayed it.
+/// Whether `vault` hands the volume to its peers to replay first
+/// ([`Daemon::peers_replay_first`]): the volume cannot open here until one of them has.
 fn waits_for_peers(d: &Daemon, vault: &Vault) -> bool {
-    vault.handoff
-        && !vault.peers.is_empty()
-        && d.cache
-            .as_ref()
-            .and_then(|c| c.logged_gen(vault.volume))
-            .is_none_or(|g| g < vault.gen)
+    vault.handoff && d.peers_replay_first(vault).is_some()
 }
 
 async fn accept_not_open(

@@ -472,6 +472,9 @@ pub struct PeerState {
     writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
     /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
     uncached_tries: Mutex<HashMap<Uuid, u32>>,
+    /// Vault locks this host took to replay another host's volume and could not give back
+    /// ([`give_back`]): retried every round.
+    unlock_owed: Mutex<std::collections::HashSet<Uuid>>,
 }
 
 /// A hand-off this host waits on ([`flash_failed`], [`handed_to_nobody`]).
@@ -688,6 +691,7 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
             .await;
         }
         release_held_writes(&d).await;
+        retry_owed_unlocks(&d).await;
         go_on_uncached_with_nothing_lost(&d).await;
         keep_replicated(&d).await;
         if d.cache.is_some() && d.coord.kind() != "local" {
@@ -1290,10 +1294,74 @@ pub(crate) async fn replay_for_dead_owner(
         Err(e) => return Err(e.to_string()),
     }
     let result = replay_locked(d, &cache, rec).await;
-    if let Err(e) = d.coord.unlock_vault(rec.id).await {
-        warn!("volume {:?}: give the vault lock back: {e}", rec.name);
+    if result.is_err() {
+        pass_on(d, rec).await;
     }
+    give_back(d, rec).await;
     result
+}
+
+/// A replay of this host's that stopped on a host that goes on running (its cache device
+/// failed, its datastore writes stopped for good, its replicas could not be taken up) leaves
+/// the vault naming this host as the volume's writer, and every other peer waits for a live
+/// writer to finish: none would, ever. So the volume is marked handed off, as an owner whose
+/// cache device failed marks it, and another listed peer continues from the vault's
+/// checkpoint. (A replay that stops because this host restarts is resumed by it.)
+async fn pass_on(d: &Daemon, rec: &VolumeRecord) {
+    let me = d.coord.host();
+    let Ok(Some(v)) = d.coord.vault(rec.id).await else {
+        return;
+    };
+    if v.owner != me || v.handoff {
+        return; // not named yet, or not any more
+    }
+    let peers = v.peers.clone();
+    match d.coord.put_vault(&Vault { handoff: true, ..v }).await {
+        Ok(()) => warn!(
+            "volume {:?}: its replay stopped here; handed on to its other peer(s) in {peers:?}",
+            rec.name
+        ),
+        Err(e) => warn!(
+            "volume {:?}: its replay stopped here, and handing it on failed: {e}",
+            rec.name
+        ),
+    }
+}
+
+/// Gives back a vault lock this host took to replay another host's volume. One it cannot
+/// give back stays bound to this host's lease for as long as it runs, and no other host
+/// could replay or serve the volume: it is retried every round ([`retry_owed_unlocks`]).
+pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
+    if let Err(e) = d.coord.unlock_vault(rec.id).await {
+        warn!(
+            "volume {:?}: give the vault lock back: {e}; retried every {ROUND:?}",
+            rec.name
+        );
+        d.peers.unlock_owed.lock().expect("lock").insert(rec.id);
+    }
+}
+
+/// Gives back the vault locks [`give_back`] could not, unless this host took the volume's
+/// lock again since for a reason of its own (another replay of it, or it serves it).
+pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
+    let owed: Vec<Uuid> = d
+        .peers
+        .unlock_owed
+        .lock()
+        .expect("lock")
+        .iter()
+        .copied()
+        .collect();
+    for id in owed {
+        let again = d.peers.replaying.lock().expect("lock").contains(&id)
+            || d.entries().iter().any(|e| e.record.id == id);
+        if again || d.coord.unlock_vault(id).await.is_ok() {
+            d.peers.unlock_owed.lock().expect("lock").remove(&id);
+            if !again {
+                info!("volume {id}: gave its vault lock back");
+            }
+        }
+    }
 }
 
 async fn replay_locked(
@@ -1592,6 +1660,19 @@ async fn surrogate_one(
     rec: &VolumeRecord,
     n: usize,
 ) -> Result<String, String> {
+    // Its lock is this replay's: an unlock owed from an earlier one must not take it.
+    d.peers.replaying.lock().expect("lock").insert(rec.id);
+    let r = surrogate_locked(d, host, rec, n).await;
+    d.peers.replaying.lock().expect("lock").remove(&rec.id);
+    r
+}
+
+async fn surrogate_locked(
+    d: &Arc<Daemon>,
+    host: &Arc<CacheHost>,
+    rec: &VolumeRecord,
+    n: usize,
+) -> Result<String, String> {
     d.coord
         .lock_vault(rec.id)
         .await
@@ -1638,9 +1719,7 @@ async fn surrogate_one(
         ))
     }
     .await;
-    if let Err(e) = d.coord.unlock_vault(rec.id).await {
-        warn!("volume {:?}: give the vault lock back: {e}", rec.name);
-    }
+    give_back(d, rec).await;
     if let Ok(line) = &r {
         info!("surrogate replay: {line}");
     }

@@ -25,6 +25,9 @@ struct FailingVault {
     fail_deletes: AtomicBool,
     /// Volume record updates fail (nothing is written).
     fail_updates: AtomicBool,
+    /// Vault unlocks fail; those that went through are listed in `unlocked`.
+    fail_unlocks: AtomicBool,
+    unlocked: std::sync::Mutex<Vec<Uuid>>,
 }
 
 #[async_trait]
@@ -83,7 +86,14 @@ impl Coordinator for FailingVault {
         self.inner.lock_vault(volume).await
     }
     async fn unlock_vault(&self, volume: Uuid) -> cluster::Result<()> {
-        self.inner.unlock_vault(volume).await
+        if self.fail_unlocks.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: no answer (injected)".into(),
+            ));
+        }
+        self.inner.unlock_vault(volume).await?;
+        self.unlocked.lock().unwrap().push(volume);
+        Ok(())
     }
     async fn vault(&self, volume: Uuid) -> cluster::Result<Option<Vault>> {
         self.inner.vault(volume).await
@@ -162,6 +172,8 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         lose_update_answers: AtomicBool::new(false),
         fail_deletes: AtomicBool::new(false),
         fail_updates: AtomicBool::new(false),
+        fail_unlocks: AtomicBool::new(false),
+        unlocked: Default::default(),
     })
 }
 
@@ -363,6 +375,58 @@ async fn a_host_whose_log_lacks_the_vaults_generation_hands_the_volume_to_its_pe
     let v = volume(&d, "v");
     assert!(writes(&v, Duration::from_secs(5)).await);
     assert!(v.cache_report().unwrap().gen > gen + 2);
+}
+
+/// A vault that names another host as the writer of this host's own generation: a peer began
+/// an online replay of it and did not finish. That replay may have set blocks back to older
+/// data than this host's checkpoint says the datastore holds, and only the peers can put the
+/// newest back: the host must not serve (nor replay from its own checkpoint) but hand the
+/// volume to them, even with no dirty data of its own. Once a replay finished, it serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_whose_peer_began_a_replay_and_did_not_finish_hands_the_volume_on() {
+    let dir = TempDir::new("unfinished");
+    let coord = coordinator(&dir);
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    let began = Vault {
+        owner: "b".into(),
+        previous_owner: Some("local".into()),
+        peers: vec!["b".into(), "c".into()],
+        ..old_vault(id, gen)
+    };
+    coord.put_vault(&began).await.unwrap();
+    let d = start(&dir, &coord).await;
+    let Err(e) = d.entry("v").unwrap().volume.clone() else {
+        panic!("the volume must not serve here while b's replay is unfinished");
+    };
+    assert!(e.contains("began replaying it and did not finish"), "{e}");
+    let vault = coord.vault(id).await.unwrap().unwrap();
+    assert_eq!(
+        vault,
+        Vault {
+            handoff: true,
+            ..began.clone()
+        }
+    );
+    // If no peer can finish it, the operator can give up what they hold.
+    let report = crate::loss::accept(&d, &d.entry("v").unwrap(), true)
+        .await
+        .expect("accept-loss offered");
+    assert_eq!(report.peers, vec!["b", "c"]);
+    drop(d);
+    // c finished it: wt, a newer generation, no peers.
+    coord
+        .put_vault(&Vault {
+            policy: Policy::Wt,
+            gen: gen + 1,
+            owner: "c".into(),
+            peers: Vec::new(),
+            handoff: false,
+            ..vault
+        })
+        .await
+        .unwrap();
+    let d = start(&dir, &coord).await;
+    assert!(writes(&volume(&d, "v"), Duration::from_secs(5)).await);
 }
 
 /// The hand-off above must not fire for a volume whose log entry was used up: here its
@@ -981,4 +1045,37 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
         }
         stop.store(true, Ordering::SeqCst);
     }
+}
+
+/// A vault lock taken to replay another host's volume that cannot be given back when the
+/// replay ends would stay with this host's lease for as long as it runs, keeping every other
+/// host from the volume: it is retried every round until it goes, and dropped (not given
+/// back) once this host holds the lock for a reason of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
+    let (_dir, coord, d) = restarted_with_v("owed").await;
+    let other = VolumeRecord {
+        id: Uuid::new_v4(),
+        name: "other-hosts".into(),
+        ..d.entry("v").unwrap().record.clone()
+    };
+    coord.lock_vault(other.id).await.unwrap();
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &other).await;
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert!(coord.unlocked.lock().unwrap().is_empty());
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(*coord.unlocked.lock().unwrap(), vec![other.id]);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(coord.unlocked.lock().unwrap().len(), 1, "given back once");
+
+    // One this host serves (it took the lock again meanwhile) is not given back.
+    let own = d.entry("v").unwrap().record.clone();
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &own).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
