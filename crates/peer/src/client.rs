@@ -358,11 +358,16 @@ impl Link {
     /// Asks the peer up to which `ser` it holds `volume`'s generation `gen` without a gap
     /// above `from`, durably (a host about to replay the volume asks its other peers).
     /// [`PeerError::Absent`] if it holds nothing of the volume at all.
-    pub async fn held(&self, volume: uuid::Uuid, gen: u64, from: u64) -> Result<u64, PeerError> {
+    pub async fn held(
+        &self,
+        volume: uuid::Uuid,
+        gen: u64,
+        from: u64,
+    ) -> Result<crate::server::Holding, PeerError> {
         let answer = self.request(Msg::Held { volume, gen, from }, 0).await?;
-        answer.parse().map_err(|_| PeerError::Refused {
+        crate::server::Holding::decode(&answer).ok_or_else(|| PeerError::Refused {
             peer: self.inner.peer.clone(),
-            msg: format!("answered Held with {}, not a number", quoted(&answer)),
+            msg: format!("answered Held with {}, not numbers", quoted(&answer)),
         })
     }
 }

@@ -18,7 +18,7 @@ pub mod server;
 pub mod wire;
 
 pub use client::{Link, PeerError};
-pub use server::{serve, Refusal, Sink};
+pub use server::{serve, Holding, Refusal, Sink};
 pub use wire::{Body, WriteMsg};
 
 #[cfg(test)]
@@ -79,8 +79,9 @@ mod tests {
             self.log.lock().unwrap().push(format!("drop {gen}"));
             Ok(())
         }
-        /// The highest write taken (this sink takes them in order, without gaps).
-        fn held(&self, _v: Uuid, gen: u64, from: u64) -> Result<u64, Refusal> {
+        /// The highest write taken (this sink takes them in order, without gaps), and the
+        /// newest checkpoint.
+        fn held(&self, _v: Uuid, gen: u64, from: u64) -> Result<Holding, Refusal> {
             if gen != *self.gen.lock().unwrap() {
                 return Err(Refusal::Absent(format!(
                     "holds no replicas of generation {gen}"
@@ -92,7 +93,15 @@ mod tests {
                 .filter_map(|l| l.strip_prefix("write ")?.split(' ').next()?.parse().ok())
                 .max()
                 .unwrap_or(0u64);
-            Ok(top.max(from))
+            let checkpoint = log
+                .iter()
+                .filter_map(|l| l.strip_prefix("ckpt ")?.parse().ok())
+                .max()
+                .unwrap_or(0u64);
+            Ok(Holding {
+                upto: top.max(from),
+                checkpoint,
+            })
         }
     }
 
@@ -256,8 +265,11 @@ mod tests {
         fn drop_replicas(&self, _: Uuid, _: u64) -> Result<(), Refusal> {
             Ok(())
         }
-        fn held(&self, _: Uuid, _: u64, from: u64) -> Result<u64, Refusal> {
-            Ok(from)
+        fn held(&self, _: Uuid, _: u64, from: u64) -> Result<Holding, Refusal> {
+            Ok(Holding {
+                upto: from,
+                checkpoint: 0,
+            })
         }
     }
 
@@ -401,7 +413,8 @@ mod tests {
     }
 
     /// A host about to replay asks another peer, on a link of its own, how far that peer's
-    /// copies go; the answer is a number, a refusal an error that leaves the link usable.
+    /// copies go and the newest checkpoint it was sent; a refusal is an error that leaves
+    /// the link usable.
     #[tokio::test]
     async fn a_replaying_host_learns_how_far_another_peer_holds_a_volume() {
         let sink = Arc::new(Memory::default());
@@ -411,9 +424,14 @@ mod tests {
         for s in 1..=5u64 {
             owner.write(w(s, s as u8)).await.unwrap();
         }
+        owner.checkpoint(Uuid::nil(), 3, 2).await.unwrap();
         let other = Link::connect("p1", &addr, "p2", &key()).await.unwrap();
-        assert_eq!(other.held(Uuid::nil(), 3, 2).await.unwrap(), 5);
-        assert_eq!(other.held(Uuid::nil(), 3, 9).await.unwrap(), 9);
+        let held = |upto| Holding {
+            upto,
+            checkpoint: 2,
+        };
+        assert_eq!(other.held(Uuid::nil(), 3, 2).await.unwrap(), held(5));
+        assert_eq!(other.held(Uuid::nil(), 3, 9).await.unwrap(), held(9));
         let e = other.held(Uuid::nil(), 2, 0).await.unwrap_err();
         assert!(
             matches!(&e, PeerError::Absent { peer, msg } if peer == "p1" && msg.contains("generation 2")),
@@ -423,7 +441,27 @@ mod tests {
             other.broken().is_none(),
             "a refused question breaks nothing"
         );
-        assert_eq!(other.held(Uuid::nil(), 3, 0).await.unwrap(), 5);
+        assert_eq!(other.held(Uuid::nil(), 3, 0).await.unwrap(), held(5));
+    }
+
+    /// The answer to `held` as sent, and as an older peer sends it (no checkpoint).
+    #[test]
+    fn a_holding_answer_reads_back_and_an_older_one_too() {
+        let h = Holding {
+            upto: 17,
+            checkpoint: 9,
+        };
+        assert_eq!(Holding::decode(&h.encode()), Some(h));
+        assert_eq!(
+            Holding::decode("17"),
+            Some(Holding {
+                upto: 17,
+                checkpoint: 0
+            })
+        );
+        for bad in ["", "x", "1 2 3", "1 x", " 1"] {
+            assert_eq!(Holding::decode(bad), None, "{bad:?}");
+        }
     }
 
     #[tokio::test]
@@ -840,8 +878,11 @@ mod tests {
         fn drop_replicas(&self, _v: Uuid, _g: u64) -> Result<(), Refusal> {
             Ok(())
         }
-        fn held(&self, _v: Uuid, _g: u64, from: u64) -> Result<u64, Refusal> {
-            Ok(from)
+        fn held(&self, _v: Uuid, _g: u64, from: u64) -> Result<Holding, Refusal> {
+            Ok(Holding {
+                upto: from,
+                checkpoint: 0,
+            })
         }
     }
 

@@ -69,9 +69,38 @@ pub trait Sink: Send + Sync + 'static {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
     /// For a host about to replay `volume`: makes this host's replicas durable and says up to
     /// which `ser` it holds generation `gen` without a gap above `from` (`from` if it holds
-    /// none above it). [`Refusal::Absent`] only if it holds nothing of the volume at all: an
-    /// owner that hears it from every peer concludes that nobody can replay the volume.
-    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal>;
+    /// none above it), and the newest checkpoint the owner sent it. [`Refusal::Absent`] only
+    /// if it holds nothing of the volume at all: an owner that hears it from every peer
+    /// concludes that nobody can replay the volume.
+    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<Holding, Refusal>;
+}
+
+/// A peer's answer to `held` ([`Sink::held`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// It holds every write above the checkpoint up to this one.
+    pub upto: u64,
+    /// The newest checkpoint the owner sent it: every write up to it was on the datastore.
+    /// 0 from a peer that does not say (an older version).
+    pub checkpoint: u64,
+}
+
+impl Holding {
+    /// As sent in a reply: `upto checkpoint`.
+    pub fn encode(&self) -> String {
+        format!("{} {}", self.upto, self.checkpoint)
+    }
+
+    /// From a reply; an older peer sends `upto` alone.
+    pub fn decode(s: &str) -> Option<Holding> {
+        let mut it = s.split(' ');
+        let upto = it.next()?.parse().ok()?;
+        let checkpoint = match it.next() {
+            Some(c) => c.parse().ok()?,
+            None => 0,
+        };
+        it.next().is_none().then_some(Holding { upto, checkpoint })
+    }
 }
 
 /// Accepts peer connections on `listener` until the process ends, from hosts that know `key`.
@@ -603,9 +632,7 @@ fn apply(
                 continue;
             }
             Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
-            Msg::Held { volume, gen, from } => {
-                sink.held(volume, gen, from).map(|ser| ser.to_string())
-            }
+            Msg::Held { volume, gen, from } => sink.held(volume, gen, from).map(|h| h.encode()),
             other => {
                 return Err(std::io::Error::other(format!(
                     "unexpected {} frame",

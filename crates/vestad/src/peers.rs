@@ -92,8 +92,18 @@ impl peer::Sink for PeerService {
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal> {
         self.cache.replica_drop(volume, gen).map_err(refusal)
     }
-    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<u64, Refusal> {
-        self.cache.replica_held(volume, gen, from).map_err(refusal)
+    fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<peer::Holding, Refusal> {
+        let upto = self
+            .cache
+            .replica_held(volume, gen, from)
+            .map_err(refusal)?;
+        let checkpoint = self
+            .cache
+            .replica_sets()
+            .into_iter()
+            .find(|s| s.volume == volume && s.gen == gen)
+            .map_or(0, |s| s.checkpoint);
+        Ok(peer::Holding { upto, checkpoint })
     }
 }
 
@@ -1020,7 +1030,7 @@ fn said(answers: &[(String, Held)]) -> String {
     let each: Vec<String> = answers
         .iter()
         .map(|(peer, a)| match a {
-            Held::Upto(ser) => format!("{peer}: holds its replicas (to write {ser})"),
+            Held::Upto(h) => format!("{peer}: holds its replicas (to write {})", h.upto),
             Held::Nothing(why) | Held::Unknown(why) => format!("{peer}: {why}"),
         })
         .collect();
@@ -1072,8 +1082,9 @@ fn nobody_replays(d: &Daemon, vault: &Vault, c: &engine::cache::VolCache) -> boo
 /// What a peer answered when asked how far it holds a volume ([`ask_held`]).
 #[derive(Debug)]
 enum Held {
-    /// Up to this `ser`, without a gap above the vault's checkpoint.
-    Upto(u64),
+    /// Up to this `ser`, without a gap above the vault's checkpoint (and the newest
+    /// checkpoint the owner sent it).
+    Upto(peer::Holding),
     /// Nothing of the volume at all: no replicas, no record in its log.
     Nothing(String),
     /// No answer (down, unreachable, or another refusal).
@@ -1123,7 +1134,7 @@ async fn ask_held(
                     let held = link.held(id, gen, from).await;
                     link.close("asked what it holds");
                     Ok::<_, String>(match held {
-                        Ok(ser) => Held::Upto(ser),
+                        Ok(h) => Held::Upto(h),
                         Err(PeerError::Absent { msg, .. }) => Held::Nothing(msg),
                         Err(e) => Held::Unknown(e.to_string()),
                     })
@@ -1413,7 +1424,9 @@ async fn replay_locked(
             vault.gen
         ));
     }
-    let (upto, kept) = ask_other_peers(d, rec, &vault, own).await?;
+    let others = ask_other_peers(d, rec, &vault, own).await?;
+    let from = others.start(vault.checkpoint, set.checkpoint);
+    let Others { upto, kept, .. } = others;
     let mut vault = vault;
     if kept.len() + 1 < vault.peers.len() {
         let left: Vec<String> = vault
@@ -1441,6 +1454,7 @@ async fn replay_locked(
         owner: me.clone(),
         previous_owner: Some(dead.clone()),
         handoff: false,
+        checkpoint: from,
         ..vault.clone()
     };
     d.coord
@@ -1448,15 +1462,13 @@ async fn replay_locked(
         .await
         .map_err(|e| format!("name this host as the replaying one in the vault: {e}; retrying"))?;
     let n = cache
-        .promote_replicas(rec.id, vault.checkpoint, upto)
+        .promote_replicas(rec.id, from, upto)
         .map_err(|e| e.to_string())?;
     warn!(
         "volume {:?}: its owner {dead:?} is gone; replaying {n} write(s) from this host's \
-         replicas (generation {}, from checkpoint {}, up to write {upto}, which peer(s) \
+         replicas (generation {}, from checkpoint {from}, up to write {upto}, which peer(s) \
          {kept:?} hold too)",
-        rec.name,
-        vault.gen,
-        vault.checkpoint.max(set.checkpoint)
+        rec.name, vault.gen,
     );
     let done = replay_to_datastore(d, cache, rec, extent, replaying).await?;
     info!(
@@ -1482,32 +1494,63 @@ fn revoked_hosts_do_not_replay(d: &Daemon) -> Result<(), String> {
     Ok(())
 }
 
+/// What the other peers of a volume hold, for a host about to replay it ([`ask_other_peers`]).
+struct Others {
+    /// How far all of them and this host hold its replicas without a gap.
+    upto: u64,
+    /// The peers that answered.
+    kept: Vec<String>,
+    /// The newest checkpoint any of them was sent: every write up to it is on the datastore.
+    checkpoint: u64,
+}
+
 /// Asks every other peer the vault names how far it holds `rec`'s replicas (durably) above
-/// the vault's checkpoint. Returns how far all of them and this host (`own`) hold, and the
-/// peers that answered. A peer that is down, unreachable or holds no replicas of the vault's
-/// generation is left out; if the host list cannot be read, nothing is decided (an error).
+/// the vault's checkpoint, and the newest checkpoint it was sent. A peer that is down,
+/// unreachable or holds no replicas of the vault's generation is left out; if the host list
+/// cannot be read, nothing is decided (an error). `own`: how far this host holds them.
 async fn ask_other_peers(
     d: &Daemon,
     rec: &VolumeRecord,
     vault: &Vault,
     own: u64,
-) -> Result<(u64, Vec<String>), String> {
+) -> Result<Others, String> {
     let me = d.coord.host();
     let others: Vec<String> = vault.peers.iter().filter(|p| *p != me).cloned().collect();
-    let mut upto = own;
-    let mut kept = Vec::new();
-    for (name, answer) in ask_held(d, rec, vault, &others).await? {
-        match answer {
-            Held::Upto(held) => {
-                upto = upto.min(held);
-                kept.push(name);
-            }
-            Held::Nothing(e) | Held::Unknown(e) => {
-                warn!("volume {:?}: before replaying: {name}: {e}", rec.name)
-            }
+    let answers = ask_held(d, rec, vault, &others).await?;
+    for (name, answer) in &answers {
+        if let Held::Nothing(e) | Held::Unknown(e) = answer {
+            warn!("volume {:?}: before replaying: {name}: {e}", rec.name)
         }
     }
-    Ok((upto, kept))
+    Ok(Others::tally(own, answers))
+}
+
+impl Others {
+    /// From the other peers' answers; `own`: how far this host holds.
+    fn tally(own: u64, answers: Vec<(String, Held)>) -> Others {
+        let mut o = Others {
+            upto: own,
+            kept: Vec::new(),
+            checkpoint: 0,
+        };
+        for (name, answer) in answers {
+            if let Held::Upto(held) = answer {
+                o.upto = o.upto.min(held.upto);
+                o.checkpoint = o.checkpoint.max(held.checkpoint);
+                o.kept.push(name);
+            }
+        }
+        o
+    }
+
+    /// Where a replay starts: after the newest checkpoint any of them knows, the vault's
+    /// (`vault`) and this host's own (`own`); everything up to it is on the datastore.
+    /// Started lower, the replay would rewrite older versions of blocks the datastore holds
+    /// newer ones of, and if it stopped midway, a peer that continues from its own, newer
+    /// checkpoint would not put those back: it dropped the writes below it.
+    fn start(&self, vault: u64, own: u64) -> u64 {
+        vault.max(own).max(self.checkpoint)
+    }
 }
 
 /// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault
@@ -1724,4 +1767,31 @@ async fn surrogate_locked(
         info!("surrogate replay: {line}");
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replay goes as far as every peer that could continue it holds, and starts after the
+    /// newest checkpoint any of them, the vault or this host knows.
+    #[test]
+    fn a_replay_starts_after_the_newest_checkpoint_any_peer_knows() {
+        let held = |upto, checkpoint| Held::Upto(peer::Holding { upto, checkpoint });
+        let o = Others::tally(
+            50,
+            vec![
+                ("b".into(), held(40, 30)),
+                ("c".into(), held(60, 35)),
+                ("d".into(), Held::Unknown("down".into())),
+                ("e".into(), Held::Nothing("nothing".into())),
+            ],
+        );
+        assert_eq!((o.upto, o.kept.clone()), (40, vec!["b".into(), "c".into()]));
+        assert_eq!(o.start(10, 20), 35, "c's checkpoint");
+        assert_eq!(o.start(36, 20), 36, "the vault's");
+        assert_eq!(o.start(10, 37), 37, "this host's own");
+        let alone = Others::tally(50, Vec::new());
+        assert_eq!((alone.upto, alone.start(10, 20)), (50, 20));
+    }
 }
