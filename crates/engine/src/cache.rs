@@ -2881,28 +2881,43 @@ impl VolCache {
         self.switch_mode(mode, None)
     }
 
+    ///
+    /// The new generation's checkpoint goes into the log first. Until it is in, nothing has
+    /// changed: a failed append leaves nothing behind, and the volume goes on as it was. Once
+    /// it is in, the log knows the new generation as the volume's newest, and a recovery
+    /// ignores records of older ones: the volume must go on in the new one whatever follows,
+    /// or the writes it completed next would be dropped after a crash.
     pub fn switch_mode(&self, mode: Mode, peers: Option<Arc<dyn Replicator>>) -> Result<(), Error> {
         let (gen, next) = {
-            let mut st = lock(&self.st);
+            let st = lock(&self.st);
             assert!(st.in_flight.is_empty(), "mode switch with writes in flight");
             assert!(st.staged.is_empty(), "mode switch before draining");
-            st.gen += 1;
+            (st.gen + 1, st.next_ser)
+        };
+        self.append_meta(Kind::Checkpoint, next - 1, gen, 0)
+            .map_err(log_err)?;
+        {
+            let mut st = lock(&self.st);
+            st.gen = gen;
             st.mode = mode;
             st.replicator = if mode == Mode::Wb { peers } else { None };
-            st.checkpoint = st.next_ser - 1;
+            st.checkpoint = next - 1;
             st.peer_synced = st.checkpoint;
-            (st.gen, st.next_ser)
-        };
+        }
+        self.changed.notify_waiters();
         let code = match mode {
             Mode::Wt => Policy::Wt.code(),
             Mode::Wb => Policy::Wb.code(),
         };
-        self.append_meta(Kind::Policy, 0, gen, code)
-            .and_then(|_| self.append_meta(Kind::Checkpoint, next - 1, gen, 0))
-            .and_then(|_| self.shared.log.sync())
-            .map_err(log_err)?;
-        self.changed.notify_waiters();
-        Ok(())
+        // The policy record only tells a later scan what the volume ran in (nothing decides
+        // by it): without it the switch stands.
+        if let Err(e) = self.append_meta(Kind::Policy, 0, gen, code) {
+            warn!(
+                "volume {}: record its policy in the cache log: {e}",
+                self.id
+            );
+        }
+        self.shared.log.sync().map_err(log_err)
     }
 
     pub fn set_opts(&self, o: VolOpts) {

@@ -148,3 +148,23 @@ async fn detaching_twice_leaves_the_other_volumes_shares_alone() {
         "with b and c cached, b's share must be what it was with a and b"
     );
 }
+
+/// A switch whose first record cannot go into the log changes nothing: the volume goes on
+/// in its old mode and generation. It used to take the new ones first and keep them when the
+/// log refused the records, so a `wt` volume went on in `wb` with no record of the new
+/// generation: after a crash, a recovery would not have found the writes it completed since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_the_log_refuses_changes_nothing() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let (_host, vol) = common::open(cache.clone(), &store, Uuid::new_v4(), Policy::Wt);
+    vol.write(0, Bytes::from(vec![0x41; BLOCK]), false)
+        .await
+        .unwrap();
+    let before = vol.cache_report().unwrap();
+    cache.fail();
+    vol.set_policy(Policy::Wb).await.unwrap_err();
+    let after = vol.cache_report().unwrap();
+    assert_eq!((after.mode.as_str(), after.gen), ("wt", before.gen));
+    assert_ne!(vol.policy(), Policy::Wb);
+}
