@@ -525,7 +525,9 @@ fn preference(a: &Workload, b: &Workload) -> std::cmp::Ordering {
 /// to `target`, after Przydatek's approximation: the greedy fill in the given order, several
 /// randomized greedy fills each improved by exchanging a chosen item for a larger unchosen one
 /// while the sum stays within the target, and the single item nearest the target (which may
-/// overshoot it, and still balance better than anything below it).
+/// overshoot it, and still balance better than anything below it). Items without load (idle
+/// volumes) are never chosen: they always fit, so every fill would take them up to
+/// `max_len`, and a set with a move that lowers nothing is thrown out whole.
 fn subsets_near(
     loads: &[f64],
     target: f64,
@@ -540,7 +542,7 @@ fn subsets_near(
             if set.len() == max_len {
                 break;
             }
-            if sum + loads[i] <= target {
+            if loads[i] > 0.0 && sum + loads[i] <= target {
                 set.push(i);
                 sum += loads[i];
             }
@@ -568,7 +570,7 @@ fn subsets_near(
         }
         out.push(set);
     }
-    if let Some(i) = (0..n).min_by(|&a, &b| {
+    if let Some(i) = (0..n).filter(|&i| loads[i] > 0.0).min_by(|&a, &b| {
         (loads[a] - target)
             .abs()
             .total_cmp(&(loads[b] - target).abs())
@@ -910,6 +912,32 @@ mod tests {
         assert_eq!(plan.after[0].normalized_load, 5.0);
         assert_eq!(plan.after[1].normalized_load, 5.0);
         assert!(plan.moves[0].imbalance_after > plan.moves[1].imbalance_after);
+    }
+
+    /// Idle volumes (no load) beside the busy ones change nothing: they used to fill every
+    /// multi-volume candidate set, each of which was then thrown out (moving an idle volume
+    /// lowers nothing), leaving only single moves: here w5, 50 GiB, for {w3, w2}'s 20.
+    #[test]
+    fn idle_volumes_do_not_change_the_plan() {
+        let busy = vec![
+            wl("w5", "a", 5.0, 50.0),
+            wl("w3", "a", 3.0, 10.0),
+            wl("w2", "a", 2.0, 10.0),
+        ];
+        let alone = plan(
+            &pod(vec![ds("a", Some(1.0)), ds("b", Some(1.0))], busy.clone()),
+            &[],
+            &Policy::default(),
+        )
+        .unwrap();
+        for idle in 1..=4 {
+            let mut all = busy.clone();
+            all.extend((0..idle).map(|i| wl(&format!("idle{i}"), "a", 0.0, 1.0)));
+            let p = pod(vec![ds("a", Some(1.0)), ds("b", Some(1.0))], all);
+            let with = plan(&p, &[], &Policy::default()).unwrap();
+            assert_eq!(moved(&with), moved(&alone), "{idle} idle volume(s)");
+            assert_eq!(moved(&with), [("w3", "b"), ("w2", "b")]);
+        }
     }
 
     #[test]
