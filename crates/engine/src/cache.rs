@@ -824,19 +824,71 @@ impl CacheHost {
         progressed
     }
 
-    /// The destager: visits volumes round robin, one window per turn, until `stopped` says so.
+    /// The destager: visits volumes round robin, one window per turn, until `stopped` says so;
+    /// then returns once no window is in flight.
+    ///
+    /// The volumes of one datastore take turns, one window at a time, as [`Self::destage_turn`]
+    /// does; those of different datastores are destaged at once. A datastore that hangs (an
+    /// NFS hard mount, an NBD server gone silent with its connection up) then holds up its own
+    /// volumes only, as one that fails does (DESIGN §4), instead of every volume of the host;
+    /// and memory holds at most one window per datastore.
     pub async fn run_destager(self: Arc<Self>, stopped: impl Fn() -> bool) {
         let mut turn = 0usize;
-        loop {
-            let progressed = self.destage_turn(turn).await;
-            turn = turn.wrapping_add(1);
-            if !progressed {
-                tokio::select! {
-                    _ = self.shared.wake.notified() => {}
-                    _ = tokio::time::sleep(DESTAGER_IDLE) => {}
+        // The windows in flight, each on its own task (aborted if this future is dropped),
+        // with the datastore (by its gate) each writes; datastores whose last window made no
+        // progress rest until the given time (a retry at once could spin).
+        let mut windows: tokio::task::JoinSet<bool> = tokio::task::JoinSet::new();
+        let mut busy: HashMap<tokio::task::Id, usize> = HashMap::new();
+        let mut resting: HashMap<usize, Instant> = HashMap::new();
+        let ended =
+            |busy: &mut HashMap<tokio::task::Id, usize>,
+             resting: &mut HashMap<usize, Instant>,
+             r: Result<(tokio::task::Id, bool), tokio::task::JoinError>| {
+                let (id, progressed) = match r {
+                    Ok((id, p)) => (id, p),
+                    Err(e) => (e.id(), false), // it panicked: the log is failed (`Log::append`)
+                };
+                if let Some(ds) = busy.remove(&id) {
+                    if !progressed {
+                        resting.insert(ds, Instant::now() + DESTAGER_IDLE);
+                    }
                 }
+            };
+        loop {
+            let now = Instant::now();
+            resting.retain(|_, until| *until > now);
+            let vols = self.volumes();
+            let n = vols.len();
+            for i in 0..n {
+                let v = &vols[(turn + i) % n];
+                let ds = Arc::as_ptr(v.store.gate()) as usize;
+                if busy.values().any(|b| *b == ds)
+                    || resting.contains_key(&ds)
+                    || !v.window_ready(now)
+                {
+                    continue;
+                }
+                let v = v.clone();
+                let h = windows.spawn(async move { v.destage_window().await });
+                busy.insert(h.id(), ds);
+            }
+            turn = turn.wrapping_add(1);
+            tokio::select! {
+                Some(r) = windows.join_next_with_id(), if !windows.is_empty() => {
+                    ended(&mut busy, &mut resting, r)
+                }
+                _ = self.shared.wake.notified() => {}
+                _ = tokio::time::sleep(DESTAGER_IDLE) => {}
+            }
+            while let Some(r) = windows.try_join_next_with_id() {
+                ended(&mut busy, &mut resting, r);
             }
             if stopped() {
+                // A caller that stops the destager may give up the volume's lock next: no
+                // window may still be writing.
+                while let Some(r) = windows.join_next_with_id().await {
+                    ended(&mut busy, &mut resting, r);
+                }
                 return;
             }
         }

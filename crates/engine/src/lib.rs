@@ -1013,4 +1013,49 @@ mod tests {
         ));
         assert_eq!(dev.writes.load(Ordering::SeqCst), 1);
     }
+
+    /// A datastore that hangs (its writes never answer: an NFS hard mount, an NBD server gone
+    /// silent) holds up the destaging of its own volumes only; a volume on another datastore
+    /// is destaged meanwhile. With one destager going from volume to volume it waited behind
+    /// the hung window for good, and its dirty data filled its share.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hung_datastore_holds_up_only_its_own_volumes_destaging() {
+        const SEG: u64 = 64 << 10;
+        let cache = Arc::new(cachelog::device::SimDevice::new((1 << 20) + 32 * SEG));
+        let host = cache::CacheHost::open(cache, SEG).unwrap();
+        let hung = Arc::new(Held {
+            release: Arc::new(Notify::new()),
+            writes: AtomicU64::new(0),
+        });
+        let fine = Arc::new(datastore::device::MemDevice::new(1 << 20));
+        let open = |dev: Arc<dyn Device>| {
+            let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
+            let (id, tuning) = (Uuid::new_v4(), Tuning::default());
+            Volume::open(
+                id,
+                "v".into(),
+                Policy::Wb,
+                tuning,
+                extent,
+                Some(host.clone()),
+            )
+            .unwrap()
+        };
+        let (a, b) = (open(hung.clone()), open(fine.clone()));
+        host.finish_recovery(&[a.id(), b.id()]).unwrap();
+        let destager = tokio::spawn(host.clone().run_destager(|| false));
+        a.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
+        // a's window goes out first and hangs at its datastore.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!a.cache().unwrap().clean());
+        b.write(0, Bytes::from(vec![2; 4096]), false).await.unwrap();
+        assert!(
+            b.cache().unwrap().wait_clean(Duration::from_secs(10)).await,
+            "b was not destaged while a's datastore hung"
+        );
+        assert_eq!(fine.image()[..4096], [2; 4096]);
+        hung.release.notify_waiters();
+        assert!(a.cache().unwrap().wait_clean(Duration::from_secs(10)).await);
+        destager.abort();
+    }
 }
