@@ -36,6 +36,8 @@ pub struct Inputs {
     pub notes: Vec<String>,
     /// Datastores left out of the pod, with why.
     pub unavailable: Vec<(String, String)>,
+    /// Volumes whose host is down, with that host: their load is not known.
+    pub hosts_down: Vec<(String, String)>,
 }
 
 fn calibration_path(d: &Daemon) -> PathBuf {
@@ -130,6 +132,8 @@ struct Foreign {
     host: Option<String>,
     /// Why it may not move (its host is down, or has published no model of it yet).
     stuck: Option<String>,
+    /// Its host is down: its load is not known (its published model went with the host).
+    host_down: bool,
 }
 
 /// The volumes other hosts serve: their records from the coordinator, their models from
@@ -197,7 +201,9 @@ async fn foreign_volumes(d: &Daemon, notes: &mut Vec<String>) -> Vec<Foreign> {
                 (Some(h), None) => Some(format!("host {h} has not published its model yet")),
                 _ => None,
             };
+            let host_down = host.as_ref().is_some_and(|h| !alive.contains(h));
             Foreign {
+                host_down,
                 model: model.unwrap_or(PublishedVolume {
                     name: r.name.clone(),
                     datastore: r.datastore.clone(),
@@ -346,7 +352,13 @@ pub async fn inputs(d: &Daemon) -> Inputs {
     let history = sampler.history;
     let interval_s = d.config.stats.interval_s;
     drop(sampler);
+    let hosts_down = foreign
+        .iter()
+        .filter(|f| f.host_down)
+        .filter_map(|f| Some((f.model.name.clone(), f.host.clone()?)))
+        .collect();
     Inputs {
+        hosts_down,
         pod,
         report: api::ModelsReport {
             interval_s,
@@ -368,6 +380,15 @@ pub async fn plan(d: &Daemon, policy: &balance::Policy) -> OpResult<api::Balance
         return Err(OpError::Conflict(format!(
             "datastore {name} is not available ({why}); nothing is planned while a datastore \
              is degraded"
+        )));
+    }
+    // DESIGN §8: nothing moves while a host is degraded. Its volumes' published models went
+    // with its lease, so their load would count as 0, and their datastore would look cooler
+    // than it is: a plan would send load there.
+    if let Some((volume, host)) = inputs.hosts_down.first() {
+        return Err(OpError::Conflict(format!(
+            "host {host} is down (it serves volume {volume}), so its volumes' load is not \
+             known; nothing is planned while a host is down"
         )));
     }
     let recent: Vec<RecentMove> = d.recent_moves();

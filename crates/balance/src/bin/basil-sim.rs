@@ -7,8 +7,9 @@
 //! ```
 //!
 //! `--queueing` picks how the simulated spindles share IOs (`balance::sim::Queueing`);
-//! saturating is the default, linear the first simulator's physics. The Table 2 check is
-//! printed for both either way.
+//! linear, the physics issue 5 specifies (latency linear in outstanding IOs over the
+//! spindles), is the default; saturating pools the spindles as the nbdkit rig does. The
+//! Table 2 check is printed for both either way.
 //!
 //! Files written to OUTDIR:
 //! - `balance.csv`: one row per §6.4 configuration (placements, IOPS and latency before and
