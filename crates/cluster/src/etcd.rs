@@ -105,8 +105,9 @@ struct Session {
     /// Volumes whose vault lock this host holds.
     held: Mutex<BTreeSet<Uuid>>,
     /// Volumes whose vault lock is being taken back after a lost lease ([`reregister`]):
-    /// their vault is not written until it is confirmed (see [`retake_lock`]). Filled
-    /// before the new lease is published, so a vault write that reads the new lease sees it.
+    /// until that is decided (see [`retake_lock`]) their vault is not written and their lock
+    /// is not taken by anything else of this host. Filled before the new lease is published,
+    /// so a call that reads the new lease sees it.
     retaking: Mutex<BTreeSet<Uuid>>,
     fence: Arc<Fence>,
     /// Set by [`Coordinator::shutdown`]: the renewal task stops.
@@ -788,7 +789,23 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn lock_vault(&self, volume: Uuid) -> Result<()> {
-        take_lock(&self.client, &self.prefix, &self.name, self.lease(), volume)
+        // As for `put_vault`: the lease first, then the volumes being re-taken. One of those
+        // is decided by the re-registration (which may give its lock up again), not here.
+        let lease = self.lease();
+        if self
+            .session
+            .retaking
+            .lock()
+            .expect("lock")
+            .contains(&volume)
+        {
+            return Err(Error::Unavailable(format!(
+                "host {:?} is taking the vault lock of volume {volume} back after its etcd \
+                 lease lapsed",
+                self.name
+            )));
+        }
+        take_lock(&self.client, &self.prefix, &self.name, lease, volume)
             .await
             .map_err(|e| match e {
                 Reg::Etcd(e) => self.unavailable(e),
@@ -1086,6 +1103,12 @@ mod tests {
         match a.put_vault(&vault(v, "a", 1)).await {
             Err(Error::Unavailable(m)) => assert!(m.contains("taking the vault lock"), "{m}"),
             other => panic!("a vault write while the lock is taken back: {other:?}"),
+        }
+        // Nor can anything else of a's take (adopt) the lock meanwhile: the re-registration
+        // may give it up next, under it.
+        match a.lock_vault(v).await {
+            Err(Error::Unavailable(m)) => assert!(m.contains("taking the vault lock"), "{m}"),
+            other => panic!("a vault lock taken while it is taken back: {other:?}"),
         }
         after_take.go();
         let fence = a.fence();

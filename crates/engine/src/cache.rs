@@ -835,22 +835,24 @@ impl CacheHost {
     pub async fn run_destager(self: Arc<Self>, stopped: impl Fn() -> bool) {
         let mut turn = 0usize;
         // The windows in flight, each on its own task (aborted if this future is dropped),
-        // with the datastore (by its gate) each writes; datastores whose last window made no
-        // progress rest until the given time (a retry at once could spin).
+        // with the datastore (by its gate) and volume of each; volumes whose last window made
+        // no progress rest until the given time (a retry at once could spin), without holding
+        // up the other volumes of their datastore.
+        type Busy = HashMap<tokio::task::Id, (usize, Uuid)>;
         let mut windows: tokio::task::JoinSet<bool> = tokio::task::JoinSet::new();
-        let mut busy: HashMap<tokio::task::Id, usize> = HashMap::new();
-        let mut resting: HashMap<usize, Instant> = HashMap::new();
+        let mut busy: Busy = HashMap::new();
+        let mut resting: HashMap<Uuid, Instant> = HashMap::new();
         let ended =
-            |busy: &mut HashMap<tokio::task::Id, usize>,
-             resting: &mut HashMap<usize, Instant>,
+            |busy: &mut Busy,
+             resting: &mut HashMap<Uuid, Instant>,
              r: Result<(tokio::task::Id, bool), tokio::task::JoinError>| {
                 let (id, progressed) = match r {
                     Ok((id, p)) => (id, p),
                     Err(e) => (e.id(), false), // it panicked: the log is failed (`Log::append`)
                 };
-                if let Some(ds) = busy.remove(&id) {
+                if let Some((_, volume)) = busy.remove(&id) {
                     if !progressed {
-                        resting.insert(ds, Instant::now() + DESTAGER_IDLE);
+                        resting.insert(volume, Instant::now() + DESTAGER_IDLE);
                     }
                 }
             };
@@ -862,15 +864,15 @@ impl CacheHost {
             for i in 0..n {
                 let v = &vols[(turn + i) % n];
                 let ds = Arc::as_ptr(v.store.gate()) as usize;
-                if busy.values().any(|b| *b == ds)
-                    || resting.contains_key(&ds)
+                if busy.values().any(|(b, _)| *b == ds)
+                    || resting.contains_key(&v.id)
                     || !v.window_ready(now)
                 {
                     continue;
                 }
-                let v = v.clone();
+                let (v, volume) = (v.clone(), v.id);
                 let h = windows.spawn(async move { v.destage_window().await });
-                busy.insert(h.id(), ds);
+                busy.insert(h.id(), (ds, volume));
             }
             turn = turn.wrapping_add(1);
             tokio::select! {

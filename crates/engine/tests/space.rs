@@ -324,9 +324,10 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     );
     // Asked not to wait, the next write says at once that it would have to, and takes
     // nothing (the peer's reading thread asks so, and queues the write if it must wait).
-    let again = vec![2u8; W as usize];
+    // (One record: a write of several is never taken at once, see below.)
+    let again = vec![2u8; 4096];
     assert_eq!(
-        host.replica_write_at_once(other, 1, taken + 1, 0, W, Some(&again)),
+        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again)),
         Ok(false)
     );
     assert_eq!(host.replica_held(other, 1, 0), Ok(taken));
@@ -348,8 +349,16 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     // A checkpoint frees the replicas' space: writes are taken again.
     host.replica_checkpoint(other, 1, taken).unwrap();
     assert_eq!(
-        host.replica_write_at_once(other, 1, taken + 1, 0, W, Some(&again)),
+        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again)),
         Ok(true)
+    );
+    assert_eq!(host.replica_held(other, 1, 0), Ok(taken + 1));
+    // A write of several records is never taken at once: once its first record is in, the
+    // rest could wait for space only a checkpoint frees.
+    let big = vec![3u8; 4 * SEG as usize];
+    assert_eq!(
+        host.replica_write_at_once(other, 1, taken + 2, 0, big.len() as u64, Some(&big)),
+        Ok(false)
     );
     assert_eq!(host.replica_held(other, 1, 0), Ok(taken + 1));
     let h = host.clone();

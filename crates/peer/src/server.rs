@@ -81,7 +81,6 @@ pub struct Holding {
     /// It holds every write above the checkpoint up to this one.
     pub upto: u64,
     /// The newest checkpoint the owner sent it: every write up to it was on the datastore.
-    /// 0 from a peer that does not say (an older version).
     pub checkpoint: u64,
 }
 
@@ -91,7 +90,8 @@ impl Holding {
         format!("{} {}", self.upto, self.checkpoint)
     }
 
-    /// From a reply; an older peer sends `upto` alone.
+    /// From a reply. `upto` alone (0 for the checkpoint) is also taken, as a version-2 peer
+    /// sent it, though the handshake keeps hosts of different versions apart.
     pub fn decode(s: &str) -> Option<Holding> {
         let mut it = s.split(' ');
         let upto = it.next()?.parse().ok()?;

@@ -48,8 +48,10 @@ use crate::auth::{Nonce, Proof, NONCE_LEN, PROOF_LEN};
 pub const MAGIC: [u8; 4] = *b"VSPR";
 /// The protocol version this build speaks. A host that speaks another closes the connection
 /// at the first frame; the other side logs both versions if it can read them.
-/// Version 2: authenticated handshake.
-pub const VERSION: u8 = 2;
+/// Version 2: authenticated handshake. Version 3: the answer to `Held` carries the newest
+/// checkpoint the peer was sent (`upto checkpoint`), which a version-2 host could not read:
+/// it would take the peer for one that cannot say what it holds.
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 32;
 /// Largest body: a 32 MiB write (the largest NBD request Vesta takes) and its fields.
 pub const BODY_MAX: u32 = (32 << 20) + 64;
@@ -572,7 +574,8 @@ mod tests {
         let head: [u8; HEADER_LEN] = f[..HEADER_LEN].try_into().unwrap();
         let e = decode_head(&head).unwrap_err();
         assert_eq!(e, WireError::Version(9));
-        assert!(e.to_string().contains("version 9") && e.to_string().contains("speaks 2"));
+        let speaks = format!("speaks {VERSION}");
+        assert!(e.to_string().contains("version 9") && e.to_string().contains(&speaks));
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub struct Inputs {
     pub unavailable: Vec<(String, String)>,
     /// Volumes whose host is down, with that host: their load is not known.
     pub hosts_down: Vec<(String, String)>,
+    /// Why the host list could not be read, if it could not: then nobody knows which hosts
+    /// are down.
+    pub unknown_hosts: Option<String>,
 }
 
 fn calibration_path(d: &Daemon) -> PathBuf {
@@ -138,7 +141,12 @@ struct Foreign {
 
 /// The volumes other hosts serve: their records from the coordinator, their models from
 /// what their hosts published. Empty with the `local` coordinator.
-async fn foreign_volumes(d: &Daemon, notes: &mut Vec<String>) -> Vec<Foreign> {
+/// `unknown_hosts` gets why the host list could not be read, if it could not.
+async fn foreign_volumes(
+    d: &Daemon,
+    notes: &mut Vec<String>,
+    unknown_hosts: &mut Option<String>,
+) -> Vec<Foreign> {
     if d.coord.kind() == "local" {
         return Vec::new();
     }
@@ -153,10 +161,12 @@ async fn foreign_volumes(d: &Daemon, notes: &mut Vec<String>) -> Vec<Foreign> {
             return Vec::new();
         }
     };
-    let alive: std::collections::HashSet<String> = d
-        .coord
-        .hosts()
-        .await
+    let hosts = d.coord.hosts().await;
+    if let Err(e) = &hosts {
+        *unknown_hosts = Some(e.to_string());
+    }
+    let listed = hosts.is_ok();
+    let alive: std::collections::HashSet<String> = hosts
         .unwrap_or_default()
         .into_iter()
         .filter(|h| h.alive)
@@ -196,12 +206,13 @@ async fn foreign_volumes(d: &Daemon, notes: &mut Vec<String>) -> Vec<Foreign> {
                 .and_then(|h| published.remove(&format!("{h}/{}", r.name)))
                 .filter(|m| m.datastore == r.datastore);
             let stuck = match (&host, &model) {
+                (Some(h), _) if !listed => Some(format!("whether its host {h} is up is not known")),
                 (Some(h), _) if !alive.contains(h) => Some(format!("its host {h} is down")),
                 (None, _) => Some("no host serves it".to_string()),
                 (Some(h), None) => Some(format!("host {h} has not published its model yet")),
                 _ => None,
             };
-            let host_down = host.as_ref().is_some_and(|h| !alive.contains(h));
+            let host_down = listed && host.as_ref().is_some_and(|h| !alive.contains(h));
             Foreign {
                 host_down,
                 model: model.unwrap_or(PublishedVolume {
@@ -228,7 +239,13 @@ pub async fn inputs(d: &Daemon) -> Inputs {
     let mut notes = Vec::new();
     // The same entries throughout: `volumes` and `open` below are zipped by position.
     let own = volume_models(d, &entries);
-    let foreign = foreign_volumes(d, &mut notes).await;
+    let mut unknown_hosts = None;
+    let foreign = foreign_volumes(d, &mut notes, &mut unknown_hosts).await;
+    if let Some(e) = &unknown_hosts {
+        notes.push(format!(
+            "the host list cannot be read ({e}): which hosts are down is not known"
+        ));
+    }
     let model = |v: &PublishedVolume, host: Option<String>| api::VolumeModel {
         name: v.name.clone(),
         datastore: v.datastore.clone(),
@@ -359,6 +376,7 @@ pub async fn inputs(d: &Daemon) -> Inputs {
         .collect();
     Inputs {
         hosts_down,
+        unknown_hosts,
         pod,
         report: api::ModelsReport {
             interval_s,
@@ -385,6 +403,12 @@ pub async fn plan(d: &Daemon, policy: &balance::Policy) -> OpResult<api::Balance
     // DESIGN §8: nothing moves while a host is degraded. Its volumes' published models went
     // with its lease, so their load would count as 0, and their datastore would look cooler
     // than it is: a plan would send load there.
+    if let Some(e) = &inputs.unknown_hosts {
+        return Err(OpError::Unavailable(format!(
+            "the host list cannot be read ({e}), so which hosts are down is not known; \
+             nothing is planned without it"
+        )));
+    }
     if let Some((volume, host)) = inputs.hosts_down.first() {
         return Err(OpError::Conflict(format!(
             "host {host} is down (it serves volume {volume}), so its volumes' load is not \

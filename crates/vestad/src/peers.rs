@@ -485,6 +485,10 @@ pub struct PeerState {
     /// Vault locks this host took to replay another host's volume and could not give back
     /// ([`give_back`]): retried every round.
     unlock_owed: Mutex<std::collections::HashSet<Uuid>>,
+    /// Held while an owed unlock is retried, and by a surrogate replay while it claims its
+    /// volume: a lock it takes (adopting the owed one, same lease) must not be deleted by a
+    /// retry that looked before.
+    owed_gate: tokio::sync::Mutex<()>,
 }
 
 /// A hand-off this host waits on ([`flash_failed`], [`handed_to_nobody`]).
@@ -1355,6 +1359,7 @@ pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
 /// Gives back the vault locks [`give_back`] could not, unless this host took the volume's
 /// lock again since for a reason of its own (another replay of it, or it serves it).
 pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
+    let _gate = d.peers.owed_gate.lock().await;
     let owed: Vec<Uuid> = d
         .peers
         .unlock_owed
@@ -1704,7 +1709,11 @@ async fn surrogate_one(
     n: usize,
 ) -> Result<String, String> {
     // Its lock is this replay's: an unlock owed from an earlier one must not take it.
-    d.peers.replaying.lock().expect("lock").insert(rec.id);
+    {
+        let _gate = d.peers.owed_gate.lock().await;
+        d.peers.replaying.lock().expect("lock").insert(rec.id);
+        d.peers.unlock_owed.lock().expect("lock").remove(&rec.id);
+    }
     let r = surrogate_locked(d, host, rec, n).await;
     d.peers.replaying.lock().expect("lock").remove(&rec.id);
     r

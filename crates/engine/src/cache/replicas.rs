@@ -247,7 +247,8 @@ impl CacheHost {
     }
 
     /// As [`CacheHost::replica_write`], but only if it need not wait for room (for the
-    /// owner's next checkpoint): `Ok(false)` if it would have to, and nothing was done.
+    /// owner's next checkpoint): `Ok(false)` if it would have to, and nothing was done. A
+    /// write of more than one record always says so.
     /// A peer's connection applies a write this way on the thread that reads its frames,
     /// which must never wait for a checkpoint: the checkpoint would be behind it.
     pub fn replica_write_at_once(
@@ -321,6 +322,12 @@ impl CacheHost {
             Kind::ReplicaZero
         };
         let split = self.shared.parts(data.is_some(), len);
+        if !wait && split.len() > 1 {
+            // Once its first part is in, the rest must follow, and could wait for log space
+            // only a checkpoint frees: a write of several records is left to a caller that
+            // may wait.
+            return Ok(false);
+        }
         let parts = split.len() as u64;
         let mut out: Vec<Scanned> = Vec::with_capacity(split.len());
         let log = &self.shared.log;
@@ -347,10 +354,10 @@ impl CacheHost {
                     Ok((loc, _)) => break loc,
                     Err(LogError::NoSpace) if started.elapsed() < SPACE_WAIT => {
                         // Freed segments become reusable after a sync; wait only when none
-                        // were freed, and only if asked to (once a first part is in, the
-                        // rest follow: a write is appended whole or not at all).
+                        // were freed, and only if asked to (a write that need not wait is
+                        // one record: nothing of it is in yet).
                         if !matches!(log.sync_freed(), Ok(true)) {
-                            if !wait && out.is_empty() {
+                            if !wait {
                                 return Ok(false);
                             }
                             let _ = log.sync();
