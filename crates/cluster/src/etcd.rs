@@ -195,6 +195,27 @@ impl EtcdCoordinator {
         self.session.lease.load(Ordering::Acquire)
     }
 
+    /// The lease, for a change to `volume`'s vault or lock; refused while the re-registration
+    /// takes its lock back ([`Session::retaking`]). The lease is read first: the volumes are
+    /// marked before a new lease is published, so a change under the new one sees the mark.
+    fn lease_unless_retaking(&self, volume: Uuid) -> Result<i64> {
+        let lease = self.lease();
+        if self
+            .session
+            .retaking
+            .lock()
+            .expect("lock")
+            .contains(&volume)
+        {
+            return Err(Error::Unavailable(format!(
+                "host {:?} is taking the vault lock of volume {volume} back after its etcd \
+                 lease lapsed",
+                self.name
+            )));
+        }
+        Ok(lease)
+    }
+
     /// Grants a lease, creates the host key under it and opens the fence.
     async fn register(&self) -> Result<()> {
         let sent = register(&self.client, &self.session, &self.prefix, self.ttl)
@@ -789,22 +810,9 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn lock_vault(&self, volume: Uuid) -> Result<()> {
-        // As for `put_vault`: the lease first, then the volumes being re-taken. One of those
-        // is decided by the re-registration (which may give its lock up again), not here.
-        let lease = self.lease();
-        if self
-            .session
-            .retaking
-            .lock()
-            .expect("lock")
-            .contains(&volume)
-        {
-            return Err(Error::Unavailable(format!(
-                "host {:?} is taking the vault lock of volume {volume} back after its etcd \
-                 lease lapsed",
-                self.name
-            )));
-        }
+        // One being re-taken is decided by the re-registration (which may give its lock up
+        // again), not here.
+        let lease = self.lease_unless_retaking(volume)?;
         take_lock(&self.client, &self.prefix, &self.name, lease, volume)
             .await
             .map_err(|e| match e {
@@ -836,22 +844,7 @@ impl Coordinator for EtcdCoordinator {
     async fn put_vault(&self, v: &Vault) -> Result<()> {
         let id = v.volume.to_string();
         let lock = self.key("vault-locks", &id);
-        // The lease first, then the volumes being re-taken: those are marked before a new
-        // lease is published.
-        let lease = self.lease();
-        if self
-            .session
-            .retaking
-            .lock()
-            .expect("lock")
-            .contains(&v.volume)
-        {
-            return Err(Error::Unavailable(format!(
-                "host {:?} is taking the vault lock of volume {} back after its etcd lease \
-                 lapsed",
-                self.name, v.volume
-            )));
-        }
+        let lease = self.lease_unless_retaking(v.volume)?;
         // The fence: the write lands only while the lock is bound to this incarnation's lease.
         let txn = Txn::new()
             .when([Compare::lease(lock, CompareOp::Equal, lease)])
