@@ -229,6 +229,11 @@ async fn restarted_with_v(tag: &str) -> (TempDir, Arc<FailingVault>, Arc<Daemon>
 
 /// Relocates volume `v` to datastore `other`, offline.
 async fn relocate_to_other(d: &Daemon) {
+    try_relocate_to_other(d).await.unwrap();
+}
+
+/// Relocates volume `v` to datastore `other`, offline, and says how it went.
+async fn try_relocate_to_other(d: &Daemon) -> OpResult<api::VolumeInfo> {
     d.relocate(
         "v",
         api::Relocate {
@@ -237,7 +242,6 @@ async fn relocate_to_other(d: &Daemon) {
         },
     )
     .await
-    .unwrap();
 }
 
 /// What a `wbp` owner that died leaves in the vault: peer b listed at generation `gen`.
@@ -696,16 +700,7 @@ async fn a_revoked_host_does_not_start_a_replay() {
 async fn a_stop_ends_a_relocations_copy() {
     let (_dir, _coord, d) = restarted_with_v("relocstop").await;
     d.stop_volumes();
-    let e = d
-        .relocate(
-            "v",
-            api::Relocate {
-                datastore: "other".into(),
-                offline: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let e = try_relocate_to_other(&d).await.unwrap_err();
     assert!(e.to_string().contains("vestad is stopping"), "{e}");
     assert_eq!(d.entry("v").unwrap().record.datastore, "default");
     let other = d.store("other").unwrap();
@@ -825,16 +820,7 @@ async fn a_relocation_retried_after_a_crash_replaces_its_own_stale_copy_on_a_dir
 
     // Someone else's file of that name: refused, and kept.
     std::fs::write(&stale, b"not a volume").unwrap();
-    let e = d
-        .relocate(
-            "v",
-            api::Relocate {
-                datastore: "other".into(),
-                offline: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let e = try_relocate_to_other(&d).await.unwrap_err();
     assert!(e.to_string().contains("already exists"), "{e}");
     assert_eq!(std::fs::read(&stale).unwrap(), b"not a volume");
     std::fs::remove_file(&stale).unwrap();
@@ -951,16 +937,7 @@ async fn one_directory_is_never_two_datastores() {
         .write(0, Bytes::from(vec![5u8; 4096]), true)
         .await
         .unwrap();
-    let e = d
-        .relocate(
-            "v",
-            api::Relocate {
-                datastore: "other".into(),
-                offline: true,
-            },
-        )
-        .await
-        .unwrap_err();
+    let e = try_relocate_to_other(&d).await.unwrap_err();
     assert!(e.to_string().contains("are one directory"), "{e}");
     let got = volume(&d, "v").read(0, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 5), "the volume is untouched");
