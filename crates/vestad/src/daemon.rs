@@ -2108,9 +2108,8 @@ fn datastore_info(
 /// Copies every byte of `src` to `dst` (same size), [`RELOCATE_IN_FLIGHT`] chunks at a time,
 /// then flushes `dst`. Chunks that read as zeroes are skipped: a new volume reads as zeroes
 /// on every kind (a `dir` file is created new and sparse, a `lun` extent is zeroed by
-/// `create_volume`), and the target stays sparse.
-/// Copies `src` to `dst` (zero chunks skipped) and flushes it; stops early, with an error,
-/// once `stop` is set (vestad stopping must not wait for a copy of hours).
+/// `create_volume`), and the target stays sparse. Stops early, with an error, once `stop` is
+/// set (vestad stopping must not wait for a copy of hours).
 async fn copy_extent(
     src: &datastore::Extent,
     dst: &datastore::Extent,
