@@ -1644,6 +1644,68 @@ fn when_owner_and_peers_all_die_another_host_replays_the_owners_cache_file() {
     one_writer_at_a_time(&lun);
 }
 
+/// The same cascade, but the peer had begun an online replay of the owner's volume and died
+/// in it. Its replay started from the newest checkpoint the peers knew, which can be older
+/// than the owner's own (the owner forwards checkpoints asynchronously), and may have set
+/// blocks back to older data: a replay of the owner's file, which holds nothing below its
+/// checkpoint, would not put them right. So the volume is left alone, the datastore and the
+/// vault untouched, until the operator forces it.
+#[test]
+fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_checkpoint() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(128 << 20, &[], &[]);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+    a.vesta_ok(&[
+        "volume", "create", "w", "--size", "8M", "--policy", "wbp:1:remote",
+    ]);
+    wait_replicating(&a, "w", &["b"]);
+    let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
+    // A checkpoint in the owner's file above 0, then a write the datastore never sees.
+    qemu_io(&a.url("w"), &["write -P 6 0 1M", "flush"]);
+    let checkpoint = wait_for(Duration::from_secs(30), "the write destaged", || {
+        let s = show(&a, "w");
+        let c = s["cache"]["checkpoint"].as_u64().unwrap_or(0);
+        (s["cache"]["dirty_bytes"] == 0 && c > 0).then_some(c)
+    });
+    lun.close_door("a");
+    qemu_io(&a.url("w"), &["write -P 7 6M 4k", "flush"]);
+    a.kill9();
+    b.kill9();
+    std::thread::sleep(Duration::from_secs(TTL_S + 1));
+    // What b leaves when it names itself to replay from checkpoint 0 and dies.
+    let mut v = vault(&etcd);
+    assert_eq!(v["owner"], "a", "{v}");
+    v["owner"] = "b".into();
+    v["previous_owner"] = "a".into();
+    v["checkpoint"] = 0.into();
+    let key = format!("/vesta/vaults/{}", v["volume"].as_str().unwrap());
+    let out = etcd.etcdctl(&["put", &key, &v.to_string()]);
+    assert!(out.status.success(), "etcdctl put: {out:?}");
+    let before = on_datastore(&lun, 8 << 20);
+    assert_eq!(before, expect(8 << 20, &[(0, 1 << 20, 6)]));
+
+    let cache = a.data_dir.join("cache.img").display().to_string();
+    let out = c.vesta_ok(&["host", "replay-cache", &cache]);
+    assert!(out.contains("not replayed"), "{out}");
+    assert!(
+        out.contains("\"b\" began replaying it from write 0")
+            && out.contains(&format!("checkpoint {checkpoint}"))
+            && out.contains("--force"),
+        "{out}"
+    );
+    assert_eq!(on_datastore(&lun, 8 << 20), before, "the datastore was written");
+    assert_eq!(vault(&etcd), v, "the vault was written");
+
+    let out = c.vesta_ok(&["host", "replay-cache", &cache, "--force"]);
+    assert!(out.contains("replayed 1 write(s)") && out.contains("forced"), "{out}");
+    assert_eq!(
+        on_datastore(&lun, 8 << 20),
+        expect(8 << 20, &[(0, 1 << 20, 6), (6 << 20, 4096, 7)]),
+    );
+    one_writer_at_a_time(&lun);
+}
+
 /// An owner that stalls past its lease (SIGSTOP: a frozen VM host, a long GC pause) while a
 /// peer replays its volume and gives the lock back must not take the lock again as if
 /// nothing happened: its copy of the volume is stale, and its fence stays closed until it

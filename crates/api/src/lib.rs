@@ -190,6 +190,10 @@ pub struct CacheInfo {
 pub struct SurrogateReplay {
     /// The cache file or device, as this host sees it.
     pub path: String,
+    /// Replay a volume even over a peer's unfinished replay that began below the file's
+    /// checkpoint, giving up what that replay set back.
+    #[serde(default)]
+    pub force: bool,
 }
 
 /// What a surrogate replay did, one line per volume found with dirty data.

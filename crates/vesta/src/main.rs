@@ -83,6 +83,11 @@ enum HostCmd {
     ReplayCache {
         /// The cache file or device as this host sees it.
         path: String,
+        /// Replay a volume even though a peer began replaying it from below the file's
+        /// checkpoint and did not finish: blocks that replay set back stay old. Only when
+        /// none of its peers can come back to finish it.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -615,12 +620,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect(),
             );
         }
-        Cmd::Host(HostCmd::ReplayCache { path }) => {
+        Cmd::Host(HostCmd::ReplayCache { path, force }) => {
             let path = std::fs::canonicalize(&path)
                 .map(|p| p.display().to_string())
                 .unwrap_or(path);
             let r: api::SurrogateReport =
-                c.post_long("/v1/hosts/replay-cache", &api::SurrogateReplay { path })?;
+                c.post_long("/v1/hosts/replay-cache", &api::SurrogateReplay { path, force })?;
             if cli.json {
                 return print_json(&r);
             }

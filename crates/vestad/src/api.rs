@@ -111,7 +111,7 @@ async fn replay_cache(
 ) -> Result<Json<api::SurrogateReport>, OpError> {
     let req = body(b)?;
     let volumes = detached(async move {
-        crate::peers::surrogate_replay(&d, std::path::Path::new(&req.path))
+        crate::peers::surrogate_replay(&d, std::path::Path::new(&req.path), req.force)
             .await
             .map_err(OpError::BadRequest)
     })

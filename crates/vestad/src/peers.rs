@@ -1644,10 +1644,12 @@ async fn replay_to_datastore(
 /// (moved, or on shared storage). Its log is scanned here, and each volume with dirty data in
 /// it is replayed to its datastore under its vault lock, as a peer would from replicas. A
 /// volume whose vault is of a newer generation than the log's copy was replayed already and is
-/// skipped. Returns a line per volume found.
+/// skipped; one a peer began to replay from below the file's checkpoint is left alone unless
+/// `force` ([`surrogate_verdict`]). Returns a line per volume found.
 pub async fn surrogate_replay(
     d: &Arc<Daemon>,
     path: &std::path::Path,
+    force: bool,
 ) -> Result<Vec<String>, String> {
     if d.coord.kind() == "local" {
         return Err(
@@ -1692,7 +1694,7 @@ pub async fn surrogate_replay(
             ));
             continue;
         };
-        match surrogate_one(d, &host, &rec, n).await {
+        match surrogate_one(d, &host, &rec, n, force).await {
             Ok(line) => out.push(line),
             Err(e) => out.push(format!("volume {:?}: not replayed: {e}", rec.name)),
         }
@@ -1707,6 +1709,7 @@ async fn surrogate_one(
     host: &Arc<CacheHost>,
     rec: &VolumeRecord,
     n: usize,
+    force: bool,
 ) -> Result<String, String> {
     // Its lock is this replay's: an unlock owed from an earlier one must not take it.
     {
@@ -1714,7 +1717,7 @@ async fn surrogate_one(
         d.peers.replaying.lock().expect("lock").insert(rec.id);
         d.peers.unlock_owed.lock().expect("lock").remove(&rec.id);
     }
-    let r = surrogate_locked(d, host, rec, n).await;
+    let r = surrogate_locked(d, host, rec, n, force).await;
     d.peers.replaying.lock().expect("lock").remove(&rec.id);
     r
 }
@@ -1724,6 +1727,7 @@ async fn surrogate_locked(
     host: &Arc<CacheHost>,
     rec: &VolumeRecord,
     n: usize,
+    force: bool,
 ) -> Result<String, String> {
     d.coord
         .lock_vault(rec.id)
@@ -1732,13 +1736,21 @@ async fn surrogate_locked(
     let r = async {
         let vault = d.coord.vault(rec.id).await.map_err(|e| e.to_string())?;
         let gen = host.recovered_gen(rec.id).unwrap_or(0);
-        if let Some(v) = &vault {
-            if v.gen > gen {
-                return Ok(format!(
-                    "volume {:?}: skipped, already replayed (vault generation {} > {gen} in the \
-                     cache file)",
-                    rec.name, v.gen
-                ));
+        let checkpoint = host.recovered_checkpoint(rec.id).unwrap_or(0);
+        let mut forced = None;
+        match surrogate_verdict(vault.as_ref(), gen, checkpoint) {
+            Verdict::Replay => {}
+            Verdict::Skip(why) => return Ok(format!("volume {:?}: skipped, {why}", rec.name)),
+            Verdict::Unsafe(why) if force => {
+                warn!("volume {:?}: replayed with --force although {why}", rec.name);
+                forced = Some(why);
+            }
+            Verdict::Unsafe(why) => {
+                return Err(format!(
+                    "{why}. Start one of those peers again to finish that replay; if none can \
+                     come back, `--force` replays this file anyway and gives up only what that \
+                     replay set back below write {checkpoint}"
+                ))
             }
         }
         let store = d.store_pub(&rec.datastore).map_err(|e| e.to_string())?;
@@ -1764,11 +1776,18 @@ async fn surrogate_locked(
             .await
             .map_err(|e| format!("name this host as the replaying one in the vault: {e}"))?;
         replay_to_datastore(d, host, rec, extent, replaying).await?;
-        Ok(format!(
-            "volume {:?}: replayed {n} write(s) in {:.1} s; its datastore is current",
+        let line = format!(
+            "volume {:?}: replayed {n} write(s) in {:.1} s",
             rec.name,
             started.elapsed().as_secs_f64()
-        ))
+        );
+        Ok(match forced {
+            None => format!("{line}; its datastore is current"),
+            Some(why) => format!(
+                "{line} (forced: {why}; blocks that replay set back and this file no longer \
+                 holds may have older data)"
+            ),
+        })
     }
     .await;
     give_back(d, rec).await;
@@ -1778,9 +1797,73 @@ async fn surrogate_locked(
     r
 }
 
+/// What a surrogate replay does with a volume whose dirty data in the cache file is of
+/// generation `gen`, above checkpoint `checkpoint`.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Replay,
+    /// Replayed already: the datastore is newer than the file.
+    Skip(String),
+    /// A peer began an online replay of this generation and did not finish it (the vault
+    /// names a listed peer as the writer). That replay started from the newest checkpoint the
+    /// peers knew, which may be older than the owner's own, and each window it wrote set its
+    /// blocks to their newest version within it: blocks it set back from `vault.checkpoint`
+    /// on, with no write above the file's checkpoint, stay old if this file is replayed (it
+    /// holds nothing below its checkpoint). Only the peers' replicas reach back that far.
+    Unsafe(String),
+}
+
+fn surrogate_verdict(vault: Option<&Vault>, gen: u64, checkpoint: u64) -> Verdict {
+    let Some(v) = vault else {
+        return Verdict::Replay;
+    };
+    if v.gen > gen {
+        return Verdict::Skip(format!(
+            "already replayed (vault generation {} > {gen} in the cache file)",
+            v.gen
+        ));
+    }
+    if v.gen == gen && v.peers.contains(&v.owner) && v.checkpoint < checkpoint {
+        return Verdict::Unsafe(format!(
+            "its peer {:?} began replaying it from write {} on, below this file's checkpoint \
+             {checkpoint}, and did not finish (its peers: {:?})",
+            v.owner, v.checkpoint, v.peers
+        ));
+    }
+    Verdict::Replay
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A surrogate replay goes on over a vault its owner or an earlier surrogate replay
+    /// wrote, and over a peer's unfinished replay that got as far as the file's checkpoint;
+    /// not over one that stopped below it.
+    #[test]
+    fn a_surrogate_replay_goes_on_only_above_what_a_peers_unfinished_replay_covered() {
+        let v = |owner: &str, peers: &[&str], gen, checkpoint| Vault {
+            volume: Uuid::nil(),
+            policy: Policy::Wb,
+            checkpoint,
+            gen,
+            owner: owner.into(),
+            peers: peers.iter().map(|p| p.to_string()).collect(),
+            previous_owner: None,
+            handoff: false,
+        };
+        let verdict = |v: &Vault| surrogate_verdict(Some(v), 3, 10);
+        assert_eq!(surrogate_verdict(None, 3, 10), Verdict::Replay);
+        assert_eq!(verdict(&v("a", &["b"], 3, 2)), Verdict::Replay, "the owner's");
+        assert_eq!(verdict(&v("d", &[], 3, 2)), Verdict::Replay, "a surrogate's");
+        assert!(matches!(verdict(&v("b", &["b"], 4, 2)), Verdict::Skip(_)));
+        assert_eq!(verdict(&v("b", &["b", "c"], 3, 10)), Verdict::Replay);
+        assert_eq!(verdict(&v("b", &["b", "c"], 3, 12)), Verdict::Replay);
+        match verdict(&v("b", &["c", "b"], 3, 9)) {
+            Verdict::Unsafe(why) => assert!(why.contains("\"b\" began"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
 
     /// A replay goes as far as every peer that could continue it holds, and starts after the
     /// newest checkpoint any of them, the vault or this host knows.

@@ -641,6 +641,14 @@ impl CacheHost {
             .map(|r| r.gen)
     }
 
+    /// The checkpoint above which the log's own dirty data of `volume` lies, if it holds any.
+    pub fn recovered_checkpoint(&self, volume: Uuid) -> Option<u64> {
+        lock(&self.recovered)
+            .get(&volume)
+            .filter(|r| !r.writes.is_empty())
+            .map(|r| r.checkpoint)
+    }
+
     /// The next attach of `volume` starts a generation above `gen` (the vault's), whatever
     /// this host's log remembers.
     pub fn raise_gen(&self, volume: Uuid, gen: u64) {
