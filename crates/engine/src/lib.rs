@@ -871,6 +871,8 @@ impl Volume {
         .await
     }
 
+    /// Writes `data` at `offset`. Not cancel-safe in a cached policy: see
+    /// [`VolCache::write`].
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<()> {
         let n = data.len() as u64;
         self.check(offset, n)?;
