@@ -62,6 +62,9 @@ pub struct DatastoreInfo {
     pub status: String,
     pub total_bytes: Option<u64>,
     pub free_bytes: Option<u64>,
+    /// What its volumes may still take of `free_bytes` as they are written (sparse images).
+    #[serde(default)]
+    pub unwritten_bytes: Option<u64>,
     pub volumes: usize,
     pub lun_id: Option<String>,
 }

@@ -139,6 +139,24 @@ fn tag_of(path: &Path) -> Option<uuid::Uuid> {
     std::str::from_utf8(&buf[..n]).ok()?.parse().ok()
 }
 
+/// The file system's space, and what the volume images in `path` may still take of it.
+fn capacity_of(path: &Path) -> std::io::Result<Capacity> {
+    use std::os::unix::fs::MetadataExt;
+    let mut cap = statvfs(path)?;
+    for e in std::fs::read_dir(path)? {
+        let e = e?;
+        if !e.file_name().to_str().is_some_and(|n| n.ends_with(".raw")) {
+            continue;
+        }
+        // Gone meanwhile (a delete): nothing to count.
+        let Ok(m) = e.metadata() else { continue };
+        if m.is_file() {
+            cap.unwritten_bytes += m.len().saturating_sub(m.blocks() * 512);
+        }
+    }
+    Ok(cap)
+}
+
 fn statvfs(path: &Path) -> std::io::Result<Capacity> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::other("path contains NUL"))?;
@@ -155,6 +173,7 @@ fn statvfs(path: &Path) -> std::io::Result<Capacity> {
         // Files are sparse: a volume larger than the free space can be created, but only the
         // free space can ever be written.
         largest_free_bytes: free,
+        unwritten_bytes: 0,
     })
 }
 
@@ -175,7 +194,7 @@ impl Datastore for DirDatastore {
 
     async fn capacity(&self) -> Result<Capacity> {
         let p = self.path.clone();
-        blocking(move || statvfs(&p))
+        blocking(move || capacity_of(&p))
             .await
             .map_err(io_err(format!("statvfs {}", self.path.display())))
     }
@@ -376,6 +395,35 @@ mod tests {
         std::fs::write(s.0.join("w.raw"), b"").unwrap();
         s.1.delete_volume(&spec("w")).await.unwrap();
         assert!(!s.0.join("w.raw").exists());
+    }
+
+    /// The space a sparse image may still take counts against the datastore's free space
+    /// for placement: it shrinks as the volume is written, by what was written.
+    #[tokio::test]
+    async fn a_sparse_image_counts_what_it_may_still_take() {
+        let s = scratch("sparse").await;
+        let none = s.1.capacity().await.unwrap();
+        assert_eq!(none.unwritten_bytes, 0);
+        let v = VolumeSpec {
+            size: 64 << 20,
+            ..spec("v")
+        };
+        let e = s.1.create_volume(&v).await.unwrap();
+        // Not a volume image: not counted.
+        std::fs::write(s.0.join("notes.txt"), vec![1u8; 1 << 20]).unwrap();
+        let before = s.1.capacity().await.unwrap().unwritten_bytes;
+        assert!(before > (64 << 20) - (64 << 10), "{before}");
+        assert!(before <= 64 << 20, "{before}");
+        e.write(0, bytes::Bytes::from(vec![7u8; 8 << 20]), false)
+            .await
+            .unwrap();
+        e.flush().await.unwrap();
+        let after = s.1.capacity().await.unwrap().unwritten_bytes;
+        let taken = before - after;
+        assert!(
+            (8 << 20..=9 << 20).contains(&taken),
+            "{before} -> {after}: 8 MiB written took {taken}"
+        );
     }
 
     #[tokio::test]

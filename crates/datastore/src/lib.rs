@@ -128,6 +128,10 @@ pub struct Capacity {
     pub free_bytes: u64,
     /// Largest volume that can still be created.
     pub largest_free_bytes: u64,
+    /// What the volumes already here may still take of `free_bytes` as they are written:
+    /// the unallocated part of sparse images (a `dir`); 0 where a volume's space is taken
+    /// whole when it is created (a `lun`).
+    pub unwritten_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -342,6 +342,7 @@ impl Datastore for LunDatastore {
             total_bytes: size.saturating_sub(label::DATA_START),
             free_bytes: free,
             largest_free_bytes: largest,
+            unwritten_bytes: 0,
         })
     }
 

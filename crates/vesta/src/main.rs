@@ -408,6 +408,14 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
+/// Free space, and how much of it sparse volume images may still take as they are written.
+fn free_shown(d: &api::DatastoreInfo) -> String {
+    match d.unwritten_bytes.filter(|n| *n > 0) {
+        Some(u) => format!("{} ({} unwritten)", opt_size(d.free_bytes), format_size(u)),
+        None => opt_size(d.free_bytes),
+    }
+}
+
 fn opt_size(n: Option<u64>) -> String {
     n.map(format_size).unwrap_or_else(|| "-".into())
 }
@@ -516,13 +524,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ],
                 v.into_iter()
                     .map(|d| {
+                        let free = free_shown(&d);
                         vec![
                             d.name,
                             d.kind,
                             d.class,
                             d.queue_depth.to_string(),
                             opt_size(d.total_bytes),
-                            opt_size(d.free_bytes),
+                            free,
                             d.volumes.to_string(),
                             d.status,
                             d.location,

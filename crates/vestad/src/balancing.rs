@@ -294,15 +294,20 @@ pub async fn inputs(d: &Daemon) -> Inputs {
         });
         match (info.status.as_str(), info.total_bytes, info.free_bytes) {
             ("ok", Some(total), Some(free)) => {
+                // Sparse images take their unwritten part as they are written: it is not
+                // free for another volume.
+                let taken = total
+                    .saturating_sub(free)
+                    .saturating_add(info.unwritten_bytes.unwrap_or(0));
                 let sized: u64 = own
                     .iter()
                     .chain(foreign.iter().map(|f| &f.model))
                     .filter(|v| v.datastore == info.name)
                     .map(|v| v.size)
                     .sum();
-                // Sparse volumes use less than their size; the planner counts them whole,
-                // since that is what they may grow to and what a move copies.
-                let used = total.saturating_sub(free).max(sized);
+                // The pod's volumes count whole (what a move copies), even one whose image
+                // is elsewhere on a shared file system.
+                let used = taken.max(sized);
                 pod.datastores.push(balance::Datastore {
                     id: info.name.clone(),
                     capacity_gib: total as f64 / GIB,

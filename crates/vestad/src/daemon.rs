@@ -2097,6 +2097,7 @@ fn datastore_info(
         status,
         total_bytes: cap.map(|c| c.total_bytes),
         free_bytes: cap.map(|c| c.free_bytes),
+        unwritten_bytes: cap.map(|c| c.unwritten_bytes),
         volumes,
         lun_id: match &spec.kind {
             Kind::Lun { lun_id, .. } => lun_id.map(|u| u.to_string()),

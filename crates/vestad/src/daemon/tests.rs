@@ -1056,3 +1056,28 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     crate::peers::retry_owed_unlocks(&d).await;
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
+
+/// A `dir` datastore's free space is not free for placement where sparse images already in
+/// it may take it as they are written: here an image no volume of the pod owns (another
+/// tool's, another pod's), which the pod's own sizes do not cover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn space_sparse_images_may_still_take_is_not_free_for_placement() {
+    async fn used_gib(d: &Daemon, ds: &str) -> f64 {
+        let inputs = crate::balancing::inputs(d).await;
+        let p = inputs.pod.datastores.iter().find(|x| x.id == ds).unwrap();
+        p.used_gib
+    }
+    let dir = TempDir::new("sparse");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    let before = used_gib(&d, "default").await;
+    let f = std::fs::File::create(dir.0.join("ds/other-tool.raw")).unwrap();
+    f.set_len(16 << 30).unwrap();
+    let after = used_gib(&d, "default").await;
+    assert!(
+        after - before > 15.0,
+        "used {before:.2} GiB, then {after:.2} GiB with a 16 GiB sparse image"
+    );
+    // The other datastore is another directory: that image is not its own.
+    assert!(used_gib(&d, "other").await < after - 15.0);
+}
