@@ -237,6 +237,21 @@ impl IoStats {
         self.outstanding.load(Relaxed)
     }
 
+    /// IOs that have finished, well or not: while it moves, the datastore answers.
+    pub fn finished(&self) -> u64 {
+        [
+            &self.reads,
+            &self.writes,
+            &self.flushes,
+            &self.trims,
+            &self.zeroes,
+            &self.errors,
+        ]
+        .iter()
+        .map(|c| c.load(Relaxed))
+        .sum()
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             at: Instant::now(),

@@ -115,6 +115,10 @@ const BATCH_BYTES: u64 = 4 << 20;
 const WINDOW_WAVES: usize = 4;
 /// Longest wait between destager visits when nothing wakes it.
 const DESTAGER_IDLE: Duration = Duration::from_millis(50);
+/// A drain gives up after this long with no progress and no answer from the datastore (no IO
+/// finished, not even with an error): it is hung, or slower than anything should wait on.
+/// Shorter in this crate's tests, which wait it out.
+pub const HUNG_AFTER: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 30 });
 /// Longest backoff between retries of a failing datastore.
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// Default maximum age of dirty data before it is destaged regardless of the hold time.
@@ -2818,9 +2822,9 @@ impl VolCache {
 
     /// Waits until at most `left` dirty writes remain (a drain), with writes throttled at full
     /// pressure meanwhile. Fails if the cache device has failed (what it held cannot be
-    /// destaged any more), or once the datastore has failed destage writes for `stuck` with
-    /// no progress (nothing is lost: the data stays dirty, and the destager goes on
-    /// retrying).
+    /// destaged any more), or once the drain has made no progress for `stuck` while the
+    /// datastore failed destage writes, or for [`HUNG_AFTER`] (at least) while it answered no
+    /// IO at all. Nothing is lost: the data stays dirty, and the destager goes on retrying.
     pub async fn drain(&self, left: usize, stuck: Duration) -> Result<(), Error> {
         {
             let mut st = lock(&self.st);
@@ -2832,6 +2836,10 @@ impl VolCache {
         self.shared.wake.notify_one();
         let log = self.shared.log.clone();
         let (mut fewest, mut progress) = (usize::MAX, Instant::now());
+        // The datastore's IOs, every volume's: one still answering may be busy with another
+        // volume's window, this volume's turn to come.
+        let stats = &self.store.gate().stats;
+        let mut answered = stats.finished();
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -2852,22 +2860,30 @@ impl VolCache {
                         st.dirty_bytes
                     )));
                 }
-                if st.staged.len() < fewest || st.destage.error.is_none() {
+                let now = stats.finished();
+                let answers = now != answered && st.destage.error.is_none();
+                answered = now;
+                if st.staged.len() < fewest || answers {
                     (fewest, progress) = (st.staged.len(), Instant::now());
                 }
-                // A datastore that takes no writes would hold the caller (and a paused
-                // volume's IO, reads too) for as long as it is down.
-                if let Some(e) = &st.destage.error {
-                    if progress.elapsed() >= stuck {
-                        let why = format!(
-                            "the datastore is not taking writes ({e}); {} dirty write(s) ({} \
-                             bytes) wait for it",
-                            st.staged.len(),
-                            st.dirty_bytes
-                        );
-                        st.draining = false;
-                        return Err(Error::Cache(why));
-                    }
+                // A datastore that takes no writes, or answers nothing, would hold the caller
+                // (and a paused volume's IO, reads too) for as long as it is down.
+                let limit = match st.destage.error {
+                    Some(_) => stuck,
+                    None => stuck.max(HUNG_AFTER),
+                };
+                if progress.elapsed() >= limit {
+                    let how = match &st.destage.error {
+                        Some(e) => format!("is not taking writes ({e})"),
+                        None => format!("has answered no IO for {limit:?}"),
+                    };
+                    let why = format!(
+                        "the datastore {how}; {} dirty write(s) ({} bytes) wait for it",
+                        st.staged.len(),
+                        st.dirty_bytes
+                    );
+                    st.draining = false;
+                    return Err(Error::Cache(why));
                 }
             }
             tokio::select! {

@@ -638,10 +638,20 @@ impl Volume {
         }
     }
 
-    async fn pause(&self) {
+    /// Pauses the volume once the IO in it has ended. IO that does not end within
+    /// [`cache::HUNG_AFTER`] (a datastore that answers nothing) fails the pause, and IO goes
+    /// on: the caller has changed nothing yet.
+    async fn pause(&self) -> Result<()> {
         self.paused.store(true, Ordering::SeqCst);
-        // In-flight IO is bounded (a datastore IO, or a cache append); no limit needed.
-        self.quiesce(Duration::MAX / 4).await;
+        if self.quiesce(cache::HUNG_AFTER).await {
+            return Ok(());
+        }
+        self.resume();
+        Err(Error::Cache(format!(
+            "IO in flight did not end within {:?} (the datastore may not be answering); \
+             nothing changed",
+            cache::HUNG_AFTER
+        )))
     }
 
     fn resume(&self) {
@@ -700,7 +710,7 @@ impl Volume {
                 c.drain(c.queue_depth(), Duration::from_secs(10)).await?;
             }
         }
-        self.pause().await;
+        self.pause().await?;
         let r = async {
             if let Route::Cached(c) = &route {
                 if !c.clean() {
@@ -1059,5 +1069,82 @@ mod tests {
         hung.release.notify_waiters();
         assert!(a.cache().unwrap().wait_clean(Duration::from_secs(10)).await);
         destager.abort();
+    }
+
+    /// A policy change over a datastore that answers nothing ends, with nothing changed and
+    /// nothing lost, instead of holding the volume's IO (paused for the last of the drain)
+    /// and the change for as long as the datastore hangs.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_over_a_hung_datastore_gives_up_with_nothing_changed() {
+        const SEG: u64 = 64 << 10;
+        let cache = Arc::new(cachelog::device::SimDevice::new((1 << 20) + 32 * SEG));
+        let host = cache::CacheHost::open(cache, SEG).unwrap();
+        let hung = Arc::new(Held {
+            release: Arc::new(Notify::new()),
+            writes: AtomicU64::new(0),
+        });
+        let extent = Extent::new(hung.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let v = Volume::open(
+            Uuid::new_v4(),
+            "v".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap();
+        host.finish_recovery(&[v.id()]).unwrap();
+        let destager = tokio::spawn(host.clone().run_destager(|| false));
+        v.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
+        let started = std::time::Instant::now();
+        let e = v.set_policy(Policy::Wt).await.unwrap_err();
+        assert!(e.to_string().contains("answered no IO"), "{e}");
+        assert!(started.elapsed() < cache::HUNG_AFTER * 3, "{:?}", started.elapsed());
+        assert_eq!(v.policy(), Policy::Wb);
+        let c = v.cache().unwrap();
+        assert!(!c.clean(), "the dirty write is kept");
+        // IO goes on.
+        let read = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096));
+        assert_eq!(read.await.unwrap().unwrap(), vec![1; 4096]);
+        hung.release.notify_waiters();
+        assert!(c.wait_clean(Duration::from_secs(10)).await);
+        assert_eq!(hung.writes.load(Ordering::SeqCst), 1);
+        destager.abort();
+    }
+
+    /// A change waits a bounded time for IO in flight before it pauses the volume: a write
+    /// the datastore never answers fails it (nothing changed), and IO goes on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_change_does_not_wait_for_ever_for_io_in_flight() {
+        let cache = Arc::new(cachelog::device::SimDevice::new(4 << 20));
+        let host = cache::CacheHost::open(cache, 64 << 10).unwrap();
+        let hung = Arc::new(Held {
+            release: Arc::new(Notify::new()),
+            writes: AtomicU64::new(0),
+        });
+        let extent = Extent::new(hung.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let v = Arc::new(
+            Volume::open(
+                Uuid::new_v4(),
+                "v".into(),
+                Policy::Uncached,
+                Tuning::default(),
+                extent,
+                Some(host.clone()),
+            )
+            .unwrap(),
+        );
+        let w = {
+            let v = v.clone();
+            tokio::spawn(async move { v.write(0, Bytes::from(vec![1; 4096]), false).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let e = v.set_policy(Policy::Wt).await.unwrap_err();
+        assert!(e.to_string().contains("did not end within"), "{e}");
+        assert_eq!(v.policy(), Policy::Uncached);
+        let read = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096));
+        read.await.expect("IO goes on").unwrap();
+        hung.release.notify_waiters();
+        w.await.unwrap().unwrap();
     }
 }
