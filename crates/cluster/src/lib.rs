@@ -17,7 +17,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use uuid::Uuid;
 
-pub use record::{HostRecord, HostStatus, PeerRule, Policy, State, Tuning, Vault, VolumeRecord};
+pub use record::{
+    HostRecord, HostStatus, Moved, PeerRule, Policy, State, Tuning, Vault, VolumeRecord,
+};
 
 use datastore::fence::Fence;
 use datastore::DatastoreSpec;

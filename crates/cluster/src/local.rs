@@ -334,6 +334,7 @@ mod tests {
             created_unix: 1,
             tuning: Default::default(),
             owner: None,
+            moved: None,
         }
     }
 

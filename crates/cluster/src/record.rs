@@ -205,6 +205,16 @@ pub struct VolumeRecord {
     /// host owns everything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// Its last relocation, which the planner does not undo for a while (no ping-pong).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moved: Option<Moved>,
+}
+
+/// A volume's relocation off datastore `from`, at `unix` (seconds since the Unix epoch).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Moved {
+    pub from: String,
+    pub unix: u64,
 }
 
 impl VolumeRecord {

@@ -420,7 +420,7 @@ pub async fn plan(d: &Daemon, policy: &balance::Policy) -> OpResult<api::Balance
              known; nothing is planned while a host is down"
         )));
     }
-    let recent: Vec<RecentMove> = d.recent_moves();
+    let recent: Vec<RecentMove> = d.recent_moves().await;
     let plan = balance::plan(&inputs.pod, &recent, policy)
         .map_err(|e| OpError::Internal(format!("the planner rejected the pod: {e}")))?;
     let mut notes = inputs.notes;

@@ -179,9 +179,6 @@ pub struct Daemon {
     pub nbd: OnceLock<NbdAddrs>,
     pub api_addr: OnceLock<std::net::SocketAddr>,
     pub sampler: Mutex<Sampler>,
-    /// Relocations done since start, newest last: the planner does not move a volume back
-    /// to where it just came from (no ping-pong).
-    recent_moves: Mutex<Vec<balance::RecentMove>>,
     /// Volumes with a policy change or a relocation under way: one at a time per volume, so
     /// neither acts on a volume object or record the other has replaced.
     /// (It maps the volume to the operation, `relocation` or `policy change`.)
@@ -204,8 +201,10 @@ impl Drop for Busy<'_> {
     }
 }
 
-/// Relocations remembered for ping-pong avoidance.
-const RECENT_MOVES_KEPT: usize = 64;
+/// How long the planner does not move a volume back to the datastore it was relocated off
+/// (no ping-pong; BASIL §5): a day of workload, long enough for the move's effect to show in
+/// the models.
+pub const RECENT_MOVE_S: u64 = 24 * 3600;
 /// What an offline relocation copies per IO.
 const RELOCATE_CHUNK: u64 = 1 << 20;
 /// Chunks an offline relocation keeps in flight: enough to keep a LUN's queue busy, few
@@ -242,7 +241,6 @@ impl Daemon {
     ) -> anyhow::Result<Daemon> {
         let d = Daemon {
             sampler: Mutex::new(Sampler::new(config.stats.history, config.stats.interval_s)),
-            recent_moves: Mutex::new(Vec::new()),
             busy: Mutex::new(HashMap::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
             config,
@@ -1116,6 +1114,7 @@ impl Daemon {
                 created_unix: now_unix(),
                 tuning: Default::default(),
                 owner: self.owner_for_new(),
+                moved: None,
             };
             if let Err(e) = self.coord.create_volume(rec.clone()).await {
                 warn!("could not import volume {:?}: {e}", v.name);
@@ -1213,6 +1212,7 @@ impl Daemon {
             created_unix: now_unix(),
             tuning,
             owner: self.owner_for_new(),
+            moved: None,
         };
         let extent = self
             .ds_locked(&ds_name, async {
@@ -1353,9 +1353,18 @@ impl Daemon {
         }
     }
 
-    /// Relocations done since start, for the planner's ping-pong rule.
-    pub fn recent_moves(&self) -> Vec<balance::RecentMove> {
-        self.recent_moves.lock().expect("lock").clone()
+    /// Relocations of the last [`RECENT_MOVE_S`], this host's and (in a cluster) every
+    /// other's, for the planner's ping-pong rule: the volume records keep them, so a restart
+    /// or a move carried out on another host counts too.
+    pub async fn recent_moves(&self) -> Vec<balance::RecentMove> {
+        let records: Vec<VolumeRecord> = match self.coord.state().await {
+            Ok(s) => s.volumes,
+            Err(e) => {
+                warn!("volume records: {e}; only this host's moves count as recent");
+                self.entries().iter().map(|e| e.current_record()).collect()
+            }
+        };
+        recent_moves_at(&records, now_unix())
     }
 
     /// Copies a detached volume to another datastore (`vesta volume relocate --offline`).
@@ -1459,6 +1468,10 @@ impl Daemon {
         // back in its own policy at the next start, as it would without the relocation.
         let mut rec = entry.current_record();
         rec.datastore = to.clone();
+        rec.moved = Some(cluster::Moved {
+            from: from.clone(),
+            unix: now_unix(),
+        });
         // The extent the volume has been writing (not the table read again, which a source
         // failing its reads would not give).
         let src = volume.extent().clone();
@@ -1597,15 +1610,6 @@ impl Daemon {
             warn!(
                 "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not be freed: {e}"
             );
-        }
-        {
-            let mut m = self.recent_moves.lock().expect("lock");
-            m.push(balance::RecentMove {
-                workload: name.to_string(),
-                from: from.clone(),
-            });
-            let excess = m.len().saturating_sub(RECENT_MOVES_KEPT);
-            m.drain(..excess);
         }
         info!(
             "relocated volume {name:?} from {from:?} to {to:?} in {:.1} s",
@@ -2104,6 +2108,20 @@ fn datastore_info(
             Kind::Dir { .. } => None,
         },
     }
+}
+
+/// The moves among `records` made within [`RECENT_MOVE_S`] before `now` (Unix seconds).
+fn recent_moves_at(records: &[VolumeRecord], now: u64) -> Vec<balance::RecentMove> {
+    records
+        .iter()
+        .filter_map(|r| {
+            let m = r.moved.as_ref()?;
+            (now.saturating_sub(m.unix) < RECENT_MOVE_S).then(|| balance::RecentMove {
+                workload: r.name.clone(),
+                from: m.from.clone(),
+            })
+        })
+        .collect()
 }
 
 /// Copies every byte of `src` to `dst` (same size), [`RELOCATE_IN_FLIGHT`] chunks at a time,

@@ -1081,3 +1081,26 @@ async fn space_sparse_images_may_still_take_is_not_free_for_placement() {
     // The other datastore is another directory: that image is not its own.
     assert!(used_gib(&d, "other").await < after - 15.0);
 }
+
+/// The planner's no-ping-pong rule outlives the host that moved the volume: the move is in
+/// the volume's record, which every host reads, and it counts for a day.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_counts_as_recent_after_a_restart_and_for_a_day() {
+    let (dir, coord, d) = restarted_with_v("recent").await;
+    assert!(d.recent_moves().await.is_empty());
+    relocate_to_other(&d).await;
+    drop(d);
+    let d = start(&dir, &coord).await;
+    let recent = d.recent_moves().await;
+    assert_eq!(
+        recent,
+        vec![balance::RecentMove {
+            workload: "v".into(),
+            from: "default".into()
+        }]
+    );
+    let rec = d.entry("v").unwrap().record.clone();
+    let at = rec.moved.as_ref().unwrap().unix;
+    assert_eq!(recent_moves_at(&[rec.clone()], at + RECENT_MOVE_S - 1), recent);
+    assert!(recent_moves_at(&[rec], at + RECENT_MOVE_S).is_empty());
+}
