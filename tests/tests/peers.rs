@@ -1657,7 +1657,13 @@ fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_
     let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
     let mut b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     a.vesta_ok(&[
-        "volume", "create", "w", "--size", "8M", "--policy", "wbp:1:remote",
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "8M",
+        "--policy",
+        "wbp:1:remote",
     ]);
     wait_replicating(&a, "w", &["b"]);
     let c = host(&etcd, "c", "rack2", "127.0.0.4", &lun);
@@ -1694,11 +1700,18 @@ fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_
             && out.contains("--force"),
         "{out}"
     );
-    assert_eq!(on_datastore(&lun, 8 << 20), before, "the datastore was written");
+    assert_eq!(
+        on_datastore(&lun, 8 << 20),
+        before,
+        "the datastore was written"
+    );
     assert_eq!(vault(&etcd), v, "the vault was written");
 
     let out = c.vesta_ok(&["host", "replay-cache", &cache, "--force"]);
-    assert!(out.contains("replayed 1 write(s)") && out.contains("forced"), "{out}");
+    assert!(
+        out.contains("replayed 1 write(s)") && out.contains("forced"),
+        "{out}"
+    );
     assert_eq!(
         on_datastore(&lun, 8 << 20),
         expect(8 << 20, &[(0, 1 << 20, 6), (6 << 20, 4096, 7)]),

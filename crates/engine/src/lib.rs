@@ -1099,7 +1099,11 @@ mod tests {
         let started = std::time::Instant::now();
         let e = v.set_policy(Policy::Wt).await.unwrap_err();
         assert!(e.to_string().contains("answered no IO"), "{e}");
-        assert!(started.elapsed() < cache::HUNG_AFTER * 3, "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < cache::HUNG_AFTER * 3,
+            "{:?}",
+            started.elapsed()
+        );
         assert_eq!(v.policy(), Policy::Wb);
         let c = v.cache().unwrap();
         assert!(!c.clean(), "the dirty write is kept");

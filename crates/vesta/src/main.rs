@@ -633,8 +633,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = std::fs::canonicalize(&path)
                 .map(|p| p.display().to_string())
                 .unwrap_or(path);
-            let r: api::SurrogateReport =
-                c.post_long("/v1/hosts/replay-cache", &api::SurrogateReplay { path, force })?;
+            let r: api::SurrogateReport = c.post_long(
+                "/v1/hosts/replay-cache",
+                &api::SurrogateReplay { path, force },
+            )?;
             if cli.json {
                 return print_json(&r);
             }

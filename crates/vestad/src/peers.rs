@@ -1742,7 +1742,10 @@ async fn surrogate_locked(
             Verdict::Replay => {}
             Verdict::Skip(why) => return Ok(format!("volume {:?}: skipped, {why}", rec.name)),
             Verdict::Unsafe(why) if force => {
-                warn!("volume {:?}: replayed with --force although {why}", rec.name);
+                warn!(
+                    "volume {:?}: replayed with --force although {why}",
+                    rec.name
+                );
                 forced = Some(why);
             }
             Verdict::Unsafe(why) => {
@@ -1854,8 +1857,16 @@ mod tests {
         };
         let verdict = |v: &Vault| surrogate_verdict(Some(v), 3, 10);
         assert_eq!(surrogate_verdict(None, 3, 10), Verdict::Replay);
-        assert_eq!(verdict(&v("a", &["b"], 3, 2)), Verdict::Replay, "the owner's");
-        assert_eq!(verdict(&v("d", &[], 3, 2)), Verdict::Replay, "a surrogate's");
+        assert_eq!(
+            verdict(&v("a", &["b"], 3, 2)),
+            Verdict::Replay,
+            "the owner's"
+        );
+        assert_eq!(
+            verdict(&v("d", &[], 3, 2)),
+            Verdict::Replay,
+            "a surrogate's"
+        );
         assert!(matches!(verdict(&v("b", &["b"], 4, 2)), Verdict::Skip(_)));
         assert_eq!(verdict(&v("b", &["b", "c"], 3, 10)), Verdict::Replay);
         assert_eq!(verdict(&v("b", &["b", "c"], 3, 12)), Verdict::Replay);

@@ -1101,6 +1101,9 @@ async fn a_relocation_counts_as_recent_after_a_restart_and_for_a_day() {
     );
     let rec = d.entry("v").unwrap().record.clone();
     let at = rec.moved.as_ref().unwrap().unix;
-    assert_eq!(recent_moves_at(&[rec.clone()], at + RECENT_MOVE_S - 1), recent);
+    assert_eq!(
+        recent_moves_at(std::slice::from_ref(&rec), at + RECENT_MOVE_S - 1),
+        recent
+    );
     assert!(recent_moves_at(&[rec], at + RECENT_MOVE_S).is_empty());
 }
