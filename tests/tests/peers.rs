@@ -1695,7 +1695,8 @@ fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_
     let out = c.vesta_ok(&["host", "replay-cache", &cache]);
     assert!(out.contains("not replayed"), "{out}");
     assert!(
-        out.contains("\"b\" began replaying it from write 0")
+        out.contains("\"b\" began replaying it")
+            && out.contains("no further than write 0")
             && out.contains(&format!("checkpoint {checkpoint}"))
             && out.contains("--force"),
         "{out}"

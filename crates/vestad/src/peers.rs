@@ -1751,8 +1751,9 @@ async fn surrogate_locked(
             Verdict::Unsafe(why) => {
                 return Err(format!(
                     "{why}. Start one of those peers again to finish that replay; if none can \
-                     come back, `--force` replays this file anyway and gives up only what that \
-                     replay set back below write {checkpoint}"
+                     come back, `--force` replays this file anyway: it loses nothing if that \
+                     replay got past write {checkpoint} (the vault records its progress about \
+                     once a second), and otherwise gives up what it set back below that"
                 ))
             }
         }
@@ -1828,8 +1829,9 @@ fn surrogate_verdict(vault: Option<&Vault>, gen: u64, checkpoint: u64) -> Verdic
     }
     if v.gen == gen && v.peers.contains(&v.owner) && v.checkpoint < checkpoint {
         return Verdict::Unsafe(format!(
-            "its peer {:?} began replaying it from write {} on, below this file's checkpoint \
-             {checkpoint}, and did not finish (its peers: {:?})",
+            "its peer {:?} began replaying it and did not finish, and the vault has that replay \
+             no further than write {}, below this file's checkpoint {checkpoint} (its peers: \
+             {:?})",
             v.owner, v.checkpoint, v.peers
         ));
     }
@@ -1871,7 +1873,7 @@ mod tests {
         assert_eq!(verdict(&v("b", &["b", "c"], 3, 10)), Verdict::Replay);
         assert_eq!(verdict(&v("b", &["b", "c"], 3, 12)), Verdict::Replay);
         match verdict(&v("b", &["c", "b"], 3, 9)) {
-            Verdict::Unsafe(why) => assert!(why.contains("\"b\" began"), "{why}"),
+            Verdict::Unsafe(why) => assert!(why.contains("no further than write 9"), "{why}"),
             other => panic!("{other:?}"),
         }
     }
