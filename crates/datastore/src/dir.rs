@@ -143,12 +143,12 @@ fn tag_of(path: &Path) -> Option<uuid::Uuid> {
 fn capacity_of(path: &Path) -> std::io::Result<Capacity> {
     use std::os::unix::fs::MetadataExt;
     let mut cap = statvfs(path)?;
-    for e in std::fs::read_dir(path)? {
-        let e = e?;
+    // An entry that cannot be read (gone meanwhile, a stale NFS handle) is not counted: the
+    // free space is still known, and placement should not lose the datastore over it.
+    for e in std::fs::read_dir(path)?.flatten() {
         if !e.file_name().to_str().is_some_and(|n| n.ends_with(".raw")) {
             continue;
         }
-        // Gone meanwhile (a delete): nothing to count.
         let Ok(m) = e.metadata() else { continue };
         if m.is_file() {
             cap.unwritten_bytes += m.len().saturating_sub(m.blocks() * 512);
@@ -196,7 +196,7 @@ impl Datastore for DirDatastore {
         let p = self.path.clone();
         blocking(move || capacity_of(&p))
             .await
-            .map_err(io_err(format!("statvfs {}", self.path.display())))
+            .map_err(io_err(format!("space of {}", self.path.display())))
     }
 
     async fn create_volume(&self, v: &VolumeSpec) -> Result<Extent> {

@@ -262,6 +262,20 @@ pub async fn inputs(d: &Daemon) -> Inputs {
         .collect();
     let sampler = d.sampler.lock().expect("lock");
 
+    // `dir` datastores on one file system share its free space, which the sparse images of
+    // each of them may take as they are written.
+    let file_system = |info: &api::DatastoreInfo| {
+        use std::os::unix::fs::MetadataExt;
+        (info.kind == "dir")
+            .then(|| std::fs::metadata(&info.location).ok().map(|m| m.dev()))
+            .flatten()
+    };
+    let mut unwritten_on: std::collections::HashMap<u64, u64> = Default::default();
+    for info in &infos {
+        if let (Some(fs), Some(u)) = (file_system(info), info.unwritten_bytes) {
+            *unwritten_on.entry(fs).or_default() += u;
+        }
+    }
     let mut datastores = Vec::with_capacity(infos.len());
     let mut pod = Pod::default();
     let mut unavailable = Vec::new();
@@ -296,9 +310,11 @@ pub async fn inputs(d: &Daemon) -> Inputs {
             ("ok", Some(total), Some(free)) => {
                 // Sparse images take their unwritten part as they are written: it is not
                 // free for another volume.
-                let taken = total
-                    .saturating_sub(free)
-                    .saturating_add(info.unwritten_bytes.unwrap_or(0));
+                let unwritten = match file_system(info) {
+                    Some(fs) => unwritten_on.get(&fs).copied().unwrap_or(0),
+                    None => info.unwritten_bytes.unwrap_or(0),
+                };
+                let taken = total.saturating_sub(free).saturating_add(unwritten);
                 let sized: u64 = own
                     .iter()
                     .chain(foreign.iter().map(|f| &f.model))

@@ -1058,8 +1058,9 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
 }
 
 /// A `dir` datastore's free space is not free for placement where sparse images already in
-/// it may take it as they are written: here an image no volume of the pod owns (another
-/// tool's, another pod's), which the pod's own sizes do not cover.
+/// it, or in another datastore's directory on the same file system, may take it as they are
+/// written: here an image no volume of the pod owns (another tool's, another pod's), which
+/// the pod's own sizes do not cover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn space_sparse_images_may_still_take_is_not_free_for_placement() {
     async fn used_gib(d: &Daemon, ds: &str) -> f64 {
@@ -1078,8 +1079,9 @@ async fn space_sparse_images_may_still_take_is_not_free_for_placement() {
         after - before > 15.0,
         "used {before:.2} GiB, then {after:.2} GiB with a 16 GiB sparse image"
     );
-    // The other datastore is another directory: that image is not its own.
-    assert!(used_gib(&d, "other").await < after - 15.0);
+    // The other datastore is another directory on the same file system: the image may take
+    // its free space too.
+    assert!(used_gib(&d, "other").await > before + 15.0);
 }
 
 /// The planner's no-ping-pong rule outlives the host that moved the volume: the move is in
