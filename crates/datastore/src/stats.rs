@@ -237,10 +237,11 @@ impl IoStats {
         self.outstanding.load(Relaxed)
     }
 
-    /// IOs that have finished, well or not: while it moves, the datastore answers.
-    pub fn finished(&self) -> u64 {
+    /// IOs other than reads that have finished, and IOs that failed: while it moves, the
+    /// datastore answers the IO a destager sends it (reads alone may still be answered by a
+    /// datastore whose writes hang).
+    pub fn answered_writes(&self) -> u64 {
         [
-            &self.reads,
             &self.writes,
             &self.flushes,
             &self.trims,

@@ -115,9 +115,9 @@ const BATCH_BYTES: u64 = 4 << 20;
 const WINDOW_WAVES: usize = 4;
 /// Longest wait between destager visits when nothing wakes it.
 const DESTAGER_IDLE: Duration = Duration::from_millis(50);
-/// A drain gives up after this long with no progress and no answer from the datastore (no IO
-/// finished, not even with an error): it is hung, or slower than anything should wait on.
-/// Shorter in this crate's tests, which wait it out.
+/// A drain with IO going on gives up after this long with no progress while the datastore
+/// answers none of the IO it has been sent: it is hung, or slower than anything should wait
+/// on. Shorter in this crate's tests, which wait it out.
 pub const HUNG_AFTER: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 30 });
 /// Longest backoff between retries of a failing datastore.
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
@@ -2823,9 +2823,11 @@ impl VolCache {
     /// Waits until at most `left` dirty writes remain (a drain), with writes throttled at full
     /// pressure meanwhile. Fails if the cache device has failed (what it held cannot be
     /// destaged any more), or once the drain has made no progress for `stuck` while the
-    /// datastore failed destage writes, or for [`HUNG_AFTER`] (at least) while it answered no
-    /// IO at all. Nothing is lost: the data stays dirty, and the destager goes on retrying.
-    pub async fn drain(&self, left: usize, stuck: Duration) -> Result<(), Error> {
+    /// datastore failed destage writes, or for `hung` while IO sent to it was outstanding and
+    /// it answered none (a hung datastore shows no error). Nothing is lost: the data stays
+    /// dirty, and the destager goes on retrying. A drain held up by anything else (peers,
+    /// writes not complete yet) waits.
+    pub async fn drain(&self, left: usize, stuck: Duration, hung: Duration) -> Result<(), Error> {
         {
             let mut st = lock(&self.st);
             st.draining = true;
@@ -2839,7 +2841,7 @@ impl VolCache {
         // The datastore's IOs, every volume's: one still answering may be busy with another
         // volume's window, this volume's turn to come.
         let stats = &self.store.gate().stats;
-        let mut answered = stats.finished();
+        let mut answered = stats.answered_writes();
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -2860,22 +2862,27 @@ impl VolCache {
                         st.dirty_bytes
                     )));
                 }
-                let now = stats.finished();
+                let now = stats.answered_writes();
+                let outstanding = stats.outstanding();
                 let answers = now != answered && st.destage.error.is_none();
                 answered = now;
-                if st.staged.len() < fewest || answers {
+                let on_datastore = st.destage.error.is_some() || outstanding > 0;
+                if st.staged.len() < fewest || answers || !on_datastore {
                     (fewest, progress) = (st.staged.len(), Instant::now());
                 }
                 // A datastore that takes no writes, or answers nothing, would hold the caller
                 // (and a paused volume's IO, reads too) for as long as it is down.
                 let limit = match st.destage.error {
                     Some(_) => stuck,
-                    None => stuck.max(HUNG_AFTER),
+                    None => hung,
                 };
                 if progress.elapsed() >= limit {
                     let how = match &st.destage.error {
                         Some(e) => format!("is not taking writes ({e})"),
-                        None => format!("has answered no IO for {limit:?}"),
+                        None => format!(
+                            "has answered none of its {outstanding} outstanding IO(s) for \
+                             {limit:?}"
+                        ),
                     };
                     let why = format!(
                         "the datastore {how}; {} dirty write(s) ({} bytes) wait for it",

@@ -124,6 +124,11 @@ pub struct Dropped {
     pub checkpoint: u64,
 }
 
+/// How long a policy change waits for IO in flight before it pauses the volume, new IO
+/// waiting meanwhile (in-flight IO normally ends within milliseconds: a datastore IO, an
+/// append, a flow-control delay of at most four datastore latencies).
+const PAUSE_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 5 });
+
 /// How long [`Volume::go_uncached_with_nothing_lost`] waits for IO in flight (a datastore
 /// read, an append into a dying device) with the volume paused.
 const REROUTE_PAUSE: Duration = Duration::from_secs(1);
@@ -639,18 +644,17 @@ impl Volume {
     }
 
     /// Pauses the volume once the IO in it has ended. IO that does not end within
-    /// [`cache::HUNG_AFTER`] (a datastore that answers nothing) fails the pause, and IO goes
-    /// on: the caller has changed nothing yet.
+    /// [`PAUSE_WAIT`] (a datastore that answers nothing, a write waiting for its peers) fails
+    /// the pause, and IO goes on: the caller has changed nothing yet.
     async fn pause(&self) -> Result<()> {
         self.paused.store(true, Ordering::SeqCst);
-        if self.quiesce(cache::HUNG_AFTER).await {
+        if self.quiesce(PAUSE_WAIT).await {
             return Ok(());
         }
         self.resume();
         Err(Error::Cache(format!(
-            "IO in flight did not end within {:?} (the datastore may not be answering); \
-             nothing changed",
-            cache::HUNG_AFTER
+            "IO in flight did not end within {PAUSE_WAIT:?} (the datastore or the peers may \
+             not be answering); nothing changed"
         )))
     }
 
@@ -707,14 +711,18 @@ impl Volume {
         // change, with nothing changed: soon while IO is paused, reads included.
         if let Route::Cached(c) = &route {
             if !c.clean() {
-                c.drain(c.queue_depth(), Duration::from_secs(10)).await?;
+                c.drain(c.queue_depth(), Duration::from_secs(10), cache::HUNG_AFTER)
+                    .await?;
             }
         }
         self.pause().await?;
         let r = async {
             if let Route::Cached(c) = &route {
                 if !c.clean() {
-                    c.drain(0, Duration::from_secs(2)).await?;
+                    // IO waits meanwhile: a datastore that answers nothing for as long as
+                    // one that fails ends the change.
+                    let limit = Duration::from_secs(2);
+                    c.drain(0, limit, limit).await?;
                 }
             }
             // Entering wb: writes completed before now may sit in the datastore's volatile
@@ -1072,8 +1080,9 @@ mod tests {
     }
 
     /// A policy change over a datastore that answers nothing ends, with nothing changed and
-    /// nothing lost, instead of holding the volume's IO (paused for the last of the drain)
-    /// and the change for as long as the datastore hangs.
+    /// nothing lost, instead of holding the change, and the volume's IO while it is paused
+    /// for the last of the drain, for as long as the datastore hangs: after 2 s in the
+    /// paused step, after [`cache::HUNG_AFTER`] in the drain before it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_change_over_a_hung_datastore_gives_up_with_nothing_changed() {
         const SEG: u64 = 64 << 10;
@@ -1095,24 +1104,70 @@ mod tests {
         .unwrap();
         host.finish_recovery(&[v.id()]).unwrap();
         let destager = tokio::spawn(host.clone().run_destager(|| false));
-        v.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
-        let started = std::time::Instant::now();
-        let e = v.set_policy(Policy::Wt).await.unwrap_err();
-        assert!(e.to_string().contains("answered no IO"), "{e}");
-        assert!(
-            started.elapsed() < cache::HUNG_AFTER * 3,
-            "{:?}",
-            started.elapsed()
-        );
-        assert_eq!(v.policy(), Policy::Wb);
         let c = v.cache().unwrap();
-        assert!(!c.clean(), "the dirty write is kept");
-        // IO goes on.
-        let read = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096));
-        assert_eq!(read.await.unwrap().unwrap(), vec![1; 4096]);
-        hung.release.notify_waiters();
-        assert!(c.wait_clean(Duration::from_secs(10)).await);
-        assert_eq!(hung.writes.load(Ordering::SeqCst), 1);
+        let change = |wait: Duration| {
+            let v = &v;
+            async move {
+                let started = std::time::Instant::now();
+                let e = v.set_policy(Policy::Wt).await.unwrap_err();
+                assert!(e.to_string().contains("answered none of its"), "{e}");
+                let took = started.elapsed();
+                assert!(took >= wait && took < wait * 3, "{took:?}");
+                assert_eq!(v.policy(), Policy::Wb);
+                // IO goes on.
+                let read = tokio::time::timeout(Duration::from_secs(5), v.read(0, 4096));
+                assert_eq!(read.await.unwrap().unwrap(), vec![1; 4096]);
+            }
+        };
+        // One dirty write, fewer than a queue depth: the paused step.
+        v.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
+        change(Duration::from_secs(2)).await;
+        // More than a queue depth: the drain before it.
+        for i in 1..8u64 {
+            let w = Bytes::from(vec![1; 4096]);
+            v.write(i * 65536, w, false).await.unwrap();
+        }
+        change(cache::HUNG_AFTER).await;
+        assert!(!c.clean(), "the dirty writes are kept");
+        // The datastore answers again (each window's writes as they come).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !c.clean() && std::time::Instant::now() < deadline {
+            hung.release.notify_waiters();
+            c.wait_clean(Duration::from_millis(20)).await;
+        }
+        assert!(c.clean());
+        assert_eq!(hung.writes.load(Ordering::SeqCst), 8);
+        destager.abort();
+    }
+
+    /// A drain held up by anything but the datastore (here a stopped destager; in life a
+    /// write waiting for its peers, or another volume's window waiting on its cache sync)
+    /// sends it nothing, and is not taken for a hung datastore.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_that_sends_the_datastore_nothing_does_not_call_it_hung() {
+        let cache = Arc::new(cachelog::device::SimDevice::new(4 << 20));
+        let host = cache::CacheHost::open(cache, 64 << 10).unwrap();
+        let dev = Arc::new(datastore::device::MemDevice::new(1 << 20));
+        let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
+        let v = Volume::open(
+            Uuid::new_v4(),
+            "v".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap();
+        host.finish_recovery(&[v.id()]).unwrap();
+        let destager = tokio::spawn(host.clone().run_destager(|| false));
+        let c = v.cache().unwrap();
+        c.stop_destaging().await;
+        v.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
+        let short = Duration::from_millis(100);
+        let r = tokio::time::timeout(short * 10, c.drain(0, short, short)).await;
+        assert!(r.is_err(), "the drain gave up: {r:?}");
+        c.resume_destaging();
+        c.drain(0, short * 50, short * 50).await.unwrap();
         destager.abort();
     }
 
@@ -1142,7 +1197,9 @@ mod tests {
             let v = v.clone();
             tokio::spawn(async move { v.write(0, Bytes::from(vec![1; 4096]), false).await })
         };
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        while v.in_flight.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
         let e = v.set_policy(Policy::Wt).await.unwrap_err();
         assert!(e.to_string().contains("did not end within"), "{e}");
         assert_eq!(v.policy(), Policy::Uncached);

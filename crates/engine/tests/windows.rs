@@ -133,7 +133,10 @@ impl Rig {
     /// window ready at once.
     async fn drain_checking(&self) -> usize {
         let c = self.vol.cache().expect("cached");
-        let drain = tokio::spawn(async move { c.drain(0, std::time::Duration::MAX).await });
+        let drain = tokio::spawn(async move {
+            c.drain(0, std::time::Duration::MAX, std::time::Duration::MAX)
+                .await
+        });
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         let windows = self.destage_checking().await;
         drain.await.unwrap().expect("drain");
@@ -274,7 +277,10 @@ async fn a_window_with_a_corrupt_record_leaves_the_datastore_at_its_checkpoint()
     let before = r.store.image();
     let drain = {
         let c = c.clone();
-        tokio::spawn(async move { c.drain(0, std::time::Duration::MAX).await })
+        tokio::spawn(async move {
+            c.drain(0, std::time::Duration::MAX, std::time::Duration::MAX)
+                .await
+        })
     };
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     assert!(
