@@ -362,7 +362,7 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         }
     }
     // What the daemon asks before P replays: how far each holds above the vault's checkpoint.
-    assert_eq!(p.replica_seal(id, 0), Some((gen, 4)));
+    assert_eq!(p.replica_seal(id, 0).unwrap(), Some((gen, 4)));
     // Sealed: P takes no more of the owner's writes (so none can complete), nor a new
     // generation from it.
     {
@@ -375,7 +375,11 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
             p.replica_open("owner", id, gen + 1, 4),
             Err(ReplicaRefusal::Stale(_))
         ));
-        assert_eq!(p.replica_seal(id, 0), Some((gen, 4)), "nothing was taken");
+        assert_eq!(
+            p.replica_seal(id, 0).unwrap(),
+            Some((gen, 4)),
+            "nothing was taken"
+        );
     }
     let q_held = q.replica_held(id, gen, 0).unwrap();
     assert_eq!(q_held, 2);
@@ -417,6 +421,54 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
 }
 
 /// What a peer says it holds (`replica_held`, asked by a host about to replay) is durable
+/// A peer replaying for a dead owner loses power after its replay put the owner's writes on
+/// the datastore, before anything of that replay was synced, and replays again from the
+/// same checkpoint (the vault's) once back. Its second replay may only put back what its
+/// first one did: had the writes counted at the seal not been durable, it would replay the
+/// part a FLUSH had synced (writes 1 and 2) over the datastore the first one left, and
+/// block 0 would go back to write 1 beside write 4's block 16.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_loses_power_after_its_replay_replays_again_to_a_prefix() {
+    let id = Uuid::new_v4();
+    let gen = 5;
+    let store = Arc::new(MemDevice::new(VOL));
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let p = CacheHost::open(dev.clone(), SEG).unwrap();
+    p.replica_open("owner", id, gen, 0).unwrap();
+    // (ser, sector, byte): write 3 rewrites write 1's block; a FLUSH after write 2.
+    let writes = [(1u64, 0u64, 1u8), (2, 8, 2), (3, 0, 3), (4, 16, 4)];
+    let mut done: Vec<W> = Vec::new();
+    for (ser, sector, b) in writes {
+        let data = vec![b; 4096];
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+            .unwrap();
+        done.push((sector * 512, data));
+        if ser == 2 {
+            p.replica_sync().unwrap();
+        }
+    }
+    assert_eq!(p.replica_seal(id, 0).unwrap(), Some((gen, 4)));
+    assert_eq!(p.promote_replicas(id, 0, 4).unwrap(), 4);
+    // The power cut comes once the replay's first window is on the datastore, before the
+    // replay syncs anything more of its own: the log keeps what was durable here.
+    let cut = dev.crash_copy();
+    replay_all(&p, id, &store).await;
+    assert_eq!(store.image(), image(&done, 4));
+    // Back, it finds its replicas again; the vault's checkpoint is still 0, and the replay
+    // starts over from there, as the daemon's does.
+    let back = Arc::new(CacheHost::open(Arc::new(cut), SEG).unwrap());
+    if let Some((_, upto)) = back.replica_seal(id, 0).unwrap() {
+        back.promote_replicas(id, 0, upto).unwrap();
+        replay_all(&back, id, &store).await;
+    }
+    let now = store.image();
+    assert!(
+        (0..=done.len()).any(|k| now == image(&done, k)),
+        "the datastore is no prefix of the writes after the second replay"
+    );
+    assert_eq!(now, image(&done, 4), "a completed write was lost");
+}
+
 /// when it says it: the owner's writes keep arriving while the peer is asked, and a power
 /// cut right after each answer keeps at least as much. Synced before it counted, the peer
 /// could count a write appended in between, which a power cut then took: a replay that went

@@ -1422,6 +1422,7 @@ async fn replay_locked(
     // them), so every completed write is at most what each listed peer holds now.
     let (gen, own) = cache
         .replica_seal(rec.id, vault.checkpoint)
+        .map_err(|e| format!("seal this host's replicas: {e:?}"))?
         .ok_or("this host's replicas went away")?;
     if gen != vault.gen {
         return Err(format!(

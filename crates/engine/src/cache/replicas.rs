@@ -523,11 +523,27 @@ impl CacheHost {
     /// write completes only once every listed peer has it). Returns the generation of the
     /// replicas and up to which `ser` this host holds them without a gap above `from` (see
     /// [`CacheHost::replica_held`]); `None` if it holds none.
-    pub fn replica_seal(&self, volume: Uuid, from: u64) -> Option<(u64, u64)> {
-        let mut sets = lock(&self.replicas);
-        let set = sets.get_mut(&volume)?;
-        set.sealed = true;
-        Some((set.gen, set.contiguous_end(from)))
+    ///
+    /// What it counts is durable when it returns: the replay destages these records as
+    /// recovered ones, which it takes to be durable, and a replay that put writes on the
+    /// datastore which a power cut then took from this log would, resumed after it, put
+    /// older data back over some of them (a state no prefix of the writes gives).
+    pub fn replica_seal(
+        &self,
+        volume: Uuid,
+        from: u64,
+    ) -> Result<Option<(u64, u64)>, ReplicaRefusal> {
+        let sealed = {
+            let mut sets = lock(&self.replicas);
+            let Some(set) = sets.get_mut(&volume) else {
+                return Ok(None);
+            };
+            set.sealed = true;
+            (set.gen, set.contiguous_end(from))
+        };
+        // Counted first, synced after, as in `replica_held`.
+        self.replica_sync()?;
+        Ok(Some(sealed))
     }
 
     /// Every volume this host holds replicas of.
