@@ -846,6 +846,8 @@ mod tests {
     #[derive(Default)]
     struct Share {
         room_upto: Mutex<u64>,
+        /// How long an `Open` takes (frames sent meanwhile queue behind it).
+        open_takes: Mutex<Duration>,
     }
 
     impl Sink for Share {
@@ -853,6 +855,7 @@ mod tests {
             "p1".into()
         }
         fn open(&self, _f: &str, _v: Uuid, _g: u64, _c: u64) -> Result<(), Refusal> {
+            std::thread::sleep(*self.open_takes.lock().unwrap());
             Ok(())
         }
         fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
@@ -889,8 +892,10 @@ mod tests {
     /// A write waiting for room in its share waits for the owner's next checkpoint, which the
     /// owner sends on the same connection, behind the write: the peer applies it as it reads
     /// it, so the write goes on. Applied in turn, the checkpoint stayed behind the write until
-    /// the wait gave up, the write was refused and the owner dropped the peer. A FLUSH sent
-    /// behind the waiting write is answered only after it: the write is not durable before.
+    /// the wait gave up, the write was refused and the owner dropped the peer. So it was with
+    /// a FLUSH (the owner's destager sends one for the writes of a window before the window,
+    /// and the checkpoint after it): it covers only writes this peer answered, and is
+    /// answered without waiting for the write queued ahead of it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_checkpoint_reaches_a_write_waiting_for_room_behind_it() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -922,16 +927,63 @@ mod tests {
             !waiting.is_finished(),
             "write 2 had room before the checkpoint"
         );
-        assert!(
-            !flush.is_finished(),
-            "the FLUSH was answered before the write sent ahead of it was applied"
-        );
+        tokio::time::timeout(Duration::from_secs(2), flush)
+            .await
+            .expect("the FLUSH waited for the write waiting for room")
+            .unwrap()
+            .expect("the FLUSH failed");
+        assert!(!waiting.is_finished());
         link.checkpoint(Uuid::nil(), 1, 1).await.unwrap();
         waiting
             .await
             .unwrap()
             .expect("the write waiting for room was refused");
-        flush.await.unwrap().expect("the FLUSH failed");
         link.flush().await.unwrap();
+    }
+
+    /// Answers buffered ahead of a write that waits for room are sent before it waits: the
+    /// owner needs them to complete the writes its next checkpoint covers. Here write 1 and
+    /// write 2 queue behind a slow `Open`; write 1 has room, write 2 waits for a checkpoint.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn answers_ahead_of_a_write_waiting_for_room_are_not_held_back() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let sink = Arc::new(Share::default());
+        *sink.room_upto.lock().unwrap() = 1;
+        *sink.open_takes.lock().unwrap() = Duration::from_millis(200);
+        serve(l, sink.clone(), key()).unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        let w = |ser: u64| WriteMsg {
+            volume: Uuid::nil(),
+            gen: 1,
+            ser,
+            offset: ser * 4096,
+            len: 4096,
+            data: Some(Bytes::from(vec![1u8; 4096])),
+        };
+        let open = {
+            let link = link.clone();
+            tokio::spawn(async move { link.open(Uuid::nil(), 1, 0).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let first = {
+            let link = link.clone();
+            tokio::spawn(async move { link.write(w(1)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let waiting = {
+            let link = link.clone();
+            tokio::spawn(async move { link.write(w(2)).await })
+        };
+        // Write 2 gives up after 3 s without a checkpoint: write 1's answer comes well before.
+        tokio::time::timeout(Duration::from_millis(2500), first)
+            .await
+            .expect("write 1's answer waited behind write 2")
+            .unwrap()
+            .unwrap();
+        open.await.unwrap().unwrap();
+        assert!(!waiting.is_finished());
+        link.checkpoint(Uuid::nil(), 1, 1).await.unwrap();
+        waiting.await.unwrap().unwrap();
     }
 }

@@ -439,11 +439,10 @@ fn connection(s: TcpStream, sink: Arc<dyn Sink>, key: &Key, slot: Slot) -> std::
     let (tx, rx) = std::sync::mpsc::channel::<(u64, Msg)>();
     let applier = {
         let (sink, w, from, pending) = (sink.clone(), w.clone(), from.clone(), pending.clone());
-        let flushes = flushes.clone();
         std::thread::Builder::new()
             .name("peer-apply".into())
             .spawn(move || {
-                let r = apply(rx, &*sink, &w, &from, &flushes, &pending);
+                let r = apply(rx, &*sink, &w, &from, &pending);
                 // Ends the connection (a refused write, a lost socket): the reading thread
                 // stops at its next read.
                 let _ = rd.shutdown(std::net::Shutdown::Both);
@@ -476,10 +475,10 @@ fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
     socket2::SockRef::from(s).set_tcp_keepalive(&probes)
 }
 
-/// Reads `from`'s frames: checkpoints are applied here at once, everything else is queued
-/// for [`apply`] in order, except that while nothing is queued, a write with room
-/// ([`Sink::write_at_once`]) and a FLUSH are applied here too: nothing sent before them is
-/// still to be applied. Ends at the end of the stream, a damaged or unexpected frame, a write
+/// Reads `from`'s frames: checkpoints are applied here at once, and FLUSHes go to the
+/// syncing thread at once; everything else is queued for [`apply`] in order, except that
+/// while nothing is queued, a write with room ([`Sink::write_at_once`]) is applied here too:
+/// nothing sent before it is still to be applied. Ends at the end of the stream, a damaged or unexpected frame, a write
 /// refused here, or once [`apply`] has ended the connection.
 fn read_frames(
     r: &mut BufReader<impl Read>,
@@ -542,7 +541,13 @@ fn read_frames(
                 // It would wait for room: the applying thread waits instead.
                 None => Msg::Write(m),
             },
-            Msg::Flush if idle => {
+            // Ahead of the frames queued before it too. The owner sends a FLUSH only for
+            // writes this peer answered (a write completes only once every peer did; the
+            // destager's FLUSH covers completed writes), so applied ones: a write still
+            // queued is not the FLUSH's to wait for. Queued behind a write waiting for room,
+            // it waited for the checkpoint that the owner's destager would send only once
+            // this FLUSH was answered.
+            Msg::Flush => {
                 flushes
                     .send(h.seq)
                     .map_err(|_| std::io::Error::other("flush thread gone"))?;
@@ -551,7 +556,7 @@ fn read_frames(
             m => m,
         };
         match msg {
-            Msg::Open { .. } | Msg::Write(_) | Msg::Flush | Msg::Drop { .. } | Msg::Held { .. } => {
+            Msg::Open { .. } | Msg::Write(_) | Msg::Drop { .. } | Msg::Held { .. } => {
                 pending.fetch_add(1, Ordering::AcqRel);
                 if tx.send((h.seq, msg)).is_err() {
                     return Ok(()); // the applying thread ended the connection
@@ -595,7 +600,6 @@ fn apply(
     sink: &dyn Sink,
     w: &Writer,
     from: &str,
-    flushes: &std::sync::mpsc::Sender<u64>,
     pending: &AtomicUsize,
 ) -> std::io::Result<()> {
     let f = from;
@@ -608,7 +612,17 @@ fn apply(
             } => sink.open(f, volume, gen, checkpoint).map(|_| String::new()),
             Msg::Write(m) => {
                 let volume = m.volume;
-                match sink.write(f, m) {
+                // One that will wait for room must not hold back the answers buffered ahead
+                // of it: the owner's destager may need them to send the checkpoint that
+                // frees that room.
+                let done = match sink.write_at_once(f, &m) {
+                    Some(r) => r,
+                    None => {
+                        lock_writer(w).flush()?;
+                        sink.write(f, m)
+                    }
+                };
+                match done {
                     Ok(()) => Ok(String::new()),
                     Err(e) => {
                         // The owner counts nothing after a refused write and breaks the link:
@@ -619,17 +633,6 @@ fn apply(
                         return Ok(());
                     }
                 }
-            }
-            Msg::Flush => {
-                flushes
-                    .send(seq)
-                    .map_err(|_| std::io::Error::other("flush thread gone"))?;
-                // Its reply comes from the syncing thread.
-                let mut w = lock_writer(w);
-                if pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    w.flush()?;
-                }
-                continue;
             }
             Msg::Drop { volume, gen } => sink.drop_replicas(volume, gen).map(|_| String::new()),
             Msg::Held { volume, gen, from } => sink.held(volume, gen, from).map(|h| h.encode()),
