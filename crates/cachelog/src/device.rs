@@ -50,6 +50,16 @@ impl FileCache {
         } else {
             if md.len() < size {
                 file.set_len(size)?;
+                // A new or grown file: its size, and its name in the directory, are durable
+                // before the log formats it and acknowledges writes synced into it. Syncing
+                // the file alone does not make a new name durable: after a power cut the file
+                // could be gone, and a new empty one formatted in its place.
+                file.sync_all()?;
+                let dir = match path.parent() {
+                    Some(d) if !d.as_os_str().is_empty() => d,
+                    _ => Path::new("."),
+                };
+                File::open(dir)?.sync_all()?;
             }
             md.len().max(size)
         };
