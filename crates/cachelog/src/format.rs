@@ -148,10 +148,27 @@ impl Superblock {
         if le64(&b[48..56]) != SEGMENTS_START {
             return Err("cache log superblock has an unexpected layout".into());
         }
+        let (segment_size, segment_count) = (le64(&b[32..40]), le64(&b[40..48]));
+        // The geometry `for_device` makes, and nothing a buggy or foreign build could write
+        // that would make the scan allocate or address beyond reason.
+        let end = segment_size
+            .checked_mul(segment_count)
+            .and_then(|n| n.checked_add(SEGMENTS_START));
+        if segment_size < 16 * PAGE
+            || !segment_size.is_multiple_of(PAGE)
+            || segment_size > u64::from(u32::MAX)
+            || !(2..=u64::from(u32::MAX)).contains(&segment_count)
+            || end.is_none()
+        {
+            return Err(format!(
+                "cache log superblock has an impossible geometry ({segment_count} segments of \
+                 {segment_size} bytes)"
+            ));
+        }
         Ok(Superblock {
             device_id: Uuid::from_bytes(b[16..32].try_into().expect("16 bytes")),
-            segment_size: le64(&b[32..40]),
-            segment_count: le64(&b[40..48]),
+            segment_size,
+            segment_count,
             epoch: le64(&b[56..64]),
         })
     }
@@ -451,6 +468,30 @@ mod tests {
             Superblock::for_device(Uuid::nil(), 1 << 30, 65536 + 512).is_none(),
             "segments are whole pages"
         );
+    }
+
+    /// A superblock whose checksum holds but whose geometry no `for_device` makes (a buggy
+    /// or foreign build wrote it) is refused, not trusted with the scan's allocations and
+    /// offsets.
+    #[test]
+    fn a_superblock_with_an_impossible_geometry_is_refused() {
+        let good = Superblock::for_device(Uuid::new_v4(), 1 << 30, 1 << 20).unwrap();
+        for (size, count) in [
+            (1000, 1023),
+            (1 << 20, 1),
+            (1 << 20, u64::from(u32::MAX) + 1),
+            (1 << 40, 1 << 30),
+            (!(PAGE - 1), 2),
+        ] {
+            let bad = Superblock {
+                segment_size: size,
+                segment_count: count,
+                ..good
+            };
+            let e = Superblock::decode(&bad.encode()).unwrap_err();
+            assert!(e.contains("impossible geometry"), "{size} x {count}: {e}");
+        }
+        assert_eq!(Superblock::decode(&good.encode()), Ok(good));
     }
 
     #[test]
