@@ -365,6 +365,26 @@ impl Daemon {
         let store = datastore::open(spec, OpenMode::Add { force })
             .await
             .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
+        // One LUN under two names would mean two locks on one volume table (as
+        // `add_datastore` refuses): the label it carries names it.
+        if let Kind::Lun {
+            lun_id: Some(id), ..
+        } = &store.spec().kind
+        {
+            let other = state
+                .datastores
+                .iter()
+                .find(|s| matches!(&s.kind, Kind::Lun { lun_id: Some(o), .. } if o == id));
+            if let Some(other) = other {
+                anyhow::bail!(
+                    "datastore {:?}: {} is the LUN of datastore {:?} already (its label says \
+                     so); one LUN cannot be two datastores. Remove one of them from the config",
+                    spec.name,
+                    spec.location(),
+                    other.name
+                );
+            }
+        }
         self.coord.add_datastore(store.spec().clone()).await?;
         info!(
             "added configured datastore {:?} ({} {})",

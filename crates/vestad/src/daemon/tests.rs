@@ -1109,3 +1109,51 @@ async fn a_relocation_counts_as_recent_after_a_restart_and_for_a_day() {
     );
     assert!(recent_moves_at(&[rec], at + RECENT_MOVE_S).is_empty());
 }
+
+/// A LUN named twice in the config (two paths to one device, as multipath gives) is not
+/// added under the second name: two names would mean two locks on one volume table, and two
+/// hosts creating volumes at once under each could give them one extent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_lun_is_never_two_configured_datastores() {
+    let dir = TempDir::new("lun-alias");
+    let img = dir.0.join("lun.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let link = dir.0.join("lun-by-path.img");
+    std::os::unix::fs::symlink(&img, &link).unwrap();
+    let conf = |luns: &[(&str, &PathBuf)]| {
+        let mut text = format!("data_dir = \"{}\"\n", dir.0.display());
+        for (name, target) in luns {
+            text += &format!(
+                "[[datastore]]\nname = \"{name}\"\nkind = \"lun\"\ntarget = \"{}\"\nforce = true\n",
+                target.display()
+            );
+        }
+        Config::parse(&text).unwrap()
+    };
+    let coord = coordinator(&dir);
+    let c: Arc<dyn Coordinator> = coord.clone();
+    let d = Daemon::start(conf(&[("san", &img)]), c.clone(), None)
+        .await
+        .unwrap();
+    drop(d);
+    let e = Daemon::start(conf(&[("san", &img), ("san2", &link)]), c, None)
+        .await
+        .err()
+        .expect("the second name was added");
+    assert!(
+        e.to_string().contains("is the LUN of datastore \"san\""),
+        "{e}"
+    );
+    let names: Vec<String> = coord
+        .state()
+        .await
+        .unwrap()
+        .datastores
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(names, vec!["san".to_string()]);
+}
