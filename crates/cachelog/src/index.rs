@@ -125,6 +125,9 @@ impl<V: Piece> ExtentMap<V> {
 
     /// The spans covering `[start, start + len)` in order, gaps included.
     pub fn lookup(&self, start: u64, len: u64) -> Vec<Span<V>> {
+        if len == 0 {
+            return Vec::new();
+        }
         let end = start + len;
         let mut out = Vec::new();
         let mut at = start;
@@ -205,6 +208,17 @@ mod tests {
         // the cases `insert` takes a short way for.
         let block = (0..SECTORS / 8).prop_map(|b| Op::Insert(b * 4096, 4096));
         prop_oneof![any_range, block]
+    }
+
+    /// An empty range has no spans, inside an extent, at its edge or in a gap (it panicked
+    /// on an empty key range).
+    #[test]
+    fn an_empty_range_has_no_spans() {
+        let mut m = ExtentMap::new();
+        m.insert(4096, 8192, W { id: 1, at: 0 });
+        for at in [0, 4096, 8192, 12288, 1 << 20] {
+            assert!(m.lookup(at, 0).is_empty(), "at {at}");
+        }
     }
 
     proptest! {
