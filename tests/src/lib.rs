@@ -525,9 +525,24 @@ impl Etcd {
             .args(args))
     }
 
+    /// [`Etcd::etcdctl`] of a command that may be repeated (a read, a put), tried again
+    /// while it fails: on a loaded machine etcd may take longer than the command timeout to
+    /// answer, which says nothing about what a test checks.
+    pub fn etcdctl_retrying(&self, args: &[&str]) -> Output {
+        let mut out = self.etcdctl(args);
+        for _ in 0..5 {
+            if out.status.success() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            out = self.etcdctl(args);
+        }
+        out
+    }
+
     /// Keys under `prefix`.
     pub fn keys(&self, prefix: &str) -> Vec<String> {
-        let out = self.etcdctl(&["get", "--prefix", "--keys-only", prefix]);
+        let out = self.etcdctl_retrying(&["get", "--prefix", "--keys-only", prefix]);
         assert!(out.status.success(), "etcdctl get: {out:?}");
         String::from_utf8_lossy(&out.stdout)
             .lines()

@@ -599,7 +599,7 @@ fn hosts_sharing_a_lun_model_it_from_their_reads_together() {
     }
 
     // The aggregator dies; the survivor's intervals go on, now its own alone.
-    let out = etcd.etcdctl(&["get", "--print-value-only", "/vesta/stats/aggregator"]);
+    let out = etcd.etcdctl_retrying(&["get", "--print-value-only", "/vesta/stats/aggregator"]);
     let aggregator = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let (dead, survivor, vol) = match aggregator.as_str() {
         "a" => (0, 1, "vb"),

@@ -1193,7 +1193,7 @@ fn completed_writes_survive_the_replaying_peer_dying_at_random() {
 
 /// The vault record of the one volume of the pod (etcd, default prefix).
 fn vault(etcd: &Etcd) -> Value {
-    let out = etcd.etcdctl(&["get", "--prefix", "/vesta/vaults/", "--print-value-only"]);
+    let out = etcd.etcdctl_retrying(&["get", "--prefix", "/vesta/vaults/", "--print-value-only"]);
     assert!(out.status.success(), "etcdctl get: {out:?}");
     let text = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(text.lines().next().unwrap_or("null")).unwrap_or(Value::Null)
@@ -1686,7 +1686,7 @@ fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_
     v["previous_owner"] = "a".into();
     v["checkpoint"] = 0.into();
     let key = format!("/vesta/vaults/{}", v["volume"].as_str().unwrap());
-    let out = etcd.etcdctl(&["put", &key, &v.to_string()]);
+    let out = etcd.etcdctl_retrying(&["put", &key, &v.to_string()]);
     assert!(out.status.success(), "etcdctl put: {out:?}");
     let before = on_datastore(&lun, 8 << 20);
     assert_eq!(before, expect(8 << 20, &[(0, 1 << 20, 6)]));
