@@ -463,6 +463,9 @@ pub fn to_io(e: ClientError) -> io::Error {
             source.kind(),
             format!("cannot reach NBD server {uri}: {source}"),
         ),
+        // No answer: the request may still be carried out by a server that goes on running
+        // it after the connection is gone ([`crate::unanswered`]).
+        ClientError::Disconnected(why) => io::Error::new(io::ErrorKind::ConnectionAborted, why),
         other => io::Error::other(other.to_string()),
     }
 }

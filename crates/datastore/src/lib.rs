@@ -122,6 +122,17 @@ pub struct VolumeSpec {
     pub size: u64,
 }
 
+/// Whether an IO error says the request went unanswered (a connection lost or timed out
+/// with it in flight) rather than refused: an NBD server may still carry such a write out
+/// afterwards, whatever a read says meanwhile.
+pub fn unanswered(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionAborted | ConnectionReset | BrokenPipe | TimedOut | UnexpectedEof
+    )
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capacity {
     pub total_bytes: u64,

@@ -233,7 +233,9 @@ impl LunDatastore {
     /// that answered an error may still have landed (a sync that failed after the write, an
     /// NBD reply lost with its connection), so the device is read again to tell: taking a
     /// landed change for a failed one would, after a delete, serve a volume whose extent the
-    /// table has already given back for the next create to take.
+    /// table has already given back for the next create to take. A write that went
+    /// unanswered ([`crate::unanswered`]) may also land after the read: its outcome is
+    /// unknown whatever the read finds.
     async fn commit_or_read_back(&self, t: &mut Table, next: &Table, since: u64) -> Commit {
         let Err(e) = self.commit(next, since).await else {
             *t = next.clone();
@@ -247,6 +249,14 @@ impl LunDatastore {
                     self.spec.name, next.generation
                 );
                 Commit::Landed
+            }
+            Ok(()) if matches!(&e, Error::Io { source, .. } if crate::unanswered(source)) => {
+                warn!(
+                    "datastore {:?}: writing volume table {} went unanswered ({e}); it may \
+                     still land, though the device holds the table before it now",
+                    self.spec.name, next.generation
+                );
+                Commit::Unknown(e)
             }
             Ok(()) => Commit::NotLanded(e),
             Err(read) => {
@@ -525,6 +535,20 @@ mod tests {
         then_unreadable: std::sync::atomic::AtomicBool,
         /// Run during each zeroing (a request stalled while the world moves on).
         during_zeroing: std::sync::Mutex<Option<Box<dyn Fn() + Send>>>,
+        /// Writes go unanswered (the connection lost with them in flight) and are kept in
+        /// `late`, to land when the test says (a server that went on running them).
+        unanswered: std::sync::atomic::AtomicBool,
+        late: std::sync::Mutex<Vec<(u64, bytes::Bytes)>>,
+    }
+
+    impl Watched {
+        /// The writes that went unanswered land now.
+        async fn land_late(&self) {
+            let late = std::mem::take(&mut *self.late.lock().unwrap());
+            for (offset, data) in late {
+                self.inner.write_at(offset, data, true).await.unwrap();
+            }
+        }
     }
 
     fn io_error() -> std::io::Error {
@@ -558,6 +582,13 @@ mod tests {
             use std::sync::atomic::Ordering::SeqCst;
             if self.lost.load(SeqCst) {
                 return Err(io_error());
+            }
+            if self.unanswered.load(SeqCst) {
+                self.late.lock().unwrap().push((offset, data));
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "no reply to WRITE within 60s",
+                ));
             }
             self.inner.write_at(offset, data, fua).await?;
             if self.landed_but_failed.load(SeqCst) {
@@ -594,6 +625,8 @@ mod tests {
             reads_fail: Default::default(),
             then_unreadable: Default::default(),
             during_zeroing: Default::default(),
+            unanswered: Default::default(),
+            late: Default::default(),
         });
         let lun = LunDatastore::open_on(
             dev.clone(),
@@ -767,6 +800,29 @@ mod tests {
         dev.then_unreadable.store(false, SeqCst);
         dev.reads_fail.store(false, SeqCst);
         assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["x"]);
+    }
+
+    /// A delete whose table write went unanswered counts as done even though the device
+    /// still holds the old table when read back: the write may land later (an NBD server
+    /// that went on running it after the connection was given up), and a volume served
+    /// again would then be writing an extent the table had given back.
+    #[tokio::test]
+    async fn a_delete_whose_table_write_went_unanswered_counts_as_done() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (dev, lun) = watched_lun().await;
+        let (v, w) = (volume("v"), volume("w"));
+        for vol in [&v, &w] {
+            lun.create_volume(vol).await.unwrap();
+        }
+        dev.unanswered.store(true, SeqCst);
+        lun.delete_volume(&v)
+            .await
+            .expect("a delete whose table write may still land reported a failure");
+        dev.unanswered.store(false, SeqCst);
+        // Read back now, the table still names v; once the write lands it does not.
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["v", "w"]);
+        dev.land_late().await;
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["w"]);
     }
 
     /// A create whose table write answered an error after landing returns the volume's
