@@ -600,7 +600,22 @@ impl Daemon {
         ds: &str,
         f: impl std::future::Future<Output = OpResult<T>>,
     ) -> OpResult<T> {
+        // The lock is bound to the lease the request went out under. A grant that comes back
+        // after that lease was lost (and the host registered again, reopening its fence) is
+        // no lock at all: another host may hold it. The datastore checks the fence from the
+        // grant on; this covers the wait before it.
+        let fence = self.coord.fence();
+        let closes = fence.closes();
         let lock = self.coord.lock_datastore(ds).await?;
+        if fence.closes() != closes {
+            if let Err(e) = self.coord.unlock_datastore(lock).await {
+                warn!("datastore {ds:?}: release metadata lock: {e}");
+            }
+            return Err(OpError::Unavailable(format!(
+                "this host's lease was lost while it waited for datastore {ds:?}'s metadata \
+                 lock; nothing changed, try again"
+            )));
+        }
         let r = f.await;
         if let Err(e) = self.coord.unlock_datastore(lock).await {
             warn!("datastore {ds:?}: release metadata lock: {e}");

@@ -28,6 +28,9 @@ struct FailingVault {
     /// Vault unlocks fail; those that went through are listed in `unlocked`.
     fail_unlocks: AtomicBool,
     unlocked: std::sync::Mutex<Vec<Uuid>>,
+    /// The lease is lost, and the host registered again, while a datastore lock is waited
+    /// for (the grant comes back after both).
+    lease_lost_in_lock_wait: AtomicBool,
 }
 
 #[async_trait]
@@ -107,6 +110,11 @@ impl Coordinator for FailingVault {
         self.inner.put_vault(v).await
     }
     async fn lock_datastore(&self, name: &str) -> cluster::Result<DatastoreLock> {
+        if self.lease_lost_in_lock_wait.load(Ordering::SeqCst) {
+            let f = self.inner.fence();
+            f.close();
+            f.extend_to(std::time::Instant::now() + Duration::from_secs(3600));
+        }
         self.inner.lock_datastore(name).await
     }
     async fn unlock_datastore(&self, lock: DatastoreLock) -> cluster::Result<()> {
@@ -174,6 +182,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_updates: AtomicBool::new(false),
         fail_unlocks: AtomicBool::new(false),
         unlocked: Default::default(),
+        lease_lost_in_lock_wait: AtomicBool::new(false),
     })
 }
 
@@ -1156,4 +1165,36 @@ async fn one_lun_is_never_two_configured_datastores() {
         .map(|s| s.name)
         .collect();
     assert_eq!(names, vec!["san".to_string()]);
+}
+
+/// A datastore's metadata lock granted after the lease it was asked under was lost (the host
+/// registered again meanwhile, so its fence is open) is no lock: another host may hold it.
+/// Nothing is created under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datastore_lock_granted_across_a_lost_lease_is_not_used() {
+    let dir = TempDir::new("lock-lease");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    coord.lease_lost_in_lock_wait.store(true, Ordering::SeqCst);
+    let create = || {
+        d.create_volume(api::CreateVolume {
+            name: "v".into(),
+            size: 1 << 20,
+            datastore: Some("default".into()),
+            policy: Some("uncached".into()),
+            hold_s: None,
+            max_dirty_age_s: None,
+            rpo_s: None,
+        })
+    };
+    let e = create().await.unwrap_err();
+    assert!(e.to_string().contains("lease was lost"), "{e}");
+    assert!(d.entry("v").is_err());
+    assert!(
+        !dir.0.join("ds/v.raw").exists(),
+        "the volume's storage was made"
+    );
+    coord.lease_lost_in_lock_wait.store(false, Ordering::SeqCst);
+    create().await.unwrap();
+    assert!(dir.0.join("ds/v.raw").exists());
 }
