@@ -459,8 +459,10 @@ pub fn to_io(e: ClientError) -> io::Error {
             };
             io::Error::from_raw_os_error(raw)
         }
+        // Nothing was sent: not a request the server may still carry out, whatever the
+        // socket's error was ([`crate::unanswered`]).
         ClientError::Connect { uri, source } => io::Error::new(
-            source.kind(),
+            io::ErrorKind::NotConnected,
             format!("cannot reach NBD server {uri}: {source}"),
         ),
         // No answer: the request may still be carried out by a server that goes on running
@@ -664,6 +666,27 @@ impl Device for MemDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a request that went out and got no answer may still be carried out by the
+    /// server: one never sent (no connection to send it on) is not.
+    #[test]
+    fn only_requests_sent_and_not_answered_count_as_unanswered() {
+        let unanswered = |e: ClientError| crate::unanswered(&to_io(e));
+        assert!(unanswered(ClientError::Disconnected(
+            "no reply to WRITE within 60s".into()
+        )));
+        assert!(!unanswered(ClientError::NotSent(
+            "connection failed".into()
+        )));
+        for kind in [io::ErrorKind::TimedOut, io::ErrorKind::ConnectionReset] {
+            assert!(!unanswered(ClientError::Connect {
+                uri: "nbd://127.0.0.1:1/x".into(),
+                source: kind.into(),
+            }));
+        }
+        assert!(!unanswered(ClientError::Server(nbd::Errno::EIO)));
+        assert!(!unanswered(ClientError::Held("fenced".into())));
+    }
 
     #[test]
     fn pieces_cover_the_range_in_aligned_u32_chunks() {

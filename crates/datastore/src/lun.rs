@@ -460,9 +460,9 @@ impl Datastore for LunDatastore {
                 // an extent the next create takes. At worst its entry stays in the table,
                 // holding the space.
                 warn!(
-                    "datastore {:?}: volume {:?} counts as deleted, though the table write \
-                     that deletes it answered {e} and could not be read back; if it did not \
-                     land, the volume's extent stays allocated under its name",
+                    "datastore {:?}: volume {:?} counts as deleted, though the outcome of the \
+                     table write that deletes it is unknown ({e}); if it did not land, the \
+                     volume's extent stays allocated under its name",
                     self.spec.name, gone.name
                 );
                 return Ok(());
@@ -501,7 +501,8 @@ enum Commit {
     Landed,
     /// It answered this error and the device still holds the table before it.
     NotLanded(Error),
-    /// It answered this error and the device could not be read to tell.
+    /// It answered this error and the device could not be read to tell, or it went
+    /// unanswered and may still land ([`crate::unanswered`]).
     Unknown(Error),
 }
 

@@ -46,8 +46,13 @@ pub enum ClientError {
     Protocol { uri: String, msg: String },
     #[error("NBD server answered {0}")]
     Server(Errno),
+    /// The connection ended, or gave up waiting, with the request sent: the server may still
+    /// carry it out.
     #[error("NBD connection lost: {0}")]
     Disconnected(String),
+    /// The connection was gone before the request went out: nothing was sent.
+    #[error("NBD connection lost: {0}")]
+    NotSent(String),
     /// The write guard ([`Client::set_write_guard`]) refused the request; it was not sent.
     #[error("{0}")]
     Held(String),
@@ -501,7 +506,7 @@ fn send_on(
     {
         let mut p = live.pending.lock().unwrap_or_else(|e| e.into_inner());
         if live.dead.load(Ordering::SeqCst) {
-            return Err(ClientError::Disconnected("connection failed".into()));
+            return Err(ClientError::NotSent("connection failed".into()));
         }
         let read_len = if kind == proto::CMD_READ { len } else { 0 };
         // Writes are numbered once answered, so every write numbered now was answered
