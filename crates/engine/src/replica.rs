@@ -32,8 +32,9 @@ pub struct PeerReport {
 /// A volume's peers in `wbp`.
 ///
 /// The contract the engine relies on: a write whose [`Replicator::write`] succeeded is in
-/// every peer's cache log; a [`Replicator::flush`] that succeeded made every write before it
-/// durable on every peer. Once a write or flush failed, the engine completes nothing more
+/// every peer's cache log; a [`Replicator::flush`] that succeeded made durable on every peer
+/// every write whose [`Replicator::write`] had succeeded before the flush was called (not
+/// writes still in flight: a peer syncs a FLUSH as soon as it reads it). Once a write or flush failed, the engine completes nothing more
 /// until [`Replicator::exclude_failed`] has succeeded, i.e. until the peers that failed can
 /// no longer replay the volume: otherwise a peer holding an older prefix could replay it
 /// over newer data.

@@ -254,12 +254,22 @@ impl Link {
             peer: inner.peer.clone(),
             msg,
         };
-        let units = (bytes / BUDGET_UNIT).clamp(1, IN_FLIGHT_BYTES / BUDGET_UNIT) as u32;
-        let _budget = inner
-            .budget
-            .acquire_many(units)
-            .await
-            .map_err(|_| broken("closed".into()))?;
+        // Requests that carry no data (FLUSH, checkpoint, ping, Held) take none of the budget:
+        // in line behind writes waiting for it, a checkpoint would wait for the very room it
+        // frees at the peer, whose share holds the writes in flight.
+        let _budget = match bytes {
+            0 => None,
+            n => {
+                let units = (n / BUDGET_UNIT).clamp(1, IN_FLIGHT_BYTES / BUDGET_UNIT) as u32;
+                Some(
+                    inner
+                        .budget
+                        .acquire_many(units)
+                        .await
+                        .map_err(|_| broken("closed".into()))?,
+                )
+            }
+        };
         let (tx, rx) = oneshot::channel();
         let sent = {
             // Numbered and queued under one lock, so frames leave in the order requests got

@@ -941,6 +941,45 @@ mod tests {
         link.flush().await.unwrap();
     }
 
+    /// A checkpoint is not held behind writes that wait for the owner's byte budget: with
+    /// the budget full of writes the peer cannot take until a checkpoint frees room, it
+    /// waited in line behind them, until the peer refused the write it held and the owner
+    /// dropped the peer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_checkpoint_does_not_wait_behind_writes_that_fill_the_budget() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let sink = Arc::new(Share::default());
+        *sink.room_upto.lock().unwrap() = 1;
+        serve(l, sink.clone(), key()).unwrap();
+        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        let n = (crate::client::IN_FLIGHT_BYTES >> 20) as u64 + 8;
+        let writes: Vec<_> = (1..=n)
+            .map(|ser| {
+                let link = link.clone();
+                tokio::spawn(async move {
+                    let w = WriteMsg {
+                        volume: Uuid::nil(),
+                        gen: 1,
+                        ser,
+                        offset: ser << 20,
+                        len: 1 << 20,
+                        data: Some(Bytes::from(vec![1u8; 1 << 20])),
+                    };
+                    link.write(w).await
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::timeout(Duration::from_secs(2), link.checkpoint(Uuid::nil(), 1, n))
+            .await
+            .expect("the checkpoint waited behind the writes")
+            .unwrap();
+        for w in writes {
+            w.await.unwrap().expect("a write was refused");
+        }
+    }
+
     /// Answers buffered ahead of a write that waits for room are sent before it waits: the
     /// owner needs them to complete the writes its next checkpoint covers. Here write 1 and
     /// write 2 queue behind a slow `Open`; write 1 has room, write 2 waits for a checkpoint.
