@@ -55,12 +55,15 @@ impl FileCache {
                 // the file alone does not make a new name durable: after a power cut the file
                 // could be gone, and a new empty one formatted in its place.
                 file.sync_all()?;
-                let dir = match path.parent() {
-                    Some(d) if !d.as_os_str().is_empty() => d,
-                    _ => Path::new("."),
-                };
-                File::open(dir)?.sync_all()?;
             }
+            // Every time, not only when created here: a start killed between creating the
+            // file and syncing its directory leaves a full-size file whose name is not yet
+            // durable, which the next start formats.
+            let dir = match path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            File::open(dir)?.sync_all()?;
             md.len().max(size)
         };
         Ok(FileCache {
