@@ -420,7 +420,6 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     );
 }
 
-/// What a peer says it holds (`replica_held`, asked by a host about to replay) is durable
 /// A peer replaying for a dead owner loses power after its replay put the owner's writes on
 /// the datastore, before anything of that replay was synced, and replays again from the
 /// same checkpoint (the vault's) once back. Its second replay may only put back what its
@@ -469,6 +468,7 @@ async fn a_peer_that_loses_power_after_its_replay_replays_again_to_a_prefix() {
     assert_eq!(now, image(&done, 4), "a completed write was lost");
 }
 
+/// What a peer says it holds (`replica_held`, asked by a host about to replay) is durable
 /// when it says it: the owner's writes keep arriving while the peer is asked, and a power
 /// cut right after each answer keeps at least as much. Synced before it counted, the peer
 /// could count a write appended in between, which a power cut then took: a replay that went
