@@ -1000,6 +1000,28 @@ mod tests {
         }
     }
 
+    /// A datastore device whose writes wait until released (a hung datastore).
+    fn held() -> Arc<Held> {
+        Arc::new(Held {
+            release: Arc::new(Notify::new()),
+            writes: AtomicU64::new(0),
+        })
+    }
+
+    /// A cache host on a simulated device of 32 segments.
+    fn sim_host() -> Arc<CacheHost> {
+        const SEG: u64 = 64 << 10;
+        let cache = Arc::new(cachelog::device::SimDevice::new((1 << 20) + 32 * SEG));
+        CacheHost::open(cache, SEG).unwrap()
+    }
+
+    /// A 1 MiB volume in `policy` on `dev` (a datastore of queue depth 4), cached by `host`.
+    fn volume_on(host: &Arc<CacheHost>, dev: Arc<dyn Device>, policy: Policy) -> Volume {
+        let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
+        let (id, tuning) = (Uuid::new_v4(), Tuning::default());
+        Volume::open(id, "v".into(), policy, tuning, extent, Some(host.clone())).unwrap()
+    }
+
     #[tokio::test]
     async fn revoke_waits_for_in_flight_io_and_refuses_new_io() {
         let dev = Arc::new(Held {
@@ -1040,28 +1062,11 @@ mod tests {
     /// the hung window for good, and its dirty data filled its share.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hung_datastore_holds_up_only_its_own_volumes_destaging() {
-        const SEG: u64 = 64 << 10;
-        let cache = Arc::new(cachelog::device::SimDevice::new((1 << 20) + 32 * SEG));
-        let host = cache::CacheHost::open(cache, SEG).unwrap();
-        let hung = Arc::new(Held {
-            release: Arc::new(Notify::new()),
-            writes: AtomicU64::new(0),
-        });
+        let host = sim_host();
+        let hung = held();
         let fine = Arc::new(datastore::device::MemDevice::new(1 << 20));
-        let open = |dev: Arc<dyn Device>| {
-            let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
-            let (id, tuning) = (Uuid::new_v4(), Tuning::default());
-            Volume::open(
-                id,
-                "v".into(),
-                Policy::Wb,
-                tuning,
-                extent,
-                Some(host.clone()),
-            )
-            .unwrap()
-        };
-        let (a, b) = (open(hung.clone()), open(fine.clone()));
+        let a = volume_on(&host, hung.clone(), Policy::Wb);
+        let b = volume_on(&host, fine.clone(), Policy::Wb);
         host.finish_recovery(&[a.id(), b.id()]).unwrap();
         let destager = tokio::spawn(host.clone().run_destager(|| false));
         a.write(0, Bytes::from(vec![1; 4096]), false).await.unwrap();
@@ -1085,23 +1090,9 @@ mod tests {
     /// paused step, after [`cache::HUNG_AFTER`] in the drain before it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_change_over_a_hung_datastore_gives_up_with_nothing_changed() {
-        const SEG: u64 = 64 << 10;
-        let cache = Arc::new(cachelog::device::SimDevice::new((1 << 20) + 32 * SEG));
-        let host = cache::CacheHost::open(cache, SEG).unwrap();
-        let hung = Arc::new(Held {
-            release: Arc::new(Notify::new()),
-            writes: AtomicU64::new(0),
-        });
-        let extent = Extent::new(hung.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
-        let v = Volume::open(
-            Uuid::new_v4(),
-            "v".into(),
-            Policy::Wb,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap();
+        let host = sim_host();
+        let hung = held();
+        let v = volume_on(&host, hung.clone(), Policy::Wb);
         host.finish_recovery(&[v.id()]).unwrap();
         let destager = tokio::spawn(host.clone().run_destager(|| false));
         let c = v.cache().unwrap();
@@ -1145,19 +1136,9 @@ mod tests {
     /// sends it nothing, and is not taken for a hung datastore.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_drain_that_sends_the_datastore_nothing_does_not_call_it_hung() {
-        let cache = Arc::new(cachelog::device::SimDevice::new(4 << 20));
-        let host = cache::CacheHost::open(cache, 64 << 10).unwrap();
+        let host = sim_host();
         let dev = Arc::new(datastore::device::MemDevice::new(1 << 20));
-        let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
-        let v = Volume::open(
-            Uuid::new_v4(),
-            "v".into(),
-            Policy::Wb,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap();
+        let v = volume_on(&host, dev, Policy::Wb);
         host.finish_recovery(&[v.id()]).unwrap();
         let destager = tokio::spawn(host.clone().run_destager(|| false));
         let c = v.cache().unwrap();
@@ -1175,24 +1156,9 @@ mod tests {
     /// the datastore never answers fails it (nothing changed), and IO goes on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_change_does_not_wait_for_ever_for_io_in_flight() {
-        let cache = Arc::new(cachelog::device::SimDevice::new(4 << 20));
-        let host = cache::CacheHost::open(cache, 64 << 10).unwrap();
-        let hung = Arc::new(Held {
-            release: Arc::new(Notify::new()),
-            writes: AtomicU64::new(0),
-        });
-        let extent = Extent::new(hung.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
-        let v = Arc::new(
-            Volume::open(
-                Uuid::new_v4(),
-                "v".into(),
-                Policy::Uncached,
-                Tuning::default(),
-                extent,
-                Some(host.clone()),
-            )
-            .unwrap(),
-        );
+        let host = sim_host();
+        let hung = held();
+        let v = Arc::new(volume_on(&host, hung.clone(), Policy::Uncached));
         let w = {
             let v = v.clone();
             tokio::spawn(async move { v.write(0, Bytes::from(vec![1; 4096]), false).await })

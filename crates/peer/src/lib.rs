@@ -889,6 +889,30 @@ mod tests {
         }
     }
 
+    /// A link to a peer serving a [`Share`] with room for write 1 only, whose `Open` takes
+    /// `open_takes`.
+    async fn share_link(open_takes: Duration) -> Link {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let sink = Arc::new(Share::default());
+        *sink.room_upto.lock().unwrap() = 1;
+        *sink.open_takes.lock().unwrap() = open_takes;
+        serve(l, sink, key()).unwrap();
+        Link::connect("p1", &addr, "owner", &key()).await.unwrap()
+    }
+
+    /// Write `ser` of `len` bytes, at `ser × len`.
+    fn share_write(ser: u64, len: u64) -> WriteMsg {
+        WriteMsg {
+            volume: Uuid::nil(),
+            gen: 1,
+            ser,
+            offset: ser * len,
+            len,
+            data: Some(Bytes::from(vec![1u8; len as usize])),
+        }
+    }
+
     /// A write waiting for room in its share waits for the owner's next checkpoint, which the
     /// owner sends on the same connection, behind the write: the peer applies it as it reads
     /// it, so the write goes on. Applied in turn, the checkpoint stayed behind the write until
@@ -898,20 +922,8 @@ mod tests {
     /// answered without waiting for the write queued ahead of it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_checkpoint_reaches_a_write_waiting_for_room_behind_it() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let sink = Arc::new(Share::default());
-        *sink.room_upto.lock().unwrap() = 1;
-        serve(l, sink.clone(), key()).unwrap();
-        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
-        let w = |ser: u64| WriteMsg {
-            volume: Uuid::nil(),
-            gen: 1,
-            ser,
-            offset: ser * 4096,
-            len: 4096,
-            data: Some(Bytes::from(vec![1u8; 4096])),
-        };
+        let link = share_link(Duration::ZERO).await;
+        let w = |ser| share_write(ser, 4096);
         link.write(w(1)).await.unwrap();
         let waiting = {
             let link = link.clone();
@@ -947,27 +959,12 @@ mod tests {
     /// dropped the peer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_checkpoint_does_not_wait_behind_writes_that_fill_the_budget() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let sink = Arc::new(Share::default());
-        *sink.room_upto.lock().unwrap() = 1;
-        serve(l, sink.clone(), key()).unwrap();
-        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
+        let link = share_link(Duration::ZERO).await;
         let n = (crate::client::IN_FLIGHT_BYTES >> 20) as u64 + 8;
         let writes: Vec<_> = (1..=n)
             .map(|ser| {
                 let link = link.clone();
-                tokio::spawn(async move {
-                    let w = WriteMsg {
-                        volume: Uuid::nil(),
-                        gen: 1,
-                        ser,
-                        offset: ser << 20,
-                        len: 1 << 20,
-                        data: Some(Bytes::from(vec![1u8; 1 << 20])),
-                    };
-                    link.write(w).await
-                })
+                tokio::spawn(async move { link.write(share_write(ser, 1 << 20)).await })
             })
             .collect();
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -985,21 +982,8 @@ mod tests {
     /// write 2 queue behind a slow `Open`; write 1 has room, write 2 waits for a checkpoint.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn answers_ahead_of_a_write_waiting_for_room_are_not_held_back() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let sink = Arc::new(Share::default());
-        *sink.room_upto.lock().unwrap() = 1;
-        *sink.open_takes.lock().unwrap() = Duration::from_millis(200);
-        serve(l, sink.clone(), key()).unwrap();
-        let link = Link::connect("p1", &addr, "owner", &key()).await.unwrap();
-        let w = |ser: u64| WriteMsg {
-            volume: Uuid::nil(),
-            gen: 1,
-            ser,
-            offset: ser * 4096,
-            len: 4096,
-            data: Some(Bytes::from(vec![1u8; 4096])),
-        };
+        let link = share_link(Duration::from_millis(200)).await;
+        let w = |ser| share_write(ser, 4096);
         let open = {
             let link = link.clone();
             tokio::spawn(async move { link.open(Uuid::nil(), 1, 0).await })
