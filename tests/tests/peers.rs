@@ -1692,7 +1692,11 @@ fn a_surrogate_replay_leaves_a_volume_whose_peer_replay_stopped_below_the_files_
     assert_eq!(before, expect(8 << 20, &[(0, 1 << 20, 6)]));
 
     let cache = a.data_dir.join("cache.img").display().to_string();
-    let out = c.vesta_ok(&["host", "replay-cache", &cache]);
+    let refused = c.vesta(&["host", "replay-cache", &cache]);
+    assert!(!refused.status.success(), "{refused:?}");
+    let out = String::from_utf8_lossy(&refused.stdout);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("1 volume(s) with dirty data"), "{err}");
     assert!(out.contains("not replayed"), "{out}");
     assert!(
         out.contains("\"b\" began replaying it")

@@ -203,6 +203,9 @@ pub struct SurrogateReplay {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SurrogateReport {
     pub volumes: Vec<String>,
+    /// Volumes with dirty data in the cache that were not replayed (each line says why).
+    #[serde(default)]
+    pub not_replayed: usize,
 }
 
 /// One `wbp` peer of a volume.

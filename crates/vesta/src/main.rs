@@ -638,13 +638,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 &api::SurrogateReplay { path, force },
             )?;
             if cli.json {
-                return print_json(&r);
+                print_json(&r)?;
+            } else {
+                if r.volumes.is_empty() {
+                    println!("no dirty data for any volume in that cache");
+                }
+                for l in &r.volumes {
+                    println!("{l}");
+                }
             }
-            if r.volumes.is_empty() {
-                println!("no dirty data for any volume in that cache");
-            }
-            for l in &r.volumes {
-                println!("{l}");
+            if r.not_replayed > 0 {
+                bail!(
+                    "{} volume(s) with dirty data in that cache were not replayed (see above)",
+                    r.not_replayed
+                );
             }
         }
         Cmd::Host(HostCmd::List) => {

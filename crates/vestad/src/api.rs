@@ -110,13 +110,16 @@ async fn replay_cache(
     b: Result<Json<api::SurrogateReplay>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<api::SurrogateReport>, OpError> {
     let req = body(b)?;
-    let volumes = detached(async move {
+    let (volumes, not_replayed) = detached(async move {
         crate::peers::surrogate_replay(&d, std::path::Path::new(&req.path), req.force)
             .await
             .map_err(OpError::BadRequest)
     })
     .await?;
-    Ok(Json(api::SurrogateReport { volumes }))
+    Ok(Json(api::SurrogateReport {
+        volumes,
+        not_replayed,
+    }))
 }
 
 async fn create_volume(

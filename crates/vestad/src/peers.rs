@@ -1646,12 +1646,13 @@ async fn replay_to_datastore(
 /// it is replayed to its datastore under its vault lock, as a peer would from replicas. A
 /// volume whose vault is of a newer generation than the log's copy was replayed already and is
 /// skipped; one a peer began to replay from below the file's checkpoint is left alone unless
-/// `force` ([`surrogate_verdict`]). Returns a line per volume found.
+/// `force` ([`surrogate_verdict`]). Returns a line per volume found, and how many of them
+/// were to be replayed and were not.
 pub async fn surrogate_replay(
     d: &Arc<Daemon>,
     path: &std::path::Path,
     force: bool,
-) -> Result<Vec<String>, String> {
+) -> Result<(Vec<String>, usize), String> {
     if d.coord.kind() == "local" {
         return Err(
             "surrogate replay needs a cluster (etcd): with one host, restart its vestad \
@@ -1685,6 +1686,7 @@ pub async fn surrogate_replay(
         tokio::spawn(h.run_destager(move || s.load(Ordering::SeqCst)))
     };
     let mut out = Vec::new();
+    let mut not_replayed = 0;
     for (id, _, n) in found {
         if n == 0 {
             continue;
@@ -1697,12 +1699,15 @@ pub async fn surrogate_replay(
         };
         match surrogate_one(d, &host, &rec, n, force).await {
             Ok(line) => out.push(line),
-            Err(e) => out.push(format!("volume {:?}: not replayed: {e}", rec.name)),
+            Err(e) => {
+                out.push(format!("volume {:?}: not replayed: {e}", rec.name));
+                not_replayed += 1;
+            }
         }
     }
     stop.store(true, Ordering::SeqCst);
     let _ = destager.await;
-    Ok(out)
+    Ok((out, not_replayed))
 }
 
 async fn surrogate_one(
