@@ -1818,8 +1818,9 @@ impl VolCache {
     /// end. Its `ser` is taken once it is admitted (dropped before, it leaves no trace).
     /// Dropped while it waits its turn, it never completes, and every later write waits for
     /// it forever (writes complete in `ser` order); dropped while its record is appended,
-    /// later writes may complete above a gap, which a recovery stops at. Callers run writes to completion (the NBD server spawns each
-    /// request that does not finish at its first poll).
+    /// later writes may complete above a gap, which a recovery stops at. Callers run writes
+    /// to completion (the NBD server spawns each request that does not finish at its first
+    /// poll).
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), Error> {
         self.write_kind(Kind::Data, offset, data.len() as u64, Some(data), fua)
             .await

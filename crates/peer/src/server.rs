@@ -478,8 +478,8 @@ fn keep_alive(s: &TcpStream) -> std::io::Result<()> {
 /// Reads `from`'s frames: checkpoints are applied here at once, and FLUSHes go to the
 /// syncing thread at once; everything else is queued for [`apply`] in order, except that
 /// while nothing is queued, a write with room ([`Sink::write_at_once`]) is applied here too:
-/// nothing sent before it is still to be applied. Ends at the end of the stream, a damaged or unexpected frame, a write
-/// refused here, or once [`apply`] has ended the connection.
+/// nothing sent before it is still to be applied. Ends at the end of the stream, a damaged
+/// or unexpected frame, a write refused here, or once [`apply`] has ended the connection.
 fn read_frames(
     r: &mut BufReader<impl Read>,
     sink: &dyn Sink,
