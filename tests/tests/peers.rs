@@ -574,6 +574,9 @@ fn an_owner_back_on_a_new_cache_device_can_accept_the_loss_its_peer_cannot_repla
     );
     lun.restart();
     qemu_io(&a.url("w"), &["write -P 7 2M 4k", "flush"]);
+    // a may have taken b as its peer again by now (wbp, its windows held for 600 s) or not
+    // (wt): either way, a switch to wt puts every completed write on the datastore.
+    a.vesta_ok(&["volume", "policy", "w", "wt"]);
     std::thread::sleep(Duration::from_secs(3));
     assert!(!b.log().contains("online replay done"), "{}", b.log());
     assert_eq!(
