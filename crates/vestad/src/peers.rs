@@ -37,6 +37,33 @@ const VAULT_CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// How long after handing a volume off, and then between tries, its owner asks the peers
 /// the vault names whether any of them still holds the volume ([`handed_to_nobody`]).
 const HANDOFF_ASK_EVERY: Duration = Duration::from_secs(5);
+/// The first wait after a peer change that failed to take a volume out of its failed peers
+/// ([`keep_replicated`]); it doubles with each failure up to [`CHANGE_RETRY_MAX`].
+const CHANGE_RETRY_FIRST: Duration = Duration::from_secs(2);
+const CHANGE_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// When a volume's next peer change may run, after changes that failed. Pure: the caller
+/// says what time it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Backoff {
+    next: Instant,
+    wait: Duration,
+}
+
+impl Backoff {
+    /// The wait after one more failure at `now`, following `prev` (None: the first).
+    fn after_failure(prev: Option<Backoff>, now: Instant) -> Backoff {
+        let wait = prev.map_or(CHANGE_RETRY_FIRST, |b| (b.wait * 2).min(CHANGE_RETRY_MAX));
+        Backoff {
+            next: now + wait,
+            wait,
+        }
+    }
+
+    fn due(&self, now: Instant) -> bool {
+        now >= self.next
+    }
+}
 
 /// This host as a peer: what other hosts send goes into the cache log.
 pub struct PeerService {
@@ -480,6 +507,9 @@ pub struct PeerState {
     handed_off: Mutex<HashMap<String, Handoff>>,
     /// The vault writer of each volume this host owns ([`vault_writer`]).
     writers: Mutex<HashMap<Uuid, Arc<VaultWriter>>>,
+    /// Volumes whose last peer change could not take them out of their failed peers, and
+    /// when to try again ([`keep_replicated`]).
+    change_retry: Mutex<HashMap<Uuid, Backoff>>,
     /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
     uncached_tries: Mutex<HashMap<Uuid, u32>>,
     /// Vault locks this host took to replay another host's volume and could not give back
@@ -508,6 +538,26 @@ struct Handoff {
 pub(crate) const UNCACHED_TRIES: u32 = 10;
 
 impl PeerState {
+    /// Whether a peer change for `volume` may run now ([`keep_replicated`]).
+    fn change_due(&self, volume: Uuid) -> bool {
+        let m = self.change_retry.lock().expect("lock");
+        m.get(&volume).is_none_or(|b| b.due(Instant::now()))
+    }
+
+    /// A peer change for `volume` failed and left it with its failed peers: returns when
+    /// the next may run.
+    fn change_failed(&self, volume: Uuid) -> Backoff {
+        let mut m = self.change_retry.lock().expect("lock");
+        let b = Backoff::after_failure(m.get(&volume).copied(), Instant::now());
+        m.insert(volume, b);
+        b
+    }
+
+    /// A peer change for `volume` left it without failed peers: the next runs when needed.
+    fn change_settled(&self, volume: Uuid) {
+        self.change_retry.lock().expect("lock").remove(&volume);
+    }
+
     /// Logs `problem` for `volume` unless it was the last one logged; `None` clears it.
     fn note(&self, volume: &str, problem: Option<String>) {
         let mut m = self.last_problem.lock().expect("lock");
@@ -707,7 +757,7 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
         release_held_writes(&d).await;
         retry_owed_unlocks(&d).await;
         go_on_uncached_with_nothing_lost(&d).await;
-        keep_replicated(&d).await;
+        keep_replicated(&d);
         if d.cache.is_some() && d.coord.kind() != "local" {
             look_after_replicas(&d).await;
         }
@@ -740,7 +790,9 @@ pub(crate) async fn release_held_writes(d: &Arc<Daemon>) {
     }
 }
 
-async fn keep_replicated(d: &Arc<Daemon>) {
+/// Starts a peer change for each `wbp` volume that needs one; returns their tasks.
+pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut changes = Vec::new();
     for e in d.entries() {
         let Ok(v) = &e.volume else { continue };
         let want = e.wanted();
@@ -758,11 +810,14 @@ async fn keep_replicated(d: &Arc<Daemon>) {
         if c.report().replaying {
             continue; // offline replay first
         }
+        if !d.peers.change_due(e.record.id) {
+            continue;
+        }
         // Each volume on its own task: a drain that takes long (a slow or failed datastore)
         // must not hold up the others, nor this host's replays for dead owners. The claim
         // keeps one change per volume at a time.
         let (d, e, v) = (d.clone(), e.clone(), v.clone());
-        tokio::spawn(async move {
+        changes.push(tokio::spawn(async move {
             let Some(_busy) = d.claim_entry(&e, "peer change") else {
                 return;
             };
@@ -778,25 +833,44 @@ async fn keep_replicated(d: &Arc<Daemon>) {
                 }
                 return;
             }
-            match establish(&d, name, &v, want).await {
-                Ok(()) => d.peers.note(name, None),
-                Err(why) => {
-                    if c.has_peers() {
-                        // Its peers failed and none can replace them: wt until some can.
-                        match fall_back_to_wt(&d, &v).await {
-                            Ok(()) => info!(
-                                "volume {name:?}: lost its peers; in wt until new peers are \
-                                 available"
-                            ),
-                            Err(e2) => warn!("volume {name:?}: fall back to wt: {e2}"),
-                        }
-                    }
+            let why = match establish(&d, name, &v, want).await {
+                Ok(()) => {
+                    d.peers.change_settled(e.record.id);
+                    d.peers.note(name, None);
+                    return;
+                }
+                Err(why) => why,
+            };
+            if !c.has_peers() {
+                // In wt already: trying again next round costs the volume nothing.
+                d.peers.change_settled(e.record.id);
+                d.peers
+                    .note(name, Some(format!("stays in wt for now: {why}")));
+                return;
+            }
+            // Its peers failed and none can replace them: wt until some can.
+            match fall_back_to_wt(&d, &v).await {
+                Ok(()) => {
+                    d.peers.change_settled(e.record.id);
+                    info!("volume {name:?}: lost its peers; in wt until new peers are available");
                     d.peers
                         .note(name, Some(format!("stays in wt for now: {why}")));
                 }
+                Err(e2) => {
+                    // Each try drains under flow control, then pauses IO (a failing
+                    // datastore makes both last): not every round.
+                    let b = d.peers.change_failed(e.record.id);
+                    warn!(
+                        "volume {name:?}: its peers failed and it cannot leave them: no new \
+                         peers ({why}), and the fall-back to wt failed ({e2}); trying again in \
+                         {} s",
+                        b.wait.as_secs()
+                    );
+                }
             }
-        });
+        }));
     }
+    changes
 }
 
 /// FVP Table 1, flash failure in `wbp`: the owner's cache device failed, so what only it and
@@ -1847,6 +1921,31 @@ fn surrogate_verdict(vault: Option<&Vault>, gen: u64, checkpoint: u64) -> Verdic
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The wait starts at CHANGE_RETRY_FIRST, doubles with each failure, stops growing at
+    /// CHANGE_RETRY_MAX, and counts from the failure it follows.
+    #[test]
+    fn a_peer_change_waits_longer_after_each_failure_up_to_a_limit() {
+        let t0 = Instant::now();
+        let first = Backoff::after_failure(None, t0);
+        assert_eq!(first.wait, CHANGE_RETRY_FIRST);
+        assert!(!first.due(t0));
+        assert!(!first.due(t0 + CHANGE_RETRY_FIRST - Duration::from_millis(1)));
+        assert!(first.due(t0 + CHANGE_RETRY_FIRST));
+        let mut b = first;
+        let mut waits = vec![b.wait];
+        for i in 1..12u32 {
+            let now = t0 + Duration::from_secs(u64::from(i) * 100);
+            b = Backoff::after_failure(Some(b), now);
+            assert_eq!(b.next, now + b.wait);
+            waits.push(b.wait);
+        }
+        assert!(waits
+            .windows(2)
+            .all(|w| w[1] == (w[0] * 2).min(CHANGE_RETRY_MAX)));
+        assert_eq!(*waits.last().unwrap(), CHANGE_RETRY_MAX);
+        assert!(waits.iter().all(|w| *w <= CHANGE_RETRY_MAX));
+    }
 
     /// A surrogate replay goes on over a vault its owner or an earlier surrogate replay
     /// wrote, and over a peer's unfinished replay that got as far as the file's checkpoint;

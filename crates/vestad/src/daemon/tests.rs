@@ -31,6 +31,9 @@ struct FailingVault {
     /// The lease is lost, and the host registered again, while a datastore lock is waited
     /// for (the grant comes back after both).
     lease_lost_in_lock_wait: AtomicBool,
+    /// Vault reads fail; `vault_reads` counts those asked for, failed ones included.
+    fail_vault_reads: AtomicBool,
+    vault_reads: std::sync::atomic::AtomicU64,
 }
 
 #[async_trait]
@@ -99,6 +102,12 @@ impl Coordinator for FailingVault {
         Ok(())
     }
     async fn vault(&self, volume: Uuid) -> cluster::Result<Option<Vault>> {
+        self.vault_reads.fetch_add(1, Ordering::SeqCst);
+        if self.fail_vault_reads.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: no answer (injected)".into(),
+            ));
+        }
         self.inner.vault(volume).await
     }
     async fn put_vault(&self, v: &Vault) -> cluster::Result<()> {
@@ -183,6 +192,8 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_unlocks: AtomicBool::new(false),
         unlocked: Default::default(),
         lease_lost_in_lock_wait: AtomicBool::new(false),
+        fail_vault_reads: AtomicBool::new(false),
+        vault_reads: Default::default(),
     })
 }
 
@@ -1197,4 +1208,86 @@ async fn a_datastore_lock_granted_across_a_lost_lease_is_not_used() {
     coord.lease_lost_in_lock_wait.store(false, Ordering::SeqCst);
     create().await.unwrap();
     assert!(dir.0.join("ds/v.raw").exists());
+}
+
+/// Peers that have all failed, as a `wbp` volume's peers are once their links broke.
+struct BrokenPeers;
+
+impl engine::replica::Replicator for BrokenPeers {
+    fn write(
+        &self,
+        _: engine::replica::ReplicaWrite,
+    ) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("link broken".into()) })
+    }
+    fn flush(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("link broken".into()) })
+    }
+    fn checkpoint(&self, _: u64, _: u64) {}
+    fn exclude_failed(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("the vault cannot be written".into()) })
+    }
+    fn hand_off(&self) -> engine::replica::BoxFuture<Result<(), String>> {
+        Box::pin(async { Err("the vault cannot be written".into()) })
+    }
+    fn healthy(&self) -> bool {
+        false
+    }
+    fn report(&self) -> Vec<engine::replica::PeerReport> {
+        Vec::new()
+    }
+}
+
+/// A `wbp` volume whose peers failed, with none to replace them, falls back to `wt`. Each
+/// try drains it and pauses its IO, so one that failed is not tried again every round, but
+/// after a wait; and once the cause is gone, a try after that wait succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fall_back_from_broken_peers_waits_before_it_is_tried_again() {
+    let dir = TempDir::new("fallback-retry");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    create_v(&d, "wb").await;
+    let v = volume(&d, "v");
+    let wbp = Policy::Wbp {
+        peers: 1,
+        rule: cluster::PeerRule::Any,
+    };
+    v.set_policy_with(wbp, Some(Arc::new(BrokenPeers)), None)
+        .await
+        .unwrap();
+    *d.entry("v").unwrap().wanted.lock().unwrap() = wbp;
+    let round = || async {
+        for t in crate::peers::keep_replicated(&d) {
+            t.await.unwrap();
+        }
+    };
+
+    // The fall-back fails: its vault record cannot be read.
+    crate::peers::forget_vault_writer(&d, v.id()).await;
+    coord.fail_vault_reads.store(true, Ordering::SeqCst);
+    round().await;
+    let tried = coord.vault_reads.load(Ordering::SeqCst);
+    assert!(tried > 0, "the round did not try to fall back to wt");
+    assert_eq!(v.policy(), wbp, "fell back without its vault");
+    assert!(v.cache().unwrap().has_peers());
+    // The next rounds, a second later and at once: nothing tried, though the vault can be
+    // read again.
+    coord.fail_vault_reads.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    round().await;
+    round().await;
+    assert_eq!(
+        coord.vault_reads.load(Ordering::SeqCst),
+        tried,
+        "a failed fall-back was tried again at once"
+    );
+    assert_eq!(v.policy(), wbp);
+    // After the wait it is tried, and goes through.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    round().await;
+    assert_eq!(v.policy(), Policy::Wt, "not tried again after the wait");
+    assert!(!v.cache().unwrap().has_peers());
+    let vault = coord.vault(v.id()).await.unwrap().unwrap();
+    assert_eq!(vault.policy, Policy::Wt);
+    assert!(vault.peers.is_empty());
 }
