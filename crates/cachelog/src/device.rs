@@ -235,8 +235,13 @@ pub struct SimDevice {
     writes: AtomicU64,
     /// Reads wait while this is true ([`SimDevice::pause_reads`]), counted in `waiting`.
     reads_paused: Mutex<bool>,
-    reads_resumed: std::sync::Condvar,
+    /// Writes wait while this is true ([`SimDevice::pause_writes`]), counted in
+    /// `writes_waiting`.
+    writes_paused: Mutex<bool>,
+    /// Signalled when either pause ends.
+    resumed: std::sync::Condvar,
     waiting: AtomicU64,
+    writes_waiting: AtomicU64,
 }
 
 struct SimState {
@@ -265,8 +270,10 @@ impl SimDevice {
             failed: AtomicBool::new(false),
             writes: AtomicU64::new(0),
             reads_paused: Mutex::new(false),
-            reads_resumed: std::sync::Condvar::new(),
+            writes_paused: Mutex::new(false),
+            resumed: std::sync::Condvar::new(),
             waiting: AtomicU64::new(0),
+            writes_waiting: AtomicU64::new(0),
         }
     }
 
@@ -274,12 +281,36 @@ impl SimDevice {
     /// reader's lookup and its device read.
     pub fn pause_reads(&self, on: bool) {
         *self.reads_paused.lock().unwrap_or_else(|e| e.into_inner()) = on;
-        self.reads_resumed.notify_all();
+        self.resumed.notify_all();
     }
 
     /// Reads waiting in [`SimDevice::pause_reads`].
     pub fn reads_waiting(&self) -> u64 {
         self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// While `on`, every write waits (reads and syncs go on): a test can then act while a
+    /// writer is in the device.
+    pub fn pause_writes(&self, on: bool) {
+        *self.writes_paused.lock().unwrap_or_else(|e| e.into_inner()) = on;
+        self.resumed.notify_all();
+    }
+
+    /// Writes waiting in [`SimDevice::pause_writes`].
+    pub fn writes_waiting(&self) -> u64 {
+        self.writes_waiting.load(Ordering::SeqCst)
+    }
+
+    /// Waits while `paused` is true, counted in `waiting`.
+    fn wait_while(&self, paused: &Mutex<bool>, waiting: &AtomicU64) {
+        let mut p = paused.lock().unwrap_or_else(|e| e.into_inner());
+        if *p {
+            waiting.fetch_add(1, Ordering::SeqCst);
+            while *p {
+                p = self.resumed.wait(p).unwrap_or_else(|e| e.into_inner());
+            }
+            waiting.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     /// Where `pattern` first occurs in what reads would return.
@@ -391,25 +422,14 @@ impl CacheDevice for SimDevice {
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        {
-            let mut paused = self.reads_paused.lock().unwrap_or_else(|e| e.into_inner());
-            if *paused {
-                self.waiting.fetch_add(1, Ordering::SeqCst);
-                while *paused {
-                    paused = self
-                        .reads_resumed
-                        .wait(paused)
-                        .unwrap_or_else(|e| e.into_inner());
-                }
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
+        self.wait_while(&self.reads_paused, &self.waiting);
         self.check(offset, buf.len())?;
         self.read_now(offset, buf);
         Ok(())
     }
 
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.wait_while(&self.writes_paused, &self.writes_waiting);
         self.check(offset, data.len())?;
         self.writes.fetch_add(1, Ordering::SeqCst);
         self.state().pending.push((offset, data.to_vec()));

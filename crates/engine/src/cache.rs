@@ -473,6 +473,46 @@ impl Recovered {
 }
 
 /// State shared by the host and its volumes.
+/// Records pinned so that their segments stay while they are used, unpinned when dropped:
+/// a read or append whose future is dropped midway (its task aborted) or that panics gives
+/// them back. (An append's record is pinned by [`Log::append`] itself.)
+struct Pins {
+    log: Arc<Log>,
+    locs: Vec<Loc>,
+}
+
+impl Pins {
+    fn new(log: &Arc<Log>) -> Pins {
+        Pins {
+            log: log.clone(),
+            locs: Vec::new(),
+        }
+    }
+
+    fn pin(&mut self, loc: Loc) {
+        self.log.pin(&loc);
+        self.locs.push(loc);
+    }
+
+    /// Takes over the pins of `other`.
+    fn absorb(&mut self, mut other: Pins) {
+        self.locs.append(&mut other.locs);
+    }
+
+    /// Leaves the pins in place, for the caller to release.
+    fn keep(mut self) {
+        self.locs.clear();
+    }
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        for l in &self.locs {
+            self.log.unpin(l);
+        }
+    }
+}
+
 struct Shared {
     log: Arc<Log>,
     /// Every attached volume, for evictions that must look beyond the one asking.
@@ -1637,6 +1677,9 @@ impl VolCache {
         let split = self.shared.parts(kind.has_payload(), len);
         let parts = split.len() as u64;
         let mut out = Vec::with_capacity(split.len());
+        // The parts' pins until they are returned: a future dropped midway, or an error,
+        // releases them.
+        let mut pins = Pins::new(&self.shared.log);
         for (i, (poff, plen)) in (0u64..).zip(split) {
             let e = Entry {
                 kind,
@@ -1652,21 +1695,32 @@ impl VolCache {
                 self.make_room();
                 let log = self.shared.log.clone();
                 let p = payload.clone();
-                let r = blocking(move || Ok(log.append(&e, p.as_deref().unwrap_or(&[]))))
-                    .await
-                    .unwrap_or_else(|io| {
-                        // The append's thread died in it (a panic): whether the record got
-                        // out is unknown, and this write's `ser` completes anyway (as failed).
-                        // Later writes must not complete above a possible hole, which
-                        // recovery would stop at: the log is failed, as for a device error.
-                        self.shared.log.fail();
-                        Err(LogError::Io {
-                            device: "cache".into(),
-                            source: io,
-                        })
-                    });
+                let r = blocking(move || {
+                    // Pinned from the moment it exists: if this future is dropped before the
+                    // append returns, dropping its result unpins the record.
+                    let r = log.append(&e, p.as_deref().unwrap_or(&[]));
+                    Ok(r.map(|(loc, ticket)| {
+                        let mut pin = Pins::new(&log);
+                        pin.locs.push(loc);
+                        (pin, ticket)
+                    }))
+                })
+                .await
+                .unwrap_or_else(|io| {
+                    // The append's thread died in it (a panic): whether the record got
+                    // out is unknown, and this write's `ser` completes anyway (as failed).
+                    // Later writes must not complete above a possible hole, which
+                    // recovery would stop at: the log is failed, as for a device error.
+                    self.shared.log.fail();
+                    Err(LogError::Io {
+                        device: "cache".into(),
+                        source: io,
+                    })
+                });
                 match r {
-                    Ok((loc, ticket)) => {
+                    Ok((pin, ticket)) => {
+                        let loc = pin.locs[0];
+                        pins.absorb(pin);
                         out.push(Part {
                             loc,
                             offset: e.offset,
@@ -1678,8 +1732,7 @@ impl VolCache {
                     Err(LogError::NoSpace) if kind == Kind::Fill => {
                         // Clean data (a read fill, the cache's copy of a wt write) is a bonus:
                         // with no room it is simply not cached. Waiting could wait forever on
-                        // space this very write's pinned parts hold.
-                        self.unpin_all(&out);
+                        // space this very write's pinned parts hold (released here).
                         return Err(Error::NoRoom);
                     }
                     Err(LogError::NoSpace) => {
@@ -1702,7 +1755,6 @@ impl VolCache {
                         .await;
                     }
                     Err(err) => {
-                        self.unpin_all(&out);
                         let why = format!("cache device failed: {err}");
                         lock(&self.st).degraded.get_or_insert(why.clone());
                         return Err(Error::Cache(why));
@@ -1710,6 +1762,7 @@ impl VolCache {
                 }
             }
         }
+        pins.keep();
         Ok(out)
     }
 
@@ -2147,6 +2200,11 @@ impl VolCache {
     }
 
     /// A volume read: cache hits from the log, misses from the datastore (then cached).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropped at any point, a read leaves nothing behind: the records it pinned, and the
+    /// record its fill was appending, are unpinned ([`Pins`]).
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes, Error> {
         let len64 = u64::from(len);
         if self.shared.log.is_failed() {
@@ -2170,18 +2228,20 @@ impl VolCache {
                 .await
                 .map_err(Error::Datastore);
         }
-        let (spans, evictions) = {
+        let (spans, evictions, pins) = {
             let st = lock(&self.st);
             let spans = st.index.lookup(offset, len64);
+            // Keep the segments while we read them.
+            let mut pins = Pins::new(&self.shared.log);
             for sp in &spans {
                 if let Some(Ix {
                     src: IxSrc::Rec(l), ..
                 }) = sp.value
                 {
-                    self.shared.log.pin(&l); // keep the segment while we read it
+                    pins.pin(l);
                 }
             }
-            (spans, st.evictions)
+            (spans, st.evictions, pins)
         };
         let mut out = BytesMut::zeroed(len as usize);
         let mut misses = Vec::new();
@@ -2226,14 +2286,7 @@ impl VolCache {
                 }
             }
         }
-        for sp in &spans {
-            if let Some(Ix {
-                src: IxSrc::Rec(l), ..
-            }) = sp.value
-            {
-                self.shared.log.unpin(&l);
-            }
-        }
+        drop(pins);
         if let Some((e, start, n, ix)) = read_err {
             {
                 let mut st = lock(&self.st);

@@ -70,3 +70,96 @@ async fn a_failed_read_of_a_clean_record_keeps_the_newer_write_over_it() {
     let got = vol.read(0, BLOCK as u32).await.unwrap();
     assert!(got[..] == [0x22; BLOCK], "a stale fill of A is served");
 }
+
+/// A read stopped midway (its task aborted while it reads the cache device) gives back the
+/// segments it pinned to read from: a volume that leaves the cache afterwards leaves none of
+/// its segments behind, so the cache's space is not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_midway_leaves_no_segment_pinned() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let id = Uuid::new_v4();
+    let (host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
+    let vol = Arc::new(vol);
+    vol.write(0, Bytes::from(vec![0x11; BLOCK]), false)
+        .await
+        .unwrap();
+    let c = vol.cache().unwrap();
+    common::destage_all(&host, &c).await;
+    drop(c);
+
+    cache.pause_reads(true);
+    let reader = {
+        let v = vol.clone();
+        tokio::spawn(async move { v.read(0, BLOCK as u32).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.reads_waiting() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the reader reached the device");
+    reader.abort();
+    assert!(reader.await.unwrap_err().is_cancelled());
+    cache.pause_reads(false);
+
+    assert!(host.log().segments_of(id) > 0);
+    vol.set_policy(Policy::Uncached).await.unwrap();
+    assert_eq!(
+        host.log().segments_of(id),
+        0,
+        "a segment of the volume stays pinned after it left the cache"
+    );
+    let got = vol.read(0, BLOCK as u32).await.unwrap();
+    assert!(got[..] == [0x11; BLOCK]);
+}
+
+/// A read whose fill is stopped midway (its task aborted while the fill's record is being
+/// appended) leaves nothing pinned either: the record, once appended, is unpinned though no
+/// one takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_in_its_fill_leaves_no_segment_pinned() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    datastore::device::Device::write_at(&*store, 0, Bytes::from(vec![0x33; BLOCK]), false)
+        .await
+        .unwrap();
+    let id = Uuid::new_v4();
+    let (host, vol) = common::open(cache.clone(), &store, id, Policy::Wt);
+    let vol = Arc::new(vol);
+    // A miss: the read goes to the datastore, then appends what it read to the cache.
+    cache.pause_writes(true);
+    let reader = {
+        let v = vol.clone();
+        tokio::spawn(async move { v.read(0, BLOCK as u32).await })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.writes_waiting() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the fill reached the device");
+    reader.abort();
+    assert!(reader.await.unwrap_err().is_cancelled());
+    cache.pause_writes(false);
+    // The append ends on its own thread, its result dropped.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.writes_waiting() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    vol.set_policy(Policy::Uncached).await.unwrap();
+    assert_eq!(
+        host.log().segments_of(id),
+        0,
+        "a segment of the volume stays pinned after it left the cache"
+    );
+    let got = vol.read(0, BLOCK as u32).await.unwrap();
+    assert!(got[..] == [0x33; BLOCK]);
+}
