@@ -21,6 +21,18 @@ use crate::{
     VolumeSpec,
 };
 
+/// How long a table write that went unanswered is given to land before the device is read
+/// back, while the caller still holds the datastore's lock. An NBD server goes on running a
+/// request whose connection was given up, usually for moments: read back at once, the
+/// device would still hold the table before it, and the next change (this host's or, once
+/// the lock is released, another's) would go to the same slot, where the late write could
+/// then land over it and undo it. A write later than this still can; see
+/// `LunDatastore::commit_or_read_back`.
+#[cfg(not(test))]
+const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+#[cfg(test)]
+const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
+
 pub struct LunDatastore {
     spec: DatastoreSpec,
     dev: Arc<dyn Device>,
@@ -234,13 +246,22 @@ impl LunDatastore {
     /// NBD reply lost with its connection), so the device is read again to tell: taking a
     /// landed change for a failed one would, after a delete, serve a volume whose extent the
     /// table has already given back for the next create to take. A write that went
-    /// unanswered ([`crate::unanswered`]) may also land after the read: its outcome is
-    /// unknown whatever the read finds.
+    /// unanswered ([`crate::unanswered`]) is given [`LATE_WRITE_GRACE`] to land first, and
+    /// may land even after that: its outcome is then unknown whatever the read finds.
     async fn commit_or_read_back(&self, t: &mut Table, next: &Table, since: u64) -> Commit {
         let Err(e) = self.commit(next, since).await else {
             *t = next.clone();
             return Commit::Landed;
         };
+        let unanswered = matches!(&e, Error::Io { source, .. } if crate::unanswered(source));
+        if unanswered {
+            warn!(
+                "datastore {:?}: writing volume table {} went unanswered ({e}); waiting {:?} \
+                 for it to land before reading the table back",
+                self.spec.name, next.generation, LATE_WRITE_GRACE
+            );
+            tokio::time::sleep(LATE_WRITE_GRACE).await;
+        }
         match self.refresh(t).await {
             Ok(()) if t == next => {
                 warn!(
@@ -250,7 +271,7 @@ impl LunDatastore {
                 );
                 Commit::Landed
             }
-            Ok(()) if matches!(&e, Error::Io { source, .. } if crate::unanswered(source)) => {
+            Ok(()) if unanswered => {
                 warn!(
                     "datastore {:?}: writing volume table {} went unanswered ({e}); it may \
                      still land, though the device holds the table before it now",
@@ -539,14 +560,33 @@ mod tests {
         /// Writes go unanswered (the connection lost with them in flight) and are kept in
         /// `late`, to land when the test says (a server that went on running them).
         unanswered: std::sync::atomic::AtomicBool,
-        late: std::sync::Mutex<Vec<(u64, bytes::Bytes)>>,
+        /// Unanswered writes land by themselves this long after they were sent, before the
+        /// next read that comes later (None: only when the test says).
+        land_after: std::sync::Mutex<Option<std::time::Duration>>,
+        late: std::sync::Mutex<Vec<(Option<std::time::Instant>, u64, bytes::Bytes)>>,
     }
 
     impl Watched {
         /// The writes that went unanswered land now.
         async fn land_late(&self) {
             let late = std::mem::take(&mut *self.late.lock().unwrap());
-            for (offset, data) in late {
+            for (_, offset, data) in late {
+                self.inner.write_at(offset, data, true).await.unwrap();
+            }
+        }
+
+        /// The unanswered writes whose time has come land now.
+        async fn land_due(&self) {
+            let now = std::time::Instant::now();
+            let due: Vec<_> = {
+                let mut late = self.late.lock().unwrap();
+                let (due, wait) = std::mem::take(&mut *late)
+                    .into_iter()
+                    .partition(|(at, _, _)| at.is_some_and(|at| at <= now));
+                *late = wait;
+                due
+            };
+            for (_, offset, data) in due {
                 self.inner.write_at(offset, data, true).await.unwrap();
             }
         }
@@ -568,6 +608,7 @@ mod tests {
             if self.reads_fail.load(std::sync::atomic::Ordering::SeqCst) {
                 return Err(io_error());
             }
+            self.land_due().await;
             self.inner.read_at(offset, len).await
         }
         async fn write_at(
@@ -585,7 +626,12 @@ mod tests {
                 return Err(io_error());
             }
             if self.unanswered.load(SeqCst) {
-                self.late.lock().unwrap().push((offset, data));
+                let at = self
+                    .land_after
+                    .lock()
+                    .unwrap()
+                    .map(|d| std::time::Instant::now() + d);
+                self.late.lock().unwrap().push((at, offset, data));
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::ConnectionAborted,
                     "no reply to WRITE within 60s",
@@ -627,6 +673,7 @@ mod tests {
             then_unreadable: Default::default(),
             during_zeroing: Default::default(),
             unanswered: Default::default(),
+            land_after: Default::default(),
             late: Default::default(),
         });
         let lun = LunDatastore::open_on(
@@ -824,6 +871,23 @@ mod tests {
         assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["v", "w"]);
         dev.land_late().await;
         assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["w"]);
+    }
+
+    /// A table write that goes unanswered and lands soon after (the server ran it after the
+    /// connection was given up) is found landed: the create succeeds, and the next change
+    /// goes to the other slot, where the late write cannot undo it.
+    #[tokio::test]
+    async fn a_table_write_that_lands_soon_after_going_unanswered_counts_as_landed() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (dev, lun) = watched_lun().await;
+        *dev.land_after.lock().unwrap() = Some(std::time::Duration::from_millis(50));
+        dev.unanswered.store(true, SeqCst);
+        let v = lun.create_volume(&volume("v")).await;
+        dev.unanswered.store(false, SeqCst);
+        v.expect("a create whose table write landed late failed");
+        lun.create_volume(&volume("w")).await.unwrap();
+        dev.land_late().await;
+        assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["v", "w"]);
     }
 
     /// A create whose table write answered an error after landing returns the volume's
