@@ -101,6 +101,9 @@ pub struct EtcdCoordinator {
 /// What the renewal task and the coordinator share.
 struct Session {
     lease: AtomicI64,
+    /// The lease and how many times the fence had closed when it was granted, set together
+    /// ([`DatastoreLock::closes`]).
+    epoch: Mutex<(i64, u64)>,
     host: Mutex<HostRecord>,
     /// Volumes whose vault lock this host holds.
     held: Mutex<BTreeSet<Uuid>>,
@@ -142,6 +145,7 @@ impl EtcdCoordinator {
             ttl: cfg.lease_ttl,
             session: Arc::new(Session {
                 lease: AtomicI64::new(0),
+                epoch: Mutex::new((0, 0)),
                 host: Mutex::new(cfg.host),
                 held: Mutex::new(BTreeSet::new()),
                 retaking: Mutex::new(BTreeSet::new()),
@@ -333,6 +337,9 @@ async fn register(
             host.name
         )));
     }
+    // The fence closed for the lease before this one (if any) already: its count now is the
+    // new lease's epoch.
+    *s.epoch.lock().expect("lock") = (id, s.fence.closes());
     s.lease.store(id, Ordering::Release);
     Ok(sent)
 }
@@ -864,12 +871,15 @@ impl Coordinator for EtcdCoordinator {
         let key = self.key("ds-locks", name);
         let give_up = Instant::now() + DATASTORE_LOCK_WAIT;
         loop {
-            let opts = LockOptions::new().with_lease(self.lease());
+            // The lease and its epoch, read together: a grant is bound to exactly this lease.
+            let (lease, closes) = *self.session.epoch.lock().expect("lock");
+            let opts = LockOptions::new().with_lease(lease);
             match locks.lock(key.clone(), Some(opts)).await {
                 Ok(r) => {
                     return Ok(DatastoreLock {
                         name: name.into(),
                         key: r.key().to_vec(),
+                        closes,
                     })
                 }
                 // Each attempt ends at the request timeout; etcd drops an abandoned waiter. The
@@ -1109,6 +1119,35 @@ mod tests {
         assert_eq!(a.vault(v).await.unwrap(), Some(b_took_it));
         let lock = a.key("vault-locks", &v.to_string());
         assert!(kv.get(lock, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// A datastore lock is bound to the lease it was granted under: one granted before the
+    /// lease was lost is no longer held once it is, even after the host registered again;
+    /// one granted under the new lease is.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_datastore_lock_is_held_only_under_the_lease_it_was_granted_under() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let fence = a.fence();
+        let old = a.lock_datastore("san").await.unwrap();
+        assert!(old.held_under(&fence));
+        lose_lease(&a).await;
+        wait_until("a notices the lost lease", || !old.held_under(&fence)).await;
+        wait_until("a registers again", || fence.allows_writes()).await;
+        assert!(
+            !old.held_under(&fence),
+            "a lock of the lost lease counts as held"
+        );
+        // The old lock went with its lease: the new one is granted at once.
+        let new = tokio::time::timeout(Duration::from_secs(10), a.lock_datastore("san"))
+            .await
+            .expect("the lock of the lost lease is still taken")
+            .unwrap();
+        assert!(
+            new.held_under(&fence),
+            "a lock granted under the new lease does not count as held"
+        );
+        a.unlock_datastore(new).await.unwrap();
     }
 
     /// A volume let go while the lease was gone (its lock went with the lease, so there was

@@ -146,6 +146,19 @@ pub struct DatastoreLock {
     pub name: String,
     /// The coordinator's handle on the lock (etcd's lock key); empty for `local`.
     pub key: Vec<u8>,
+    /// How many times this host's fence had closed ([`Fence::closes`]) when the lease the lock
+    /// was granted under became this host's. The lock is bound to that lease: once the fence
+    /// has closed again the lease may be gone, and the lock with it, though a new lease
+    /// reopens the fence.
+    pub closes: u64,
+}
+
+impl DatastoreLock {
+    /// Whether the lease the lock was granted under is still this host's, never lost: the
+    /// lock can be used only while this holds (the datastore checks the fence from then on).
+    pub fn held_under(&self, fence: &Fence) -> bool {
+        fence.closes() == self.closes
+    }
 }
 
 /// Seconds since the Unix epoch.

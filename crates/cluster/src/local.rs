@@ -272,6 +272,7 @@ impl Coordinator for LocalCoordinator {
         Ok(DatastoreLock {
             name: name.into(),
             key: Vec::new(),
+            closes: self.fence().closes(),
         })
     }
 

@@ -602,12 +602,10 @@ impl Daemon {
     ) -> OpResult<T> {
         // The lock is bound to the lease the request went out under. A grant that comes back
         // after that lease was lost (and the host registered again, reopening its fence) is
-        // no lock at all: another host may hold it. The datastore checks the fence from the
-        // grant on; this covers the wait before it.
-        let fence = self.coord.fence();
-        let closes = fence.closes();
+        // no lock at all: another host may hold it. A grant under the new lease is. The
+        // datastore checks the fence from the grant on; this covers the wait before it.
         let lock = self.coord.lock_datastore(ds).await?;
-        if fence.closes() != closes {
+        if !lock.held_under(&self.coord.fence()) {
             if let Err(e) = self.coord.unlock_datastore(lock).await {
                 warn!("datastore {ds:?}: release metadata lock: {e}");
             }

@@ -29,8 +29,11 @@ struct FailingVault {
     fail_unlocks: AtomicBool,
     unlocked: std::sync::Mutex<Vec<Uuid>>,
     /// The lease is lost, and the host registered again, while a datastore lock is waited
-    /// for (the grant comes back after both).
+    /// for (the grant, under the old lease, comes back after both).
     lease_lost_in_lock_wait: AtomicBool,
+    /// The lease is lost, and the host registered again, before a datastore lock is asked
+    /// for (the grant is under the new lease).
+    lease_renewed_before_lock: AtomicBool,
     /// Vault reads fail; `vault_reads` counts those asked for, failed ones included.
     fail_vault_reads: AtomicBool,
     vault_reads: std::sync::atomic::AtomicU64,
@@ -119,12 +122,19 @@ impl Coordinator for FailingVault {
         self.inner.put_vault(v).await
     }
     async fn lock_datastore(&self, name: &str) -> cluster::Result<DatastoreLock> {
-        if self.lease_lost_in_lock_wait.load(Ordering::SeqCst) {
+        let lose_lease = || {
             let f = self.inner.fence();
             f.close();
             f.extend_to(std::time::Instant::now() + Duration::from_secs(3600));
+        };
+        if self.lease_renewed_before_lock.load(Ordering::SeqCst) {
+            lose_lease();
         }
-        self.inner.lock_datastore(name).await
+        let lock = self.inner.lock_datastore(name).await?;
+        if self.lease_lost_in_lock_wait.load(Ordering::SeqCst) {
+            lose_lease();
+        }
+        Ok(lock)
     }
     async fn unlock_datastore(&self, lock: DatastoreLock) -> cluster::Result<()> {
         self.inner.unlock_datastore(lock).await
@@ -192,6 +202,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_unlocks: AtomicBool::new(false),
         unlocked: Default::default(),
         lease_lost_in_lock_wait: AtomicBool::new(false),
+        lease_renewed_before_lock: AtomicBool::new(false),
         fail_vault_reads: AtomicBool::new(false),
         vault_reads: Default::default(),
     })
@@ -1180,7 +1191,7 @@ async fn one_lun_is_never_two_configured_datastores() {
 
 /// A datastore's metadata lock granted after the lease it was asked under was lost (the host
 /// registered again meanwhile, so its fence is open) is no lock: another host may hold it.
-/// Nothing is created under it.
+/// Nothing is created under it. A lock asked for under the new lease is used.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_datastore_lock_granted_across_a_lost_lease_is_not_used() {
     let dir = TempDir::new("lock-lease");
@@ -1206,7 +1217,12 @@ async fn a_datastore_lock_granted_across_a_lost_lease_is_not_used() {
         "the volume's storage was made"
     );
     coord.lease_lost_in_lock_wait.store(false, Ordering::SeqCst);
-    create().await.unwrap();
+    coord
+        .lease_renewed_before_lock
+        .store(true, Ordering::SeqCst);
+    create()
+        .await
+        .expect("a lock granted under the lease the host holds now was refused");
     assert!(dir.0.join("ds/v.raw").exists());
 }
 
