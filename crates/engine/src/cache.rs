@@ -472,10 +472,9 @@ impl Recovered {
     }
 }
 
-/// State shared by the host and its volumes.
 /// Records pinned so that their segments stay while they are used, unpinned when dropped:
-/// a read or append whose future is dropped midway (its task aborted) or that panics gives
-/// them back. (An append's record is pinned by [`Log::append`] itself.)
+/// a read, an append or a write whose future is dropped midway (its task aborted) or that
+/// panics gives them back. (An append's record is pinned by [`Log::append`] itself.)
 struct Pins {
     log: Arc<Log>,
     locs: Vec<Loc>,
@@ -494,14 +493,17 @@ impl Pins {
         self.locs.push(loc);
     }
 
+    /// One more pin of `loc`, already pinned here, in a guard of its own: for a blocking
+    /// read of the record that may outlive this guard's future.
+    fn again(&self, loc: Loc) -> Pins {
+        let mut p = Pins::new(&self.log);
+        p.pin(loc);
+        p
+    }
+
     /// Takes over the pins of `other`.
     fn absorb(&mut self, mut other: Pins) {
         self.locs.append(&mut other.locs);
-    }
-
-    /// Leaves the pins in place, for the caller to release.
-    fn keep(mut self) {
-        self.locs.clear();
     }
 }
 
@@ -513,6 +515,7 @@ impl Drop for Pins {
     }
 }
 
+/// State shared by the host and its volumes.
 struct Shared {
     log: Arc<Log>,
     /// Every attached volume, for evictions that must look beyond the one asking.
@@ -1663,8 +1666,9 @@ impl VolCache {
     }
 
     /// Appends the records of one write (parts as [`split`] cuts it), making room
-    /// in the volume's share first. The records come back pinned (see `Log::append`): the
-    /// caller releases them with [`VolCache::unpin_all`] once it has referenced them.
+    /// in the volume's share first. The records come back pinned (see `Log::append`), in
+    /// the guard that comes with them: the caller drops it once it has referenced them
+    /// (or, its future dropped, without).
     async fn append_write(
         &self,
         kind: Kind,
@@ -1673,12 +1677,11 @@ impl VolCache {
         offset: u64,
         len: u64,
         data: Option<&Bytes>,
-    ) -> Result<Vec<Part>, Error> {
+    ) -> Result<(Vec<Part>, Pins), Error> {
         let split = self.shared.parts(kind.has_payload(), len);
         let parts = split.len() as u64;
         let mut out = Vec::with_capacity(split.len());
-        // The parts' pins until they are returned: a future dropped midway, or an error,
-        // releases them.
+        // The parts' pins: a future dropped midway, or an error, releases them.
         let mut pins = Pins::new(&self.shared.log);
         for (i, (poff, plen)) in (0u64..).zip(split) {
             let e = Entry {
@@ -1762,15 +1765,7 @@ impl VolCache {
                 }
             }
         }
-        pins.keep();
-        Ok(out)
-    }
-
-    /// Releases the pins `append_write` returned its records with.
-    fn unpin_all(&self, recs: &[Part]) {
-        for p in recs {
-            self.shared.log.unpin(&p.loc);
-        }
+        Ok((out, pins))
     }
 
     /// Evicts this volume's least recently used clean segment. True if one was evicted.
@@ -1926,7 +1921,7 @@ impl VolCache {
                 // before the local append, which may block this thread, runs. The two then
                 // overlap instead of adding up.
                 let (remote, recs) = tokio::join!(remote, local);
-                let recs = recs?;
+                let (recs, pins) = recs?;
                 {
                     let mut st = lock(&self.st);
                     for p in &recs {
@@ -1940,7 +1935,7 @@ impl VolCache {
                 }
                 // Staged: its records count as dirty now.
                 drop(reservation.take());
-                self.unpin_all(&recs);
+                drop(pins);
                 if let (Err(e), Some(p)) = (remote, &peers) {
                     // The write is staged, but it must not complete (nor let a later write
                     // complete, nor be destaged) while a peer that lacks it could still
@@ -2011,17 +2006,19 @@ impl VolCache {
         let cache_ok = !self.shared.log.is_failed();
         let cache = async {
             if !cache_ok || kind == Kind::Zero {
-                return Ok(Vec::new());
+                return Ok((Vec::new(), None));
             }
             self.append_write(Kind::Fill, ser, gen, offset, len, data.as_ref())
                 .await
+                .map(|(recs, pins)| (recs, Some(pins)))
         };
         let (ds, cache) = tokio::join!(ds, cache);
         let mut st = lock(&self.st);
         // No room is not a failure: the range just is not cached (invalidated below).
-        let cache = match cache {
-            Err(Error::NoRoom) => Ok(Vec::new()),
-            other => other,
+        let (cache, pins) = match cache {
+            Err(Error::NoRoom) => (Ok(Vec::new()), None),
+            Err(e) => (Err(e), None),
+            Ok((recs, pins)) => (Ok(recs), pins),
         };
         match (&ds, &cache) {
             (Ok(()), Ok(recs)) if !recs.is_empty() => {
@@ -2045,9 +2042,7 @@ impl VolCache {
             }
         }
         drop(st);
-        if let Ok(recs) = &cache {
-            self.unpin_all(recs);
-        }
+        drop(pins);
         ds.map_err(Error::Datastore)
     }
 
@@ -2264,9 +2259,15 @@ impl VolCache {
                 ) => {
                     if let std::collections::hash_map::Entry::Vacant(slot) = records.entry(l) {
                         let log = self.shared.log.clone();
+                        // The device read goes on if this future is dropped: it keeps the
+                        // segment until it ends.
+                        let keep = pins.again(l);
                         match blocking(move || {
-                            log.read(&l)
-                                .map_err(|e| std::io::Error::other(e.to_string()))
+                            let r = log
+                                .read(&l)
+                                .map_err(|e| std::io::Error::other(e.to_string()));
+                            drop(keep);
+                            r
                         })
                         .await
                         {
@@ -2343,7 +2344,7 @@ impl VolCache {
             return;
         }
         let len = data.len() as u64;
-        let Ok(recs) = self
+        let Ok((recs, pins)) = self
             .append_write(Kind::Fill, 0, 0, offset, len, Some(&data))
             .await
         else {
@@ -2368,7 +2369,7 @@ impl VolCache {
             }
         }
         drop(st);
-        self.unpin_all(&recs);
+        drop(pins);
     }
 
     /// Stops destaging (no window starts; one in flight is waited out), so the volume's
