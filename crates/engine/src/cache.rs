@@ -230,6 +230,9 @@ struct VolState {
     index: ExtentMap<Ix>,
     staged: VecDeque<StagedWrite>,
     dirty_bytes: u64,
+    /// The part of `dirty_bytes` that zeroed (trimmed) ranges cover: each goes to the
+    /// datastore as one request, whatever its length.
+    dirty_zero_bytes: u64,
     /// What the dirty records occupy in the log, headers included: what admission counts,
     /// since small writes cost the log up to twice their size.
     dirty_log_bytes: u64,
@@ -1273,6 +1276,7 @@ impl VolCache {
                 index: ExtentMap::new(),
                 staged: VecDeque::new(),
                 dirty_bytes: 0,
+                dirty_zero_bytes: 0,
                 dirty_log_bytes: 0,
                 reserved_log_bytes: 0,
                 evictions: 0,
@@ -1437,6 +1441,9 @@ impl VolCache {
             .map_or(0, |i| i + 1);
         st.staged.insert(at, w);
         st.dirty_bytes += len;
+        if src == IxSrc::Zero {
+            st.dirty_zero_bytes += len;
+        }
         st.dirty_log_bytes += log_bytes(src, len);
     }
 
@@ -1473,6 +1480,7 @@ impl VolCache {
             self.shared.log.unpin(&w.rec);
         }
         st.dirty_bytes = 0;
+        st.dirty_zero_bytes = 0;
         st.dirty_log_bytes = 0;
     }
 
@@ -1493,7 +1501,10 @@ impl VolCache {
         let lat = lock(&self.ds_latency).get().unwrap_or(0.0);
         Signals {
             dirty_writes: st.staged.len() as u64,
-            dirty_bytes: st.dirty_bytes,
+            // What the destager must move: a zeroed range is one request (counted among
+            // the writes), not its length. Otherwise a large TRIM (mkfs, fstrim) would put
+            // the pressure at its maximum until it was destaged.
+            dirty_bytes: st.dirty_bytes - st.dirty_zero_bytes,
             write_latency: Duration::from_secs_f64(lat.max(0.0)),
             destage_bytes_per_s: lock(&self.destage_bps).get().unwrap_or(0.0),
             queue_depth: self.store.gate().queue_depth(),
@@ -2547,6 +2558,9 @@ impl VolCache {
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");
             st.dirty_bytes -= w.w.len;
+            if matches!(w.w.source, Source::Zero) {
+                st.dirty_zero_bytes -= w.w.len;
+            }
             st.dirty_log_bytes -= log_bytes_of(&w.w.source, w.w.len);
             self.shared.log.unpin(&w.rec);
         }
