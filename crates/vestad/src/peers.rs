@@ -51,8 +51,10 @@ struct Backoff {
 }
 
 impl Backoff {
-    /// The wait after one more failure at `now`, following `prev` (None: the first).
+    /// The wait after one more failure at `now`, following `prev` (None: the first). A
+    /// failure long after the last one was due starts again from the first wait.
     fn after_failure(prev: Option<Backoff>, now: Instant) -> Backoff {
+        let prev = prev.filter(|b| now < b.next + CHANGE_RETRY_MAX);
         let wait = prev.map_or(CHANGE_RETRY_FIRST, |b| (b.wait * 2).min(CHANGE_RETRY_MAX));
         Backoff {
             next: now + wait,
@@ -797,10 +799,12 @@ pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()
         let Ok(v) = &e.volume else { continue };
         let want = e.wanted();
         if !matches!(want, Policy::Wbp { .. }) {
+            d.peers.change_settled(e.record.id);
             continue;
         }
         let Some(c) = v.cache() else { continue };
         if c.replicating() && v.policy() == want && !c.cache_failed() {
+            d.peers.change_settled(e.record.id);
             d.peers.note(&e.record.name, None);
             if let Some(p) = c.peers() {
                 p.keep_alive();
@@ -810,7 +814,8 @@ pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()
         if c.report().replaying {
             continue; // offline replay first
         }
-        if !d.peers.change_due(e.record.id) {
+        // A failed cache device goes to its hand-off at once, whatever failed before.
+        if !c.cache_failed() && !d.peers.change_due(e.record.id) {
             continue;
         }
         // Each volume on its own task: a drain that takes long (a slow or failed datastore)
@@ -1923,7 +1928,8 @@ mod tests {
     use super::*;
 
     /// The wait starts at CHANGE_RETRY_FIRST, doubles with each failure, stops growing at
-    /// CHANGE_RETRY_MAX, and counts from the failure it follows.
+    /// CHANGE_RETRY_MAX, counts from the failure it follows, and starts over after a while
+    /// without failures.
     #[test]
     fn a_peer_change_waits_longer_after_each_failure_up_to_a_limit() {
         let t0 = Instant::now();
@@ -1934,8 +1940,9 @@ mod tests {
         assert!(first.due(t0 + CHANGE_RETRY_FIRST));
         let mut b = first;
         let mut waits = vec![b.wait];
-        for i in 1..12u32 {
-            let now = t0 + Duration::from_secs(u64::from(i) * 100);
+        for _ in 1..12u32 {
+            // Failing again as soon as it is due.
+            let now = b.next;
             b = Backoff::after_failure(Some(b), now);
             assert_eq!(b.next, now + b.wait);
             waits.push(b.wait);
@@ -1945,6 +1952,14 @@ mod tests {
             .all(|w| w[1] == (w[0] * 2).min(CHANGE_RETRY_MAX)));
         assert_eq!(*waits.last().unwrap(), CHANGE_RETRY_MAX);
         assert!(waits.iter().all(|w| *w <= CHANGE_RETRY_MAX));
+        // Long after the last was due, a failure starts over.
+        let later = b.next + CHANGE_RETRY_MAX;
+        assert_eq!(
+            Backoff::after_failure(Some(b), later).wait,
+            CHANGE_RETRY_FIRST
+        );
+        let soon = b.next + CHANGE_RETRY_MAX - Duration::from_millis(1);
+        assert_eq!(Backoff::after_failure(Some(b), soon).wait, CHANGE_RETRY_MAX);
     }
 
     /// A surrogate replay goes on over a vault its owner or an earlier surrogate replay
