@@ -337,8 +337,11 @@ async fn register(
             host.name
         )));
     }
-    // The fence closed for the lease before this one (if any) already: its count now is the
-    // new lease's epoch.
+    // Each lease its own epoch. The fence is closed here (not yet opened, or closed when
+    // the lease before was lost), so one more close changes only the count: without it a
+    // registration that replaced one whose re-taking failed (`reregister`) would share its
+    // epoch, and a datastore lock granted under that abandoned lease would count as held.
+    s.fence.close();
     *s.epoch.lock().expect("lock") = (id, s.fence.closes());
     s.lease.store(id, Ordering::Release);
     Ok(sent)
