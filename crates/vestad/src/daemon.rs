@@ -320,24 +320,106 @@ impl Daemon {
                 .expect("lock")
                 .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
         }
+        let stores: Vec<Arc<dyn Datastore>> = d
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .filter_map(|e| e.store.as_ref().ok().cloned())
+            .collect();
+        // First what relocations cut short left behind: otherwise, once its volume is
+        // deleted, such a copy would be imported below as a volume of its own.
+        for s in &stores {
+            d.free_leftover_copies(s).await;
+        }
         // A crash between a create's storage and its record leaves storage no record knows
         // (a LUN table entry, a tagged image), holding the name and the space. With one host
         // nothing else can be creating meanwhile, so it is imported as when its datastore is
         // added again: listed, and deletable. (In a cluster another host may be between the
         // two steps of a create right now.)
         if d.coord.kind() == "local" {
-            let stores: Vec<Arc<dyn Datastore>> = d
-                .datastores
-                .read()
-                .expect("lock")
-                .values()
-                .filter_map(|e| e.store.as_ref().ok().cloned())
-                .collect();
             for s in &stores {
                 d.import_recorded_volumes(s, true).await;
             }
         }
         Ok(d)
+    }
+
+    /// Frees the copies of volume `rec` on datastores other than its own: what relocations
+    /// cut short left behind (see [`Daemon::relocate`]).
+    async fn free_copies_elsewhere(&self, rec: &VolumeRecord) {
+        let stores: Vec<(String, Arc<dyn Datastore>)> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .iter()
+            .filter(|(n, _)| **n != rec.datastore)
+            .filter_map(|(n, e)| Some((n.clone(), e.store.as_ref().ok()?.clone())))
+            .collect();
+        for (here, store) in stores {
+            let Ok(found) = store.recorded_volumes().await else {
+                continue;
+            };
+            for v in found.iter().filter(|v| v.id == rec.id) {
+                let freed = self.ds_locked(&here, async { Ok(store.delete_volume(v).await?) });
+                match freed.await {
+                    Ok(()) => info!(
+                        "volume {:?}: freed the copy an interrupted relocation left on \
+                         datastore {here:?}",
+                        rec.name
+                    ),
+                    Err(e) => warn!(
+                        "volume {:?}: the copy an interrupted relocation left on datastore \
+                         {here:?} could not be freed: {e}",
+                        rec.name
+                    ),
+                }
+            }
+        }
+    }
+
+    /// Frees, at start-up, the copies that relocations of this host's volumes left on
+    /// `store` when a crash cut them short: a copy of a volume whose record names another
+    /// datastore is either a copy not finished (the record never switched to it) or the
+    /// source the switch left behind (the volume lives where the record says). Nothing of
+    /// this host's is relocating yet; another host's volumes are its own to look after.
+    async fn free_leftover_copies(&self, store: &Arc<dyn Datastore>) {
+        let Ok(found) = store.recorded_volumes().await else {
+            return;
+        };
+        if found.is_empty() {
+            return;
+        }
+        let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
+            return;
+        };
+        let here = store.spec().name.clone();
+        let mine = |r: &VolumeRecord| {
+            self.coord.kind() == "local" || r.owner.as_deref() == Some(self.coord.host())
+        };
+        for v in &found {
+            let Some(r) = recorded.iter().find(|r| r.id == v.id) else {
+                continue;
+            };
+            if r.datastore == here || !mine(r) {
+                continue;
+            }
+            let freed = self.ds_locked(&here, async { Ok(store.delete_volume(v).await?) });
+            match freed.await {
+                Ok(()) => warn!(
+                    "datastore {here:?} held a copy of volume {:?} ({}) left by a relocation \
+                     that a crash cut short; the volume lives on {:?}: freed the copy",
+                    r.name,
+                    api::format_size(v.size),
+                    r.datastore
+                ),
+                Err(e) => warn!(
+                    "datastore {here:?} holds a copy of volume {:?} left by a relocation that \
+                     a crash cut short (the volume lives on {:?}); it could not be freed: {e}",
+                    r.name, r.datastore
+                ),
+            }
+        }
     }
 
     /// Adds a datastore from the config unless another host added it meanwhile (then its
@@ -1405,8 +1487,9 @@ impl Daemon {
     /// The volume must have no clients and no dirty data. It stops serving (new connections
     /// are refused with "not found" meanwhile), its bytes are copied and flushed, then the
     /// record is switched and the old storage freed. A crash before the switch leaves the
-    /// volume where it was (and an orphan copy on the target, logged); after it, the volume
-    /// is on the target (and its old storage may be left behind, logged). Data is never in
+    /// volume where it was, and an orphan copy on the target; after it, the volume is on the
+    /// target, and its old storage may be left behind. The next start frees either
+    /// ([`Daemon::free_leftover_copies`]), as does a relocation to the target. Data is never in
     /// only one half-written place.
     pub async fn relocate(&self, name: &str, req: api::Relocate) -> OpResult<api::VolumeInfo> {
         if !req.offline {
@@ -1641,7 +1724,8 @@ impl Daemon {
         });
         if let Err(e) = freed.await {
             warn!(
-                "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not be freed: {e}"
+                "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not \
+                 be freed: {e}; the next start of vestad, or the volume's delete, frees it"
             );
         }
         info!(
@@ -1749,6 +1833,10 @@ impl Daemon {
                  leaving its storage there (--force)"
             ),
         }
+        // Copies that relocations cut short left elsewhere go too, while the record still
+        // names the volume: without it, a later start would take such a copy for a create
+        // cut short and import it under this name.
+        self.free_copies_elsewhere(&entry.record).await;
         // Only now, with the storage gone, may what the cache holds for it go too.
         if let Ok(v) = &entry.volume {
             v.detach_cache().await;

@@ -1307,3 +1307,46 @@ async fn a_failed_fall_back_from_broken_peers_waits_before_it_is_tried_again() {
     assert_eq!(vault.policy, Policy::Wt);
     assert!(vault.peers.is_empty());
 }
+
+/// A copy that a relocation cut short by a crash left on another datastore (one the record
+/// never switched to) is freed at the next start, and the volume goes on serving from where
+/// its record says. A copy left while the daemon runs goes with the volume's delete: no later
+/// start imports it as a volume of its own, a deleted volume coming back with old data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_left_by_interrupted_relocations_are_freed_and_never_come_back() {
+    let dir = TempDir::new("leftover");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    create_v(&d, "wt").await;
+    let v = volume(&d, "v");
+    assert!(writes(&v, Duration::from_secs(5)).await);
+    d.flush_all().await;
+    let rec = d.entry("v").unwrap().record.clone();
+    let copy = dir.0.join("ds2/v.raw");
+    let leave_copy = |d: &Daemon| {
+        let other = d.store("other").unwrap();
+        let spec = rec.spec();
+        async move { other.create_volume(&spec).await.unwrap() }
+    };
+    leave_copy(&d).await;
+    assert!(copy.exists());
+    drop(v);
+    drop(d);
+
+    let d = start(&dir, &coord).await;
+    assert!(
+        !copy.exists(),
+        "the copy a relocation left survived a start"
+    );
+    let v = volume(&d, "v");
+    let got = v.read(0, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 9), "the volume lost its data");
+    drop(v);
+
+    leave_copy(&d).await;
+    d.delete_volume("v", false).await.unwrap();
+    assert!(!copy.exists(), "the delete left the copy");
+    drop(d);
+    let d = start(&dir, &coord).await;
+    assert!(d.entry("v").is_err(), "a deleted volume came back");
+}
