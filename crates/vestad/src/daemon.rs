@@ -345,6 +345,37 @@ impl Daemon {
         Ok(d)
     }
 
+    /// Undoes a create that failed after its record was made: nothing may stay behind. The
+    /// record goes first, then the storage. If the record cannot be removed, the storage is
+    /// kept and the volume listed here, not open, so that `vesta volume delete` removes both
+    /// (otherwise the record would name this host and no entry here would answer for it).
+    async fn undo_recorded_create(
+        &self,
+        rec: &VolumeRecord,
+        store: &Arc<dyn Datastore>,
+        why: String,
+    ) {
+        if let Err(e) = self.coord.delete_volume(&rec.name).await {
+            warn!(
+                "volume {:?}: its create failed ({why}) and its record could not be removed \
+                 ({e}); listed, not open: `vesta volume delete {}` removes it",
+                rec.name, rec.name
+            );
+            let entry = VolumeEntry::new(rec.clone(), Err(format!("{why}; delete it")));
+            self.volumes
+                .write()
+                .expect("lock")
+                .insert(rec.name.clone(), Arc::new(entry));
+            return;
+        }
+        let undo = self.ds_locked(&rec.datastore, async {
+            Ok(store.delete_volume(&rec.spec()).await?)
+        });
+        if let Err(e) = undo.await {
+            warn!("rollback of volume {:?} failed: {e}", rec.name);
+        }
+    }
+
     /// Frees the copies of volume `rec` on datastores other than its own: what relocations
     /// cut short left behind (see [`Daemon::relocate`]).
     async fn free_copies_elsewhere(&self, rec: &VolumeRecord) {
@@ -1335,21 +1366,41 @@ impl Daemon {
             })
             .await?;
         if let Err(e) = self.coord.create_volume(rec.clone()).await {
-            // Roll back so the datastore holds nothing the coordinator does not know.
-            let undo = self.ds_locked(&ds_name, async {
-                Ok(store.delete_volume(&rec.spec()).await?)
-            });
-            if let Err(e2) = undo.await {
-                warn!("rollback of volume {:?} failed: {e2}", rec.name);
+            // The coordinator may have made the record and lost only its answer: look.
+            match self.coord.state().await {
+                Ok(s) if s.volumes.iter().any(|r| r.id == rec.id) => {
+                    warn!(
+                        "volume {:?}: recording it answered an error ({e}), but the record is \
+                         there; going on",
+                        rec.name
+                    );
+                }
+                Ok(_) => {
+                    // Roll back so the datastore holds nothing the coordinator does not know.
+                    let undo = self.ds_locked(&ds_name, async {
+                        Ok(store.delete_volume(&rec.spec()).await?)
+                    });
+                    if let Err(e2) = undo.await {
+                        warn!("rollback of volume {:?} failed: {e2}", rec.name);
+                    }
+                    return Err(e.into());
+                }
+                Err(e2) => {
+                    // Freeing the storage could leave a record without it; keeping it can at
+                    // worst leave storage without a record (imported at the next start with
+                    // one host).
+                    return Err(OpError::Unavailable(format!(
+                        "volume {:?}: recording it failed ({e}), and whether the record was \
+                         made cannot be read ({e2}); its storage on {ds_name:?} is kept. Run \
+                         `vesta volume list`: if the volume is listed, delete it, then create \
+                         it again",
+                        rec.name
+                    )));
+                }
             }
-            return Err(e.into());
         }
         if let Err(e) = self.coord.lock_vault(rec.id).await {
-            let _ = self.coord.delete_volume(&rec.name).await;
-            let undo = self.ds_locked(&ds_name, async {
-                Ok(store.delete_volume(&rec.spec()).await?)
-            });
-            let _ = undo.await;
+            self.undo_recorded_create(&rec, &store, e.to_string()).await;
             return Err(e.into());
         }
         let volume = match Volume::open(
@@ -1362,15 +1413,9 @@ impl Daemon {
         ) {
             Ok(v) => Arc::new(v),
             Err(e) => {
-                // Nothing may stay behind: neither the record nor the storage.
-                let _ = self.coord.delete_volume(&rec.name).await;
-                let undo = self.ds_locked(&ds_name, async {
-                    Ok(store.delete_volume(&rec.spec()).await?)
-                });
-                let _ = undo.await;
-                return Err(OpError::Unavailable(format!(
-                    "cannot open the new volume: {e}"
-                )));
+                let why = format!("cannot open the new volume: {e}");
+                self.undo_recorded_create(&rec, &store, why.clone()).await;
+                return Err(OpError::Unavailable(why));
             }
         };
         self.record_vault(&rec, &volume).await;

@@ -21,6 +21,8 @@ struct FailingVault {
     locked_by: std::sync::Mutex<Option<String>>,
     /// Volume record updates are made, but answered with an error (a lost answer).
     lose_update_answers: AtomicBool,
+    /// Volume records are created, but answered with an error (a lost answer).
+    lose_create_answers: AtomicBool,
     /// Volume record deletes fail.
     fail_deletes: AtomicBool,
     /// Volume record updates fail (nothing is written).
@@ -54,7 +56,13 @@ impl Coordinator for FailingVault {
         self.inner.update_datastore(d).await
     }
     async fn create_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
-        self.inner.create_volume(v).await
+        self.inner.create_volume(v).await?;
+        if self.lose_create_answers.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: the answer was lost (injected)".into(),
+            ));
+        }
+        Ok(())
     }
     async fn update_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
         if self.fail_updates.load(Ordering::SeqCst) {
@@ -197,6 +205,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_vault: AtomicBool::new(false),
         locked_by: Default::default(),
         lose_update_answers: AtomicBool::new(false),
+        lose_create_answers: AtomicBool::new(false),
         fail_deletes: AtomicBool::new(false),
         fail_updates: AtomicBool::new(false),
         fail_unlocks: AtomicBool::new(false),
@@ -1349,4 +1358,58 @@ async fn copies_left_by_interrupted_relocations_are_freed_and_never_come_back() 
     drop(d);
     let d = start(&dir, &coord).await;
     assert!(d.entry("v").is_err(), "a deleted volume came back");
+}
+
+/// A create whose record was made but whose answer was lost goes on: the volume serves, and
+/// its storage is not freed under the record that names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_recording_lost_its_answer_goes_on() {
+    let dir = TempDir::new("create-lost");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    coord.lose_create_answers.store(true, Ordering::SeqCst);
+    create_v(&d, "wt").await;
+    coord.lose_create_answers.store(false, Ordering::SeqCst);
+    assert!(dir.0.join("ds/v.raw").exists(), "the storage was freed");
+    assert!(writes(&volume(&d, "v"), Duration::from_secs(5)).await);
+    let recorded = coord.state().await.unwrap().volumes;
+    assert!(recorded.iter().any(|r| r.name == "v"));
+}
+
+/// A create that fails after its record was made, and whose record then cannot be removed,
+/// keeps its storage and lists the volume here, so that a delete on this host removes both.
+/// Before, the storage was freed and nothing here answered for the record: a delete said
+/// "served by host local; run the command against that host", and a create "already exists".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_undone_only_in_part_can_be_deleted() {
+    let dir = TempDir::new("create-undo");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    *coord.locked_by.lock().unwrap() = Some("b".into());
+    coord.fail_deletes.store(true, Ordering::SeqCst);
+    let e = d
+        .create_volume(api::CreateVolume {
+            name: "v".into(),
+            size: 1 << 20,
+            datastore: Some("default".into()),
+            policy: Some("wt".into()),
+            hold_s: None,
+            max_dirty_age_s: None,
+            rpo_s: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("held by host"), "{e}");
+    *coord.locked_by.lock().unwrap() = None;
+    coord.fail_deletes.store(false, Ordering::SeqCst);
+    assert!(
+        dir.0.join("ds/v.raw").exists(),
+        "storage freed under a record"
+    );
+    d.delete_volume("v", false)
+        .await
+        .expect("the half-undone create cannot be deleted");
+    assert!(!dir.0.join("ds/v.raw").exists());
+    assert!(coord.state().await.unwrap().volumes.is_empty());
+    create_v(&d, "wt").await;
 }
