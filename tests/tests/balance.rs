@@ -496,9 +496,15 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
     );
     assert!(before == contents(&url, &dir, "after-crash"));
 
-    // The retry removes the interrupted copy and completes.
+    // The start freed the interrupted copy (the record never named it); the retry then
+    // completes.
+    assert!(
+        v.log()
+            .contains("left by a relocation that a crash cut short; the volume lives on \"src\""),
+        "the start did not free the interrupted copy"
+    );
     v.vesta_ok(&["volume", "relocate", "k", "--datastore", "dst", "--offline"]);
-    assert!(v
+    assert!(!v
         .log()
         .contains("stale copy from an interrupted relocation"));
     assert_eq!(v.vesta_json(&["volume", "show", "k"])["datastore"], "dst");
