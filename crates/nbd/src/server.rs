@@ -1136,6 +1136,12 @@ fn transmission<X: ExportSet>(
             }),
         };
         let data = if req.kind == proto::CMD_WRITE {
+            // A payload not here yet may take long to come (a large write on a slow link, a
+            // client that sends it only once it has its answers): the replies written so far
+            // go first, as before a header.
+            if rd.buffer().len() < req.len as usize {
+                send_buffered(&out, &mut unflushed);
+            }
             match read_payload(&mut rd, req.len as usize) {
                 Ok(buf) => Some(Bytes::from(buf)),
                 Err(e) => break End::Io(e),
@@ -1766,6 +1772,35 @@ mod budget_tests {
         s.read_exact(&mut h).await.unwrap();
         assert_eq!(proto::be32(&h[0..4]), proto::SIMPLE_REPLY_MAGIC);
         (proto::be64(&h[8..16]), proto::be32(&h[4..8]))
+    }
+
+    /// A reply completed inline is sent before the connection waits for the rest of a
+    /// WRITE's payload: a client may send it only once it has its earlier answers.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reply_is_sent_before_the_connection_waits_for_a_payload() {
+        use tokio::io::AsyncWriteExt as _;
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("payload", shared);
+        let mut s = raw_client(&uri("ok")).await;
+        let mut reqs = request(proto::CMD_WRITE, 1, 0, 4096);
+        let second = request(proto::CMD_WRITE, 2, 4096, 64 << 10);
+        // The second WRITE's header and half its payload.
+        let half = proto::REQUEST_LEN + (32 << 10);
+        reqs.extend_from_slice(&second[..half]);
+        s.write_all(&reqs).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), reply_cookie(&mut s))
+            .await
+            .expect(
+                "the first WRITE's reply was held back while the connection waited for a payload",
+            );
+        assert_eq!(answer, (1, 0));
+        s.write_all(&second[half..]).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), reply_cookie(&mut s))
+            .await
+            .expect("no reply to the second WRITE");
+        assert_eq!(answer, (2, 0));
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A client that stops reading its replies is disconnected once a reply has waited out
