@@ -816,6 +816,35 @@ impl CacheHost {
             .map_err(log_err)
     }
 
+    /// Drops what recovery kept of volume `id`, which never attached and is gone (deleted
+    /// with its storage): its records are released and erased from the log, as
+    /// [`CacheHost::detach`] does for an attached volume. Otherwise they stay pinned, their
+    /// segments lost to every volume, until the next start. Replicas this host holds for
+    /// another host's volume are not touched. An error means the cache device failed.
+    pub async fn drop_recovered(&self, id: Uuid) -> Result<(), Error> {
+        let r = {
+            let mut rec = lock(&self.recovered);
+            if rec.get(&id).is_none_or(|r| r.replica) {
+                return Ok(());
+            }
+            rec.remove(&id).expect("present")
+        };
+        if !r.writes.is_empty() {
+            warn!(
+                "dropping {} dirty write(s) of deleted volume {id} from the cache log",
+                r.writes.len()
+            );
+        }
+        for s in r.writes.iter().flatten() {
+            self.shared.log.unpin(&s.loc);
+        }
+        let log = self.shared.log.clone();
+        blocking(move || Ok(log.erase(id)))
+            .await
+            .map_err(|e| Error::Cache(format!("erase the volume's records: {e}")))?
+            .map_err(log_err)
+    }
+
     /// Ends start-up recovery once the volumes the coordinator knows have opened. Dirty data
     /// of volumes in `keep` that have not attached yet (their datastore is down) stays claimed
     /// until they do; dirty data of volumes that no longer exist is reported and released.

@@ -168,3 +168,39 @@ async fn a_switch_the_log_refuses_changes_nothing() {
     assert_eq!((after.mode.as_str(), after.gen), ("wt", before.gen));
     assert_ne!(vol.policy(), Policy::Wb);
 }
+
+/// Dirty data of a volume that never opened (its datastore down) is kept for it; once the
+/// volume is deleted, dropping it releases its segments at once and erases its records, so
+/// that no later start finds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_volume_that_never_opened_leaves_nothing_in_the_log() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let id = Uuid::new_v4();
+    {
+        let (_host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
+        vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
+            .await
+            .unwrap();
+    }
+    cache.power_loss(|_, _| Fate::Kept);
+
+    let host = CacheHost::open(cache.clone(), SEG).unwrap();
+    host.finish_recovery(&[id]).unwrap();
+    assert!(
+        host.log().segments_of(id) > 0,
+        "the dirty data was not kept"
+    );
+    host.drop_recovered(id).await.unwrap();
+    assert_eq!(
+        host.log().segments_of(id),
+        0,
+        "the deleted volume's segments are still held"
+    );
+    drop(host);
+    let host = CacheHost::open(cache.clone(), SEG).unwrap();
+    assert!(
+        host.recovered_volumes().iter().all(|(v, _, _)| *v != id),
+        "a later start found the deleted volume's records"
+    );
+}

@@ -1885,6 +1885,11 @@ impl Daemon {
         // Only now, with the storage gone, may what the cache holds for it go too.
         if let Ok(v) = &entry.volume {
             v.detach_cache().await;
+        } else if let Some(c) = &self.cache {
+            // Never opened: what recovery kept of it (dirty data it could not replay).
+            if let Err(e) = c.drop_recovered(entry.record.id).await {
+                warn!("volume {name:?}: release its records in the cache log: {e}");
+            }
         }
         if let Err(e) = self.coord.delete_volume(name).await {
             // The storage is gone and the record is not: listed again, not open (as a start
