@@ -229,6 +229,9 @@ const REOPEN_WAIT: Duration = Duration::from_secs(110);
 /// How long a datastore add waits for an existing `dir` datastore to answer whether it is
 /// the same directory.
 const SAME_DIR_WAIT: Duration = Duration::from_secs(2);
+/// Longest a datastore may take to list its volumes when a start or a delete looks for copies
+/// that interrupted relocations left there.
+const LEFTOVER_LIST_WAIT: Duration = Duration::from_secs(10);
 
 impl Daemon {
     /// Opens every datastore and volume the coordinator records, adding configured datastores
@@ -346,9 +349,8 @@ impl Daemon {
     }
 
     /// Undoes a create that failed after its record was made: nothing may stay behind. The
-    /// record goes first, then the storage. If the record cannot be removed, the storage is
-    /// kept and the volume listed here, not open, so that `vesta volume delete` removes both
-    /// (otherwise the record would name this host and no entry here would answer for it).
+    /// record goes first, then the storage. If the record may still be there, the storage is
+    /// kept and the volume listed here, not open ([`Daemon::keep_for_delete`]).
     async fn undo_recorded_create(
         &self,
         rec: &VolumeRecord,
@@ -356,17 +358,20 @@ impl Daemon {
         why: String,
     ) {
         if let Err(e) = self.coord.delete_volume(&rec.name).await {
-            warn!(
-                "volume {:?}: its create failed ({why}) and its record could not be removed \
-                 ({e}); listed, not open: `vesta volume delete {}` removes it",
-                rec.name, rec.name
-            );
-            let entry = VolumeEntry::new(rec.clone(), Err(format!("{why}; delete it")));
-            self.volumes
-                .write()
-                .expect("lock")
-                .insert(rec.name.clone(), Arc::new(entry));
-            return;
+            // The answer may be what was lost: look.
+            let gone = match self.coord.state().await {
+                Ok(s) => !s.volumes.iter().any(|r| r.id == rec.id),
+                Err(_) => false,
+            };
+            if !gone {
+                warn!(
+                    "volume {:?}: its create failed ({why}) and its record could not be \
+                     removed ({e})",
+                    rec.name
+                );
+                self.keep_for_delete(rec, &why);
+                return;
+            }
         }
         let undo = self.ds_locked(&rec.datastore, async {
             Ok(store.delete_volume(&rec.spec()).await?)
@@ -376,22 +381,112 @@ impl Daemon {
         }
     }
 
-    /// Frees the copies of volume `rec` on datastores other than its own: what relocations
-    /// cut short left behind (see [`Daemon::relocate`]).
-    async fn free_copies_elsewhere(&self, rec: &VolumeRecord) {
-        let stores: Vec<(String, Arc<dyn Datastore>)> = self
-            .datastores
+    /// Whether datastores `a` and `b` are provably different storage, so that freeing a copy
+    /// of a volume on one cannot touch the other's. One directory may be configured under two
+    /// names (renamed in the config, listed twice, a symlink), and a LUN with no id known
+    /// cannot be told apart: then it is not proven, and nothing is freed.
+    async fn distinct(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
+        match (&a.kind, &b.kind) {
+            (Kind::Dir { path: pa }, Kind::Dir { path: pb }) => {
+                use std::os::unix::fs::MetadataExt;
+                let (pa, pb) = (pa.clone(), pb.clone());
+                let ids = datastore::device::on_pool(move || {
+                    let (x, y) = (std::fs::metadata(&pa)?, std::fs::metadata(&pb)?);
+                    Ok(((x.dev(), x.ino()), (y.dev(), y.ino())))
+                });
+                matches!(
+                    tokio::time::timeout(SAME_DIR_WAIT, ids).await,
+                    Ok(Ok((x, y))) if x != y
+                )
+            }
+            (
+                Kind::Lun {
+                    lun_id: Some(x), ..
+                },
+                Kind::Lun {
+                    lun_id: Some(y), ..
+                },
+            ) => x != y,
+            (Kind::Lun { .. }, Kind::Lun { .. }) => false,
+            // A directory and a LUN.
+            _ => true,
+        }
+    }
+
+    fn datastore_spec(&self, name: &str) -> Option<DatastoreSpec> {
+        self.datastores
+            .read()
+            .expect("lock")
+            .get(name)
+            .map(|e| e.spec.clone())
+    }
+
+    /// The datastores other than `except` that are open, with their specs.
+    fn open_stores_but(&self, except: &str) -> Vec<(DatastoreSpec, Arc<dyn Datastore>)> {
+        self.datastores
             .read()
             .expect("lock")
             .iter()
-            .filter(|(n, _)| **n != rec.datastore)
-            .filter_map(|(n, e)| Some((n.clone(), e.store.as_ref().ok()?.clone())))
-            .collect();
-        for (here, store) in stores {
-            let Ok(found) = store.recorded_volumes().await else {
+            .filter(|(n, _)| n.as_str() != except)
+            .filter_map(|(_, e)| Some((e.spec.clone(), e.store.as_ref().ok()?.clone())))
+            .collect()
+    }
+
+    /// The volumes `store` records, or None if it does not answer within
+    /// [`LEFTOVER_LIST_WAIT`] (a hung NFS mount must not hold up a delete or a start).
+    async fn listed(store: &Arc<dyn Datastore>) -> Option<Vec<datastore::VolumeSpec>> {
+        match tokio::time::timeout(LEFTOVER_LIST_WAIT, store.recorded_volumes()).await {
+            Ok(Ok(found)) => Some(found),
+            Ok(Err(e)) => {
+                warn!("datastore {:?}: list its volumes: {e}", store.spec().name);
+                None
+            }
+            Err(_) => {
+                warn!(
+                    "datastore {:?}: listing its volumes took over {LEFTOVER_LIST_WAIT:?}; \
+                     passed over",
+                    store.spec().name
+                );
+                None
+            }
+        }
+    }
+
+    /// Lists `rec`, whose create failed midway and whose record may be there, as a volume that
+    /// is not open and is not retried, so that `vesta volume delete` removes its record and
+    /// storage. Otherwise a record would name this host and no entry here would answer for
+    /// it: a delete would send the operator to this very host, and a create say it exists.
+    fn keep_for_delete(&self, rec: &VolumeRecord, why: &str) {
+        warn!(
+            "volume {:?}: listed, not open, its storage kept: `vesta volume delete {}` removes \
+             it",
+            rec.name, rec.name
+        );
+        let entry =
+            VolumeEntry::placeholder(rec.clone(), format!("its create failed ({why}); delete it"));
+        self.volumes
+            .write()
+            .expect("lock")
+            .insert(rec.name.clone(), Arc::new(entry));
+    }
+
+    /// Frees the copies of volume `rec` on datastores other than its own: what relocations
+    /// cut short left behind (see [`Daemon::relocate`]). Only on datastores provably not
+    /// its own under another name ([`Daemon::distinct`]).
+    async fn free_copies_elsewhere(&self, rec: &VolumeRecord) {
+        let Some(own) = self.datastore_spec(&rec.datastore) else {
+            return;
+        };
+        for (spec, store) in self.open_stores_but(&rec.datastore) {
+            let here = spec.name.clone();
+            let Some(found) = Self::listed(&store).await else {
                 continue;
             };
-            for v in found.iter().filter(|v| v.id == rec.id) {
+            let copies: Vec<_> = found.into_iter().filter(|v| v.id == rec.id).collect();
+            if copies.is_empty() || !Self::distinct(&own, &spec).await {
+                continue;
+            }
+            for v in &copies {
                 let freed = self.ds_locked(&here, async { Ok(store.delete_volume(v).await?) });
                 match freed.await {
                     Ok(()) => info!(
@@ -413,9 +508,12 @@ impl Daemon {
     /// `store` when a crash cut them short: a copy of a volume whose record names another
     /// datastore is either a copy not finished (the record never switched to it) or the
     /// source the switch left behind (the volume lives where the record says). Nothing of
-    /// this host's is relocating yet; another host's volumes are its own to look after.
+    /// this host's is relocating yet; another host's volumes are its own to look after. A
+    /// copy is freed only while the volume is open here from its own datastore, and that
+    /// datastore is provably not this one under another name ([`Daemon::distinct`]);
+    /// otherwise it may be the only copy anyone can read, or the volume's own.
     async fn free_leftover_copies(&self, store: &Arc<dyn Datastore>) {
-        let Ok(found) = store.recorded_volumes().await else {
+        let Some(found) = Self::listed(store).await else {
             return;
         };
         if found.is_empty() {
@@ -424,7 +522,8 @@ impl Daemon {
         let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
             return;
         };
-        let here = store.spec().name.clone();
+        let spec = store.spec().clone();
+        let here = spec.name.clone();
         let mine = |r: &VolumeRecord| {
             self.coord.kind() == "local" || r.owner.as_deref() == Some(self.coord.host())
         };
@@ -433,6 +532,26 @@ impl Daemon {
                 continue;
             };
             if r.datastore == here || !mine(r) {
+                continue;
+            }
+            let serving = self
+                .entry(&r.name)
+                .is_ok_and(|e| e.volume.is_ok() && e.record.id == r.id);
+            let Some(own) = self.datastore_spec(&r.datastore) else {
+                continue;
+            };
+            if !serving || !Self::distinct(&own, &spec).await {
+                warn!(
+                    "datastore {here:?} holds a copy of volume {:?}, which lives on {:?}; kept, \
+                     since {}",
+                    r.name,
+                    r.datastore,
+                    if serving {
+                        "the two datastores may be one storage under two names"
+                    } else {
+                        "the volume is not open from its own datastore"
+                    }
+                );
                 continue;
             }
             let freed = self.ds_locked(&here, async { Ok(store.delete_volume(v).await?) });
@@ -1389,11 +1508,14 @@ impl Daemon {
                     // Freeing the storage could leave a record without it; keeping it can at
                     // worst leave storage without a record (imported at the next start with
                     // one host).
+                    let why = format!(
+                        "recording it failed ({e}), and whether the record was made cannot be \
+                         read ({e2})"
+                    );
+                    self.keep_for_delete(&rec, &why);
                     return Err(OpError::Unavailable(format!(
-                        "volume {:?}: recording it failed ({e}), and whether the record was \
-                         made cannot be read ({e2}); its storage on {ds_name:?} is kept. Run \
-                         `vesta volume list`: if the volume is listed, delete it, then create \
-                         it again",
+                        "volume {:?}: {why}; its storage on {ds_name:?} is kept and the volume \
+                         listed: delete it, then create it again",
                         rec.name
                     )));
                 }
@@ -1891,7 +2013,12 @@ impl Daemon {
                 warn!("volume {name:?}: release its records in the cache log: {e}");
             }
         }
-        if let Err(e) = self.coord.delete_volume(name).await {
+        let removed = match self.coord.delete_volume(name).await {
+            // Gone already: a create undone in part, or a delete whose answer was lost.
+            Err(cluster::Error::NotFound(_)) => Ok(()),
+            r => r,
+        };
+        if let Err(e) = removed {
             // The storage is gone and the record is not: listed again, not open (as a start
             // finds such a record after a crash here), so the delete can be run again rather
             // than the name be unknown here and taken for another host's volume elsewhere.

@@ -1342,6 +1342,19 @@ async fn copies_left_by_interrupted_relocations_are_freed_and_never_come_back() 
     drop(v);
     drop(d);
 
+    // While the volume cannot open from its own datastore, the copy may be the only one
+    // anyone can read: it is kept.
+    let (own, away) = (dir.0.join("ds/v.raw"), dir.0.join("v.raw.away"));
+    std::fs::rename(&own, &away).unwrap();
+    let d = start(&dir, &coord).await;
+    assert!(d.entry("v").unwrap().volume.is_err());
+    assert!(
+        copy.exists(),
+        "a copy was freed while the volume could not open"
+    );
+    drop(d);
+    std::fs::rename(&away, &own).unwrap();
+
     let d = start(&dir, &coord).await;
     assert!(
         !copy.exists(),
@@ -1412,4 +1425,40 @@ async fn a_create_undone_only_in_part_can_be_deleted() {
     assert!(!dir.0.join("ds/v.raw").exists());
     assert!(coord.state().await.unwrap().volumes.is_empty());
     create_v(&d, "wt").await;
+}
+
+/// One directory configured under two datastore names (renamed in the config, or listed
+/// twice): each volume's image is listed by both, and the start-up sweep for copies left by
+/// relocations must not take the volume's own image, seen under the other name, for one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_under_two_datastore_names_keeps_its_images() {
+    let dir = TempDir::new("alias");
+    let coord = coordinator(&dir);
+    let conf = || {
+        Config::parse(&format!(
+            "data_dir = \"{0}\"\n[[datastore]]\nname = \"default\"\nkind = \"dir\"\n\
+             path = \"{0}/ds\"\n[[datastore]]\nname = \"alias\"\nkind = \"dir\"\n\
+             path = \"{0}/ds\"\n",
+            dir.0.display()
+        ))
+        .unwrap()
+    };
+    let open = || async {
+        let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
+        let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
+        let c: Arc<dyn Coordinator> = coord.clone();
+        Arc::new(Daemon::start(conf(), c, Some(cache)).await.unwrap())
+    };
+    let d = open().await;
+    create_v(&d, "wt").await;
+    assert!(writes(&volume(&d, "v"), Duration::from_secs(5)).await);
+    d.flush_all().await;
+    drop(d);
+    let d = open().await;
+    assert!(
+        dir.0.join("ds/v.raw").exists(),
+        "the volume's own image was freed as a leftover copy"
+    );
+    let got = volume(&d, "v").read(0, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 9));
 }
