@@ -88,6 +88,40 @@ impl DirDatastore {
     }
 }
 
+/// The file in a `dir` datastore's directory that holds its identity ([`identity`]).
+pub const IDENTITY_FILE: &str = ".vesta-datastore";
+
+/// The identity of the `dir` datastore in directory `root`: the UUID in its
+/// [`IDENTITY_FILE`], made (exclusively, so two hosts never make two) if there is none.
+/// Two datastore names whose identities differ are two directories, however they are
+/// mounted: the same export mounted twice (NFS with `nosharecache`, a FUSE and a kernel
+/// client) gives two device numbers for one directory, but one identity file. An error
+/// (a file being made by another host, not readable yet) means "not known".
+pub fn identity(root: &Path) -> std::io::Result<uuid::Uuid> {
+    use std::io::Write;
+    let f = root.join(IDENTITY_FILE);
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&f)
+    {
+        Ok(mut file) => {
+            file.write_all(format!("{}\n", uuid::Uuid::new_v4()).as_bytes())?;
+            file.sync_all()?;
+            std::fs::File::open(root)?.sync_all()?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let text = std::fs::read_to_string(&f)?;
+    uuid::Uuid::parse_str(text.trim()).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: {e}", f.display()),
+        )
+    })
+}
+
 /// Whether two paths name one directory (a second datastore name for it, through a symlink
 /// or a bind mount, would let one volume's image be taken for another's copy).
 pub async fn same_dir(a: &Path, b: &Path) -> bool {
@@ -354,6 +388,24 @@ mod tests {
             .await
             .unwrap();
         Scratch(p, ds)
+    }
+
+    /// A directory's identity is made once and read the same through any path to it (here
+    /// a symlink); two directories have two; a damaged identity file is an error, not a new
+    /// identity.
+    #[tokio::test]
+    async fn a_directory_has_one_identity_however_it_is_reached() {
+        let (a, b) = (scratch("ida").await, scratch("idb").await);
+        let first = identity(&a.0).unwrap();
+        assert_eq!(identity(&a.0).unwrap(), first);
+        let link = a.0.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&a.0, &link).unwrap();
+        assert_eq!(identity(&link).unwrap(), first);
+        std::fs::remove_file(&link).unwrap();
+        assert_ne!(identity(&b.0).unwrap(), first);
+        std::fs::write(b.0.join(IDENTITY_FILE), "").unwrap();
+        assert!(identity(&b.0).is_err());
     }
 
     fn spec(name: &str) -> VolumeSpec {

@@ -388,15 +388,24 @@ impl Daemon {
     async fn distinct(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
         match (&a.kind, &b.kind) {
             (Kind::Dir { path: pa }, Kind::Dir { path: pb }) => {
-                use std::os::unix::fs::MetadataExt;
+                // Device and inode are not enough: one export mounted twice has two device
+                // numbers. Each directory's identity file is one file however it is reached.
                 let (pa, pb) = (pa.clone(), pb.clone());
                 let ids = datastore::device::on_pool(move || {
+                    use std::os::unix::fs::MetadataExt;
                     let (x, y) = (std::fs::metadata(&pa)?, std::fs::metadata(&pb)?);
-                    Ok(((x.dev(), x.ino()), (y.dev(), y.ino())))
+                    if (x.dev(), x.ino()) == (y.dev(), y.ino()) {
+                        return Ok(None);
+                    }
+                    let (x, y) = (
+                        datastore::dir::identity(&pa)?,
+                        datastore::dir::identity(&pb)?,
+                    );
+                    Ok(Some((x, y)))
                 });
                 matches!(
                     tokio::time::timeout(SAME_DIR_WAIT, ids).await,
-                    Ok(Ok((x, y))) if x != y
+                    Ok(Ok(Some((x, y)))) if x != y
                 )
             }
             (
@@ -470,22 +479,17 @@ impl Daemon {
             .insert(rec.name.clone(), Arc::new(entry));
     }
 
-    /// Frees the copies of volume `rec` on datastores other than its own: what relocations
-    /// cut short left behind (see [`Daemon::relocate`]). Only on datastores provably not
-    /// its own under another name ([`Daemon::distinct`]).
+    /// Frees the copies of volume `rec`, being deleted, on datastores other than its own:
+    /// what relocations cut short left behind (see [`Daemon::relocate`]). Every copy with its
+    /// id is the deleted volume's (a `dir` removes only a file tagged with it, a LUN goes by
+    /// id), whatever name its datastore goes by.
     async fn free_copies_elsewhere(&self, rec: &VolumeRecord) {
-        let Some(own) = self.datastore_spec(&rec.datastore) else {
-            return;
-        };
         for (spec, store) in self.open_stores_but(&rec.datastore) {
             let here = spec.name.clone();
             let Some(found) = Self::listed(&store).await else {
                 continue;
             };
             let copies: Vec<_> = found.into_iter().filter(|v| v.id == rec.id).collect();
-            if copies.is_empty() || !Self::distinct(&own, &spec).await {
-                continue;
-            }
             for v in &copies {
                 let freed = self.ds_locked(&here, async { Ok(store.delete_volume(v).await?) });
                 match freed.await {
@@ -2158,10 +2162,16 @@ impl Daemon {
     /// Puts a volume whose deletion failed back into service, as a fresh entry (its old stop
     /// signal has fired).
     fn reinstate(&self, old: &VolumeEntry, volume: Result<Arc<Volume>, String>) {
-        self.volumes.write().expect("lock").insert(
-            old.record.name.clone(),
-            Arc::new(VolumeEntry::new(old.current_record(), volume)),
-        );
+        // A placeholder stays one: the retry of volumes that could not open must not open
+        // what it stands for (a create undone in part).
+        let entry = VolumeEntry {
+            retry: old.retry,
+            ..VolumeEntry::new(old.current_record(), volume)
+        };
+        self.volumes
+            .write()
+            .expect("lock")
+            .insert(old.record.name.clone(), Arc::new(entry));
     }
 
     /// Tries again to open datastores that were unavailable, and the volumes on them. Volumes

@@ -1419,6 +1419,14 @@ async fn a_create_undone_only_in_part_can_be_deleted() {
         dir.0.join("ds/v.raw").exists(),
         "storage freed under a record"
     );
+    // A create that returned an error does not become a volume in service by itself.
+    tokio::time::timeout(Duration::from_secs(10), d.retry_unavailable())
+        .await
+        .unwrap();
+    assert!(
+        d.entry("v").unwrap().volume.is_err(),
+        "the retry of unopened volumes opened a create that failed"
+    );
     d.delete_volume("v", false)
         .await
         .expect("the half-undone create cannot be deleted");
