@@ -737,11 +737,12 @@ impl Coordinator for EtcdCoordinator {
         }
     }
 
-    async fn delete_volume(&self, name: &str) -> Result<()> {
+    async fn delete_volume(&self, name: &str, id: Uuid) -> Result<()> {
         let key = self.key("volumes", name);
         let cur: Option<VolumeRecord> = self.get_json(key.clone()).await?;
-        let Some(cur) = cur else {
-            return Err(Error::NotFound(format!("no volume named {name:?}")));
+        // The transaction below compares the whole record: it is this one's, or nothing.
+        let Some(cur) = cur.filter(|c| c.id == id) else {
+            return Err(Error::NotFound(format!("no volume {id} named {name:?}")));
         };
         let id = cur.id.to_string();
         let txn = Txn::new()
@@ -1122,6 +1123,34 @@ mod tests {
         assert_eq!(a.vault(v).await.unwrap(), Some(b_took_it));
         let lock = a.key("vault-locks", &v.to_string());
         assert!(kv.get(lock, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// A volume record is deleted only by its id: a name another volume took since (a
+    /// record removed and its name created again elsewhere) is not the old volume's to delete.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_volume_record_is_deleted_only_by_its_id() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let rec = |id| VolumeRecord {
+            id,
+            name: "v".into(),
+            size: 1 << 20,
+            datastore: "san".into(),
+            policy: Policy::Uncached,
+            created_unix: 1,
+            tuning: Default::default(),
+            owner: Some("a".into()),
+            moved: None,
+        };
+        let (old, new) = (Uuid::new_v4(), Uuid::new_v4());
+        a.create_volume(rec(new)).await.unwrap();
+        assert!(matches!(
+            a.delete_volume("v", old).await,
+            Err(Error::NotFound(_))
+        ));
+        assert_eq!(a.state().await.unwrap().volumes.len(), 1);
+        a.delete_volume("v", new).await.unwrap();
+        assert!(a.state().await.unwrap().volumes.is_empty());
     }
 
     /// A datastore lock is bound to the lease it was granted under: one granted before the

@@ -66,9 +66,10 @@ pub trait Coordinator: Send + Sync + 'static {
     async fn create_volume(&self, v: VolumeRecord) -> Result<()>;
     /// Replaces a volume's record (same id).
     async fn update_volume(&self, v: VolumeRecord) -> Result<()>;
-    /// Forgets a volume and its vault; fails with [`Error::NotFound`] if there is none by
-    /// that name.
-    async fn delete_volume(&self, name: &str) -> Result<()>;
+    /// Forgets volume `id`, named `name`, and its vault; fails with [`Error::NotFound`] if
+    /// no volume by that name has that id (a name taken since by another volume is not its
+    /// to delete).
+    async fn delete_volume(&self, name: &str, id: Uuid) -> Result<()>;
 
     /// This host's name.
     fn host(&self) -> &str;

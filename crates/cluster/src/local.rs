@@ -211,12 +211,11 @@ impl Coordinator for LocalCoordinator {
         .await
     }
 
-    async fn delete_volume(&self, name: &str) -> Result<()> {
+    async fn delete_volume(&self, name: &str, id: Uuid) -> Result<()> {
         self.change_all(|d| {
-            let Some(v) = d.state.volumes.iter().find(|x| x.name == name) else {
-                return Err(Error::NotFound(format!("no volume named {name:?}")));
-            };
-            let id = v.id;
+            if !d.state.volumes.iter().any(|x| x.name == name && x.id == id) {
+                return Err(Error::NotFound(format!("no volume {id} named {name:?}")));
+            }
             d.state.volumes.retain(|x| x.id != id);
             d.vaults.retain(|x| x.volume != id);
             Ok(())
@@ -357,9 +356,19 @@ mod tests {
             Err(Error::Exists(_))
         ));
         c.create_volume(vol("b")).await.unwrap();
-        c.delete_volume("a").await.unwrap();
+        let (a, b) = {
+            let s = c.state().await.unwrap();
+            let id = |n: &str| s.volumes.iter().find(|v| v.name == n).unwrap().id;
+            (id("a"), id("b"))
+        };
+        // Another volume's id: not this name's volume.
         assert!(matches!(
-            c.delete_volume("a").await,
+            c.delete_volume("a", b).await,
+            Err(Error::NotFound(_))
+        ));
+        c.delete_volume("a", a).await.unwrap();
+        assert!(matches!(
+            c.delete_volume("a", a).await,
             Err(Error::NotFound(_))
         ));
         let before = c.state().await.unwrap();

@@ -357,7 +357,7 @@ impl Daemon {
         store: &Arc<dyn Datastore>,
         why: String,
     ) {
-        if let Err(e) = self.coord.delete_volume(&rec.name).await {
+        if let Err(e) = self.coord.delete_volume(&rec.name, rec.id).await {
             // The answer may be what was lost: look.
             let gone = match self.coord.state().await {
                 Ok(s) => !s.volumes.iter().any(|r| r.id == rec.id),
@@ -2017,7 +2017,7 @@ impl Daemon {
                 warn!("volume {name:?}: release its records in the cache log: {e}");
             }
         }
-        let removed = match self.coord.delete_volume(name).await {
+        let removed = match self.coord.delete_volume(name, entry.record.id).await {
             // Gone already: a create undone in part, or a delete whose answer was lost.
             Err(cluster::Error::NotFound(_)) => Ok(()),
             r => r,

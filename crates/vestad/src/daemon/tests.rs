@@ -76,11 +76,11 @@ impl Coordinator for FailingVault {
         }
         Ok(())
     }
-    async fn delete_volume(&self, name: &str) -> cluster::Result<()> {
+    async fn delete_volume(&self, name: &str, id: Uuid) -> cluster::Result<()> {
         if self.fail_deletes.load(Ordering::SeqCst) {
             return Err(cluster::Error::Unavailable("record deletes fail".into()));
         }
-        self.inner.delete_volume(name).await
+        self.inner.delete_volume(name, id).await
     }
     fn host(&self) -> &str {
         self.inner.host()
