@@ -12,6 +12,17 @@ use datastore::device::MemDevice;
 use uuid::Uuid;
 
 mod common;
+
+/// Waits until `done` holds, checking every millisecond; fails with `what` after 10 s.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect(what);
+}
 use common::{BLOCK, SEG, VOL};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,13 +48,10 @@ async fn a_failed_read_of_a_clean_record_keeps_the_newer_write_over_it() {
         let v = vol.clone();
         tokio::spawn(async move { v.read(0, BLOCK as u32).await })
     };
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while cache.reads_waiting() == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+    until("the reader reached the device", || {
+        cache.reads_waiting() > 0
     })
-    .await
-    .expect("the reader reached the device");
+    .await;
 
     // B replaces A (dirty, in the cache only), then the reader finds A's record corrupt.
     vol.write(0, Bytes::from(vec![0x22; BLOCK]), false)
@@ -94,13 +102,10 @@ async fn a_read_dropped_midway_leaves_no_segment_pinned() {
         let v = vol.clone();
         tokio::spawn(async move { v.read(0, BLOCK as u32).await })
     };
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while cache.reads_waiting() == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+    until("the reader reached the device", || {
+        cache.reads_waiting() > 0
     })
-    .await
-    .expect("the reader reached the device");
+    .await;
     reader.abort();
     assert!(reader.await.unwrap_err().is_cancelled());
     // Reads go on again even if an assertion below fails (a paused read would hold the
@@ -123,13 +128,11 @@ async fn a_read_dropped_midway_leaves_no_segment_pinned() {
         "the segment a device read is still reading was let go"
     );
     cache.pause_reads(false);
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while host.log().segments_of(id) > 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("a segment of the volume stays pinned after it left the cache");
+    until(
+        "a segment of the volume stays pinned after it left the cache",
+        || host.log().segments_of(id) == 0,
+    )
+    .await;
     let got = vol.read(0, BLOCK as u32).await.unwrap();
     assert!(got[..] == [0x11; BLOCK]);
 }
@@ -153,25 +156,17 @@ async fn a_read_dropped_in_its_fill_leaves_no_segment_pinned() {
         let v = vol.clone();
         tokio::spawn(async move { v.read(0, BLOCK as u32).await })
     };
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while cache.writes_waiting() == 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("the fill reached the device");
+    until("the fill reached the device", || cache.writes_waiting() > 0).await;
     reader.abort();
     assert!(reader.await.unwrap_err().is_cancelled());
     cache.pause_writes(false);
     // The append ends on its own thread, its result dropped.
     vol.set_policy(Policy::Uncached).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while host.log().segments_of(id) > 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .expect("a segment of the volume stays pinned after it left the cache");
+    until(
+        "a segment of the volume stays pinned after it left the cache",
+        || host.log().segments_of(id) == 0,
+    )
+    .await;
     let got = vol.read(0, BLOCK as u32).await.unwrap();
     assert!(got[..] == [0x33; BLOCK]);
 }

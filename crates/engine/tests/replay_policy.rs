@@ -18,6 +18,18 @@ use uuid::Uuid;
 mod common;
 use common::{BLOCK, SEG, VOL};
 
+/// Volume `id` in `wb` writes block 0 (0x11, FUA: synced, never destaged); then the host
+/// loses power.
+async fn dirty_then_crash(cache: &Arc<SimDevice>, store: &Arc<MemDevice>, id: Uuid) {
+    {
+        let (_host, vol) = common::open(cache.clone(), store, id, Policy::Wb);
+        vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
+            .await
+            .unwrap();
+    }
+    cache.power_loss(|_, _| Fate::Kept);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
     let wbp = Policy::Wbp {
@@ -28,14 +40,7 @@ async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
         let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
         let store = Arc::new(MemDevice::new(VOL));
         let id = Uuid::new_v4();
-        // Dirty data in the log, synced, never destaged; then the daemon dies.
-        {
-            let (_host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
-            vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
-                .await
-                .unwrap();
-        }
-        cache.power_loss(|_, _| Fate::Kept);
+        dirty_then_crash(&cache, &store, id).await;
 
         let (host, vol) = common::open(cache.clone(), &store, id, policy);
         let c = vol.cache().expect("cached while it replays");
@@ -177,13 +182,7 @@ async fn a_deleted_volume_that_never_opened_leaves_nothing_in_the_log() {
     let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
     let store = Arc::new(MemDevice::new(VOL));
     let id = Uuid::new_v4();
-    {
-        let (_host, vol) = common::open(cache.clone(), &store, id, Policy::Wb);
-        vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
-            .await
-            .unwrap();
-    }
-    cache.power_loss(|_, _| Fate::Kept);
+    dirty_then_crash(&cache, &store, id).await;
 
     let host = CacheHost::open(cache.clone(), SEG).unwrap();
     host.finish_recovery(&[id]).unwrap();
