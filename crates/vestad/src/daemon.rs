@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use cluster::{Coordinator, HostRecord, Policy, Vault, VolumeRecord};
@@ -97,6 +97,23 @@ pub struct VolumeEntry {
     /// opened. A placeholder for a volume still open in this process (a relocation copying
     /// it, a delete waiting for its IO) must never get a second `Volume`.
     retry: bool,
+    /// Set on the placeholder of a relocation whose record switch went unconfirmed: what
+    /// settles it ([`Daemon::settle_relocation`]).
+    unconfirmed: Option<Unconfirmed>,
+}
+
+/// A relocation whose record update failed and whose record could not be read back: the
+/// record names the source or the copy, and which is known only once the coordinator answers.
+/// Until then the volume serves from neither.
+struct Unconfirmed {
+    /// The volume as opened from the source: revoked, its destaging stopped, nothing dirty.
+    volume: Arc<Volume>,
+    /// The entry it was served under before the relocation.
+    before: Arc<VolumeEntry>,
+    /// The record naming the copy.
+    rec: VolumeRecord,
+    /// The copy, written whole and flushed.
+    copy: datastore::Extent,
 }
 
 impl VolumeEntry {
@@ -108,6 +125,7 @@ impl VolumeEntry {
             attached: AtomicU32::new(0),
             stop: StopHandle::new(),
             retry: true,
+            unconfirmed: None,
         }
     }
 
@@ -1839,33 +1857,60 @@ impl Daemon {
                 }
                 Err(e2) => {
                     // Which copy the record names is unknown: both are kept, and the volume
-                    // serves neither until vestad restarts and reads the record.
+                    // serves neither until the record can be read; the retry of unavailable
+                    // volumes then settles it ([`Daemon::settle_relocation`]), as does a
+                    // restart.
                     let why = format!(
                         "relocation to {to:?} not confirmed: recording it answered {e}, and the \
-                         record cannot be read ({e2}); both copies are kept. Restart vestad once \
-                         the coordinator answers: the volume then serves from the datastore its \
-                         record names"
+                         record cannot be read ({e2}); both copies are kept. Once the \
+                         coordinator answers, the volume serves again from the datastore its \
+                         record names (vestad checks every few seconds)"
                     );
-                    self.volumes.write().expect("lock").insert(
-                        name.to_owned(),
-                        Arc::new(VolumeEntry::placeholder(
-                            entry.current_record(),
-                            why.clone(),
-                        )),
-                    );
+                    let placeholder = VolumeEntry {
+                        unconfirmed: Some(Unconfirmed {
+                            volume: volume.clone(),
+                            before: entry.clone(),
+                            rec: rec.clone(),
+                            copy: dst,
+                        }),
+                        ..VolumeEntry::placeholder(entry.current_record(), why.clone())
+                    };
+                    self.volumes
+                        .write()
+                        .expect("lock")
+                        .insert(name.to_owned(), Arc::new(placeholder));
                     return Err(OpError::Unavailable(why));
                 }
             }
         }
-        // From here the volume lives on `to`. Its cache data (clean, checked above) goes with
-        // the old volume object; the reopened volume starts cold, in a new generation.
+        let new_entry = self.switch_to_copy(&entry, &volume, &rec, dst).await;
+        info!(
+            "relocated volume {name:?} from {from:?} to {to:?} in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(self.volume_info(&new_entry))
+    }
+
+    /// The last step of a relocation whose record names the copy: serves the volume from
+    /// `copy` under `rec`, and frees the storage it had before (`before`'s datastore).
+    /// `volume`, opened from there, is revoked and clean; its cache data (clean) goes with
+    /// it, and the reopened volume starts cold, in a new generation.
+    async fn switch_to_copy(
+        &self,
+        before: &VolumeEntry,
+        volume: &Arc<Volume>,
+        rec: &VolumeRecord,
+        copy: datastore::Extent,
+    ) -> Arc<VolumeEntry> {
+        let name = &rec.name;
+        let (from, to) = (&before.record.datastore, &rec.datastore);
         volume.detach_cache().await;
         let reopened = Volume::open(
             rec.id,
             rec.name.clone(),
             volume.policy(),
             volume.tuning(),
-            dst,
+            copy,
             self.cache.clone(),
         )
         .map(Arc::new)
@@ -1882,7 +1927,7 @@ impl Daemon {
                         .vault(rec.id)
                         .await
                         .map_or(true, |v| v.is_some_and(|v| !v.peers.is_empty()));
-                self.record_vault_or_hold(&rec, r, named_peers).await;
+                self.record_vault_or_hold(rec, r, named_peers).await;
             }
         }
         let new_entry = Arc::new(VolumeEntry::new(rec.clone(), reopened));
@@ -1890,20 +1935,82 @@ impl Daemon {
             .write()
             .expect("lock")
             .insert(rec.name.clone(), new_entry.clone());
-        let freed = self.ds_locked(&from, async {
-            Ok(src_store.delete_volume(&entry.record.spec()).await?)
-        });
+        let freed = async {
+            let src_store = self.store(from)?;
+            self.ds_locked(from, async {
+                Ok(src_store.delete_volume(&before.record.spec()).await?)
+            })
+            .await
+        };
         if let Err(e) = freed.await {
             warn!(
                 "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not \
                  be freed: {e}; the next start of vestad, or the volume's delete, frees it"
             );
         }
-        info!(
-            "relocated volume {name:?} from {from:?} to {to:?} in {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
-        Ok(self.volume_info(&new_entry))
+        new_entry
+    }
+
+    /// Settles a relocation whose record switch went unconfirmed (entry `e`, a placeholder),
+    /// once the record can be read: the volume serves again from the datastore the record
+    /// names, and the other copy is freed. False while the record still cannot be read. The
+    /// caller holds the volume's claim.
+    async fn settle_relocation(&self, e: &VolumeEntry) -> bool {
+        let Some(u) = &e.unconfirmed else {
+            return true;
+        };
+        let name = &u.rec.name;
+        let (from, to) = (&u.before.record.datastore, &u.rec.datastore);
+        // Read before the admin lock is taken: a coordinator that does not answer must not
+        // hold up every other admin operation. Only this host changes the record of a volume
+        // it serves, so it does not change between the read and the switch.
+        let recorded = match self.coord.state().await {
+            Ok(s) => s.volumes.into_iter().find(|r| r.id == u.rec.id),
+            Err(err) => {
+                debug!("volume {name:?}: the relocation stays unconfirmed: {err}");
+                return false;
+            }
+        };
+        let _admin = self.admin.lock().await;
+        match recorded.map(|r| r.datastore) {
+            Some(ds) if ds == *to => {
+                info!("volume {name:?}: its record names {to:?}: the relocation is done");
+                self.switch_to_copy(&u.before, &u.volume, &u.rec, u.copy.clone())
+                    .await;
+            }
+            Some(ds) if ds == *from => {
+                info!(
+                    "volume {name:?}: its record names {from:?}: the relocation did not happen; \
+                     the volume serves from there again and its copy on {to:?} is freed"
+                );
+                let dropped = async {
+                    let dst_store = self.store(to)?;
+                    self.ds_locked(to, async {
+                        Ok(dst_store.delete_volume(&u.rec.spec()).await?)
+                    })
+                    .await
+                };
+                if let Err(e) = dropped.await {
+                    warn!(
+                        "volume {name:?}: the copy on {to:?} could not be freed: {e}; the next \
+                         start of vestad, or the volume's delete, frees it"
+                    );
+                }
+                u.volume.unrevoke();
+                self.reinstate(&u.before, Ok(u.volume.clone()));
+            }
+            other => {
+                warn!(
+                    "volume {name:?}: its relocation from {from:?} to {to:?} is unconfirmed, and \
+                     its record names {}: it stays out of service",
+                    other.map_or("no datastore (there is no record)".to_owned(), |d| format!(
+                        "{d:?}"
+                    ))
+                );
+                return false;
+            }
+        }
+        true
     }
 
     /// Deletes a volume: refused while connections are attached unless `force`, which cuts
@@ -1916,6 +2023,14 @@ impl Daemon {
         let _busy = self.claim_within(name, "delete", CLAIM_WAIT).await?;
         let _admin = self.admin.lock().await;
         let entry = self.local_entry(name).await?;
+        if entry.unconfirmed.is_some() {
+            // Which copy is the volume's is not known yet: settled first, it is deleted as
+            // any other volume (and it needs the coordinator the settling waits for).
+            return Err(OpError::Unavailable(format!(
+                "volume {name:?}: {}; retry the delete then",
+                entry.volume.as_ref().err().map_or("", |w| w.as_str())
+            )));
+        }
         let n = entry.connections();
         if n > 0 && !force {
             return Err(OpError::Conflict(format!(
@@ -2232,6 +2347,17 @@ impl Daemon {
                 continue;
             };
             let _ = self.reopen(&e).await;
+        }
+        let unconfirmed: Vec<Arc<VolumeEntry>> = self
+            .entries()
+            .into_iter()
+            .filter(|e| e.unconfirmed.is_some())
+            .collect();
+        for e in unconfirmed {
+            let Some(_busy) = self.claim_entry(&e, "relocation") else {
+                continue;
+            };
+            self.settle_relocation(&e).await;
         }
     }
 

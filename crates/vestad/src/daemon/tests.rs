@@ -39,6 +39,8 @@ struct FailingVault {
     /// Vault reads fail; `vault_reads` counts those asked for, failed ones included.
     fail_vault_reads: AtomicBool,
     vault_reads: std::sync::atomic::AtomicU64,
+    /// Reads of the cluster state (the volume records) fail.
+    fail_state_reads: AtomicBool,
 }
 
 #[async_trait]
@@ -47,6 +49,11 @@ impl Coordinator for FailingVault {
         self.inner.kind()
     }
     async fn state(&self) -> cluster::Result<State> {
+        if self.fail_state_reads.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: no answer (injected)".into(),
+            ));
+        }
         self.inner.state().await
     }
     async fn add_datastore(&self, d: DatastoreSpec) -> cluster::Result<()> {
@@ -214,6 +221,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         lease_renewed_before_lock: AtomicBool::new(false),
         fail_vault_reads: AtomicBool::new(false),
         vault_reads: Default::default(),
+        fail_state_reads: AtomicBool::new(false),
     })
 }
 
@@ -594,6 +602,76 @@ async fn a_relocation_whose_recording_lost_its_answer_keeps_the_recorded_copy() 
     assert_eq!(d.entry("v").unwrap().record.datastore, "other");
     let got = v.read(8192, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 4), "the relocated data");
+}
+
+/// Relocates `v` while record updates fail as `lose_answer` says (made and answered with an
+/// error, or not made) and the record cannot be read back: the relocation is unconfirmed, the
+/// volume serves from neither copy, and a delete is refused. Then the coordinator answers
+/// again. Returns the daemon and the scratch directory.
+async fn unconfirmed_relocation(tag: &str, lose_answer: bool) -> (TempDir, Arc<Daemon>) {
+    let (dir, coord, d) = restarted_with_v(tag).await;
+    let v = volume(&d, "v");
+    v.write(8192, Bytes::from(vec![4u8; 4096]), true)
+        .await
+        .unwrap();
+    drop(v);
+    let failing = if lose_answer {
+        &coord.lose_update_answers
+    } else {
+        &coord.fail_updates
+    };
+    failing.store(true, Ordering::SeqCst);
+    coord.fail_state_reads.store(true, Ordering::SeqCst);
+    let e = try_relocate_to_other(&d).await.unwrap_err();
+    assert!(e.to_string().contains("not confirmed"), "{e}");
+    failing.store(false, Ordering::SeqCst);
+    assert!(d.entry("v").unwrap().volume.is_err(), "serves unconfirmed");
+    assert!(dir.0.join("ds/v.raw").exists() && dir.0.join("ds2/v.raw").exists());
+    let e = d.delete_volume("v", true).await.unwrap_err();
+    assert!(e.to_string().contains("not confirmed"), "{e}");
+    // The retry of unavailable volumes leaves it while the record cannot be read...
+    d.retry_unavailable().await;
+    assert!(d.entry("v").unwrap().volume.is_err());
+    assert!(dir.0.join("ds/v.raw").exists() && dir.0.join("ds2/v.raw").exists());
+    // ...and settles it once it can.
+    coord.fail_state_reads.store(false, Ordering::SeqCst);
+    d.retry_unavailable().await;
+    (dir, d)
+}
+
+/// A relocation whose record switch was made but could not be confirmed serves from the copy
+/// as soon as the record can be read, and frees the source. Before, the volume stayed out of
+/// service until vestad restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfirmed_relocation_that_was_recorded_serves_from_the_copy_once_confirmed() {
+    let (dir, d) = unconfirmed_relocation("unconfirmed-made", true).await;
+    let e = d.entry("v").unwrap();
+    assert_eq!(e.record.datastore, "other");
+    let v = volume(&d, "v");
+    let got = v.read(8192, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 4), "the relocated data");
+    assert!(writes(&v, Duration::from_secs(5)).await, "takes writes");
+    assert!(!dir.0.join("ds/v.raw").exists(), "the source was not freed");
+    assert!(dir.0.join("ds2/v.raw").exists());
+}
+
+/// A relocation whose record switch did not happen, and could not be confirmed, serves from
+/// the source again as soon as the record can be read, and frees the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unconfirmed_relocation_that_was_not_recorded_serves_from_the_source_again() {
+    let (dir, d) = unconfirmed_relocation("unconfirmed-not", false).await;
+    let e = d.entry("v").unwrap();
+    assert_eq!(e.record.datastore, "default");
+    let v = volume(&d, "v");
+    let got = v.read(8192, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 4), "the volume's data");
+    assert!(writes(&v, Duration::from_secs(5)).await, "takes writes");
+    assert!(dir.0.join("ds/v.raw").exists());
+    assert!(!dir.0.join("ds2/v.raw").exists(), "the copy was not freed");
+    drop(v);
+    // Settled for good: a delete now goes through.
+    d.delete_volume("v", false).await.unwrap();
+    assert!(!dir.0.join("ds/v.raw").exists());
 }
 
 /// A delete waits for another change of the volume and is refused if it goes on: a policy
