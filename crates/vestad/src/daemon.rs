@@ -354,14 +354,11 @@ impl Daemon {
             d.free_leftover_copies(s).await;
         }
         // A crash between a create's storage and its record leaves storage no record knows
-        // (a LUN table entry, a tagged image), holding the name and the space. With one host
-        // nothing else can be creating meanwhile, so it is imported as when its datastore is
-        // added again: listed, and deletable. (In a cluster another host may be between the
-        // two steps of a create right now.)
-        if d.coord.kind() == "local" {
-            for s in &stores {
-                d.import_recorded_volumes(s, true).await;
-            }
+        // (a LUN table entry, a tagged image), holding the name and the space. It is imported
+        // as when its datastore is added again: listed, and deletable. A create under way on
+        // another host holds the datastore's lock over both steps, as the import does.
+        for s in &stores {
+            d.import_recorded_volumes(s, true).await;
         }
         Ok(d)
     }
@@ -375,27 +372,32 @@ impl Daemon {
         store: &Arc<dyn Datastore>,
         why: String,
     ) {
-        if let Err(e) = self.coord.delete_volume(&rec.name, rec.id).await {
-            // The answer may be what was lost: look.
-            let gone = match self.coord.state().await {
-                Ok(s) => !s.volumes.iter().any(|r| r.id == rec.id),
-                Err(_) => false,
-            };
-            if !gone {
-                warn!(
-                    "volume {:?}: its create failed ({why}) and its record could not be \
-                     removed ({e})",
-                    rec.name
-                );
-                self.keep_for_delete(rec, &why);
-                return;
+        // Both steps under the datastore's lock: an import between them would take the
+        // storage for a create cut short and record it again.
+        let undone = self.ds_locked(&rec.datastore, async {
+            if let Err(e) = self.coord.delete_volume(&rec.name, rec.id).await {
+                // The answer may be what was lost: look.
+                let gone = match self.coord.state().await {
+                    Ok(s) => !s.volumes.iter().any(|r| r.id == rec.id),
+                    Err(_) => false,
+                };
+                if !gone {
+                    return Err(OpError::Unavailable(format!(
+                        "its record could not be removed ({e})"
+                    )));
+                }
             }
-        }
-        let undo = self.ds_locked(&rec.datastore, async {
-            Ok(store.delete_volume(&rec.spec()).await?)
+            if let Err(e) = store.delete_volume(&rec.spec()).await {
+                warn!("rollback of volume {:?} failed: {e}", rec.name);
+            }
+            Ok(())
         });
-        if let Err(e) = undo.await {
-            warn!("rollback of volume {:?} failed: {e}", rec.name);
+        if let Err(e) = undone.await {
+            warn!(
+                "volume {:?}: its create failed ({why}) and was not undone: {e}",
+                rec.name
+            );
+            self.keep_for_delete(rec, &why);
         }
     }
 
@@ -1346,14 +1348,60 @@ impl Daemon {
 
     /// A re-added datastore brings its volumes back: each volume in a LUN's table, or image
     /// file of a `dir` tagged with its volume's id, that the coordinator does not know is
-    /// recorded again (policy `uncached`), unless its name is taken.
+    /// recorded again (policy `uncached`), unless its name is taken, and served here. At
+    /// start-up the same finds what a create cut short by a crash left.
+    ///
+    /// Under the datastore's lock, under which creates make their storage and their record
+    /// and undone creates remove both: storage no record knows is then never a create under
+    /// way on another host, whose volume this would take.
     async fn import_recorded_volumes(&self, store: &Arc<dyn Datastore>, at_start: bool) {
+        let ds = store.spec().name.clone();
+        let recorded = self
+            .ds_locked(&ds, async { Ok(self.record_unknown_volumes(store).await) })
+            .await;
+        let recs = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                warn!("datastore {ds:?}: cannot look for volumes no record knows: {e}");
+                return;
+            }
+        };
+        for rec in recs {
+            let volume = self.open_volume(&rec).await;
+            if at_start {
+                warn!(
+                    "datastore {:?} holds volume {:?} ({}) that had no record (a create cut \
+                     short by a crash); imported as an uncached volume: delete it if it is \
+                     not wanted",
+                    rec.datastore,
+                    rec.name,
+                    api::format_size(rec.size)
+                );
+            } else {
+                info!(
+                    "imported volume {:?} ({}) from datastore {:?}",
+                    rec.name,
+                    api::format_size(rec.size),
+                    rec.datastore
+                );
+            }
+            self.volumes
+                .write()
+                .expect("lock")
+                .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
+        }
+    }
+
+    /// Records the volumes on `store` that no record knows ([`Daemon::import_recorded_volumes`],
+    /// which holds the datastore's lock), and returns their new records.
+    async fn record_unknown_volumes(&self, store: &Arc<dyn Datastore>) -> Vec<VolumeRecord> {
+        let mut made = Vec::new();
         let Ok(found) = store.recorded_volumes().await else {
-            return;
+            return made;
         };
         // Other hosts' volumes on a shared LUN are theirs, not lost ones to import.
         let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
-            return;
+            return made;
         };
         for v in &found {
             let alike: Vec<&str> = found
@@ -1407,29 +1455,9 @@ impl Daemon {
                 warn!("could not import volume {:?}: {e}", v.name);
                 continue;
             }
-            let volume = self.open_volume(&rec).await;
-            if at_start {
-                warn!(
-                    "datastore {:?} holds volume {:?} ({}) that has no record (a create cut \
-                     short by a crash); imported as an uncached volume: delete it if it is \
-                     not wanted",
-                    rec.datastore,
-                    rec.name,
-                    api::format_size(rec.size)
-                );
-            } else {
-                info!(
-                    "imported volume {:?} ({}) from datastore {:?}",
-                    rec.name,
-                    api::format_size(rec.size),
-                    rec.datastore
-                );
-            }
-            self.volumes
-                .write()
-                .expect("lock")
-                .insert(rec.name.clone(), Arc::new(VolumeEntry::new(rec, volume)));
+            made.push(rec);
         }
+        made
     }
 
     pub async fn create_volume(&self, req: api::CreateVolume) -> OpResult<api::VolumeInfo> {
@@ -1501,48 +1529,51 @@ impl Daemon {
             owner: self.owner_for_new(),
             moved: None,
         };
+        // The storage and its record are made under the datastore's lock, as are imports
+        // ([`Daemon::import_recorded_volumes`]): an import, which takes storage no record
+        // knows for a create cut short, never finds a create between its two steps.
         let extent = self
             .ds_locked(&ds_name, async {
-                Ok(store.create_volume(&rec.spec()).await?)
+                let extent = store.create_volume(&rec.spec()).await?;
+                let Err(e) = self.coord.create_volume(rec.clone()).await else {
+                    return Ok(extent);
+                };
+                // The coordinator may have made the record and lost only its answer: look.
+                match self.coord.state().await {
+                    Ok(s) if s.volumes.iter().any(|r| r.id == rec.id) => {
+                        warn!(
+                            "volume {:?}: recording it answered an error ({e}), but the record \
+                             is there; going on",
+                            rec.name
+                        );
+                        Ok(extent)
+                    }
+                    Ok(_) => {
+                        // Roll back so the datastore holds nothing the coordinator does not
+                        // know.
+                        if let Err(e2) = store.delete_volume(&rec.spec()).await {
+                            warn!("rollback of volume {:?} failed: {e2}", rec.name);
+                        }
+                        Err(e.into())
+                    }
+                    Err(e2) => {
+                        // Freeing the storage could leave a record without it; keeping it can
+                        // at worst leave storage without a record (imported at the next
+                        // start).
+                        let why = format!(
+                            "recording it failed ({e}), and whether the record was made cannot \
+                             be read ({e2})"
+                        );
+                        self.keep_for_delete(&rec, &why);
+                        Err(OpError::Unavailable(format!(
+                            "volume {:?}: {why}; its storage on {ds_name:?} is kept and the \
+                             volume listed: delete it, then create it again",
+                            rec.name
+                        )))
+                    }
+                }
             })
             .await?;
-        if let Err(e) = self.coord.create_volume(rec.clone()).await {
-            // The coordinator may have made the record and lost only its answer: look.
-            match self.coord.state().await {
-                Ok(s) if s.volumes.iter().any(|r| r.id == rec.id) => {
-                    warn!(
-                        "volume {:?}: recording it answered an error ({e}), but the record is \
-                         there; going on",
-                        rec.name
-                    );
-                }
-                Ok(_) => {
-                    // Roll back so the datastore holds nothing the coordinator does not know.
-                    let undo = self.ds_locked(&ds_name, async {
-                        Ok(store.delete_volume(&rec.spec()).await?)
-                    });
-                    if let Err(e2) = undo.await {
-                        warn!("rollback of volume {:?} failed: {e2}", rec.name);
-                    }
-                    return Err(e.into());
-                }
-                Err(e2) => {
-                    // Freeing the storage could leave a record without it; keeping it can at
-                    // worst leave storage without a record (imported at the next start with
-                    // one host).
-                    let why = format!(
-                        "recording it failed ({e}), and whether the record was made cannot be \
-                         read ({e2})"
-                    );
-                    self.keep_for_delete(&rec, &why);
-                    return Err(OpError::Unavailable(format!(
-                        "volume {:?}: {why}; its storage on {ds_name:?} is kept and the volume \
-                         listed: delete it, then create it again",
-                        rec.name
-                    )));
-                }
-            }
-        }
         if let Err(e) = self.coord.lock_vault(rec.id).await {
             self.undo_recorded_create(&rec, &store, e.to_string()).await;
             return Err(e.into());
