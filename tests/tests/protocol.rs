@@ -67,7 +67,17 @@ fn unknown_options_get_unsup_and_the_session_continues() {
     r.option(OPT_INFO, &Raw::go_payload("nope"));
     let (_, kind, msg) = r.opt_reply();
     assert_eq!(kind, REP_ERR_UNKNOWN);
-    assert!(String::from_utf8_lossy(&msg).contains("nope"));
+    let msg = String::from_utf8_lossy(&msg);
+    assert!(
+        msg.contains("nope") && msg.contains("volumes here: p"),
+        "{msg}"
+    );
+    // No name at all (`nbd://HOST:PORT`): told to name the volume.
+    r.option(OPT_INFO, &Raw::go_payload(""));
+    let (_, kind, msg) = r.opt_reply();
+    assert_eq!(kind, REP_ERR_UNKNOWN);
+    let msg = String::from_utf8_lossy(&msg);
+    assert!(msg.contains("no export name given"), "{msg}");
     r.option(OPT_GO, &[0, 0, 0, 9, b'p']);
     assert_eq!(r.opt_reply().1, REP_ERR_INVALID);
     // The session is still good: GO succeeds and IO works.

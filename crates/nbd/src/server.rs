@@ -172,8 +172,9 @@ pub trait ExportSet: Send + Sync + 'static {
     type Export: Export;
     /// Names and descriptions for `NBD_OPT_LIST`.
     fn list(&self) -> Vec<(String, String)>;
-    /// Information for `NBD_OPT_INFO`, without attaching.
-    fn info(&self, name: &str) -> Option<ExportInfo>;
+    /// Information for `NBD_OPT_INFO`, without attaching. The error is a message for the
+    /// client and the log, as [`ExportSet::open`]'s.
+    fn info(&self, name: &str) -> Result<ExportInfo, String>;
     /// Attaches a connection for `NBD_OPT_GO` / `NBD_OPT_EXPORT_NAME`. The error is a message
     /// for the client and the log.
     fn open(&self, name: &str) -> Result<(ExportInfo, Self::Export), String>;
@@ -632,10 +633,7 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
                 let opened = if option == proto::OPT_GO {
                     exports.open(&req.name).map(|(i, e)| (i, Some(e)))
                 } else {
-                    exports
-                        .info(&req.name)
-                        .map(|i| (i, None))
-                        .ok_or_else(|| format!("no export named {:?}", req.name))
+                    exports.info(&req.name).map(|i| (i, None))
                 };
                 match opened {
                     Err(why) => {
@@ -1597,8 +1595,8 @@ mod budget_tests {
         fn list(&self) -> Vec<(String, String)> {
             Vec::new()
         }
-        fn info(&self, name: &str) -> Option<ExportInfo> {
-            Some(info(name))
+        fn info(&self, name: &str) -> Result<ExportInfo, String> {
+            Ok(info(name))
         }
         fn open(&self, name: &str) -> Result<(ExportInfo, Exp), String> {
             let e = Exp {

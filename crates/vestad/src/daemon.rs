@@ -1063,19 +1063,45 @@ impl Daemon {
     /// deleted between being looked up and being attached.
     pub fn attach(&self, name: &str) -> Result<Attachment, String> {
         let v = self.volumes.read().expect("lock");
-        let entry = v
-            .get(name)
-            .ok_or_else(|| format!("no volume named {name:?}"))?;
+        let (entry, volume) = Self::servable_in(&v, name)?;
+        // Counted under the read lock: a delete takes the write lock to look for clients.
+        entry.attached.fetch_add(1, Ordering::SeqCst);
+        Ok(Attachment { entry, volume })
+    }
+
+    /// The volume an NBD client naming `name` would attach to, if it can serve IO; else a
+    /// message for the client.
+    pub fn servable(&self, name: &str) -> Result<(Arc<VolumeEntry>, Arc<Volume>), String> {
+        Self::servable_in(&self.volumes.read().expect("lock"), name)
+    }
+
+    fn servable_in(
+        volumes: &BTreeMap<String, Arc<VolumeEntry>>,
+        name: &str,
+    ) -> Result<(Arc<VolumeEntry>, Arc<Volume>), String> {
+        let Some(entry) = volumes.get(name) else {
+            const SHOWN: usize = 8;
+            let hint = match volumes.len() {
+                0 => "; this host serves no volumes".to_owned(),
+                n => format!(
+                    "; volumes here: {}{}",
+                    known(volumes.keys().take(SHOWN)),
+                    if n > SHOWN { ", …" } else { "" }
+                ),
+            };
+            return Err(if name.is_empty() {
+                // What `nbd://HOST:PORT` with no path asks for (the "default export").
+                format!("no export name given: name the volume, as in nbd://HOST:PORT/NAME{hint}")
+            } else {
+                format!("no volume named {name:?}{hint}")
+            });
+        };
         let volume = entry
             .volume
             .as_ref()
             .map_err(|e| format!("volume {name:?} cannot serve IO: {e}"))?
             .clone();
-        entry.attached.fetch_add(1, Ordering::SeqCst);
-        Ok(Attachment {
-            entry: entry.clone(),
-            volume,
-        })
+        Ok((entry.clone(), volume))
     }
 
     pub fn urls(&self, name: &str) -> Vec<String> {

@@ -9,20 +9,21 @@ use tracing::warn;
 use nbd::server::{CmdError, CmdResult, Export, ExportInfo, ExportSet};
 use nbd::{Errno, Stop};
 
-use crate::daemon::{Attachment, Daemon};
+use crate::daemon::{Attachment, Daemon, VolumeEntry};
+use engine::Volume;
 
 pub struct Exports(pub Arc<Daemon>);
 
-fn export_info(a: &Attachment) -> ExportInfo {
+fn export_info(entry: &VolumeEntry, volume: &Volume) -> ExportInfo {
     ExportInfo {
-        size: a.volume.size(),
+        size: volume.size(),
         read_only: false,
         // All connections to a volume share one engine::Volume (see the engine's module doc).
         can_multi_conn: true,
         description: format!(
             "Vesta volume on datastore {}, policy {}",
-            a.entry.record.datastore,
-            a.entry.policy()
+            entry.record.datastore,
+            entry.policy()
         ),
     }
 }
@@ -39,15 +40,16 @@ impl ExportSet for Exports {
             .collect()
     }
 
-    fn info(&self, name: &str) -> Option<ExportInfo> {
-        // Attaching and dropping at once gives the same answer GO would, without side effects
-        // beyond a counter that returns to where it was.
-        self.0.attach(name).ok().map(|a| export_info(&a))
+    fn info(&self, name: &str) -> Result<ExportInfo, String> {
+        // The answer GO would give, without attaching: a delete or relocation running at that
+        // moment must not find a client attached.
+        let (entry, volume) = self.0.servable(name)?;
+        Ok(export_info(&entry, &volume))
     }
 
     fn open(&self, name: &str) -> Result<(ExportInfo, Attachment), String> {
         let a = self.0.attach(name)?;
-        Ok((export_info(&a), a))
+        Ok((export_info(&a.entry, &a.volume), a))
     }
 
     fn on_connection_thread<R>(&self, f: impl FnOnce() -> R) -> R {
