@@ -10,6 +10,7 @@
 //! | `{p}/hosts/{host}` | `HostRecord`: present while the host is alive | the host's |
 //! | `{p}/vault-locks/{volume id}` | the holder's host name | the holder's |
 //! | `{p}/vaults/{volume id}` | `Vault` (JSON) | none |
+//! | `{p}/deleted/{volume id}` | when the volume was deleted (Unix seconds): its storage, if found with no record, is freed, not imported | none |
 //! | `{p}/ds-locks/{datastore}` | etcd's lock service, for metadata changes | the locker's |
 //! | `{p}/stats/devices/{host}`, `{p}/stats/volumes/{host}` | the host's balancing statistics (opaque) | the host's |
 //! | `{p}/stats/aggregator` | the name of the host that combines them | the aggregator's |
@@ -751,6 +752,11 @@ impl Coordinator for EtcdCoordinator {
                 TxnOp::delete(key, None),
                 TxnOp::delete(self.key("vaults", &id), None),
                 TxnOp::delete(self.key("vault-locks", &id), None),
+                TxnOp::put(
+                    self.key("deleted", &id),
+                    crate::now_unix().to_string(),
+                    None,
+                ),
             ]);
         if self.txn_held(txn).await? {
             self.session.held.lock().expect("lock").remove(&cur.id);
@@ -760,6 +766,25 @@ impl Coordinator for EtcdCoordinator {
                 "volume {name:?} was changed by another host at the same time; try again"
             )))
         }
+    }
+
+    async fn deleted_volumes(&self) -> Result<Vec<Uuid>> {
+        let prefix = self.key("deleted", "");
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(
+                prefix.clone(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        Ok(r.kvs()
+            .iter()
+            .filter_map(|x| {
+                let k = String::from_utf8_lossy(x.key()).into_owned();
+                k.strip_prefix(&prefix)?.parse().ok()
+            })
+            .collect())
     }
 
     fn host(&self) -> &str {
@@ -1125,8 +1150,9 @@ mod tests {
         assert!(kv.get(lock, None).await.unwrap().kvs().is_empty());
     }
 
-    /// A volume record is deleted only by its id: a name another volume took since (a
-    /// record removed and its name created again elsewhere) is not the old volume's to delete.
+    /// A volume record is deleted only by its id (a name another volume took since, a record
+    /// removed and its name created again elsewhere, is not the old volume's to delete), and
+    /// its delete leaves the id among the deleted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_volume_record_is_deleted_only_by_its_id() {
         let etcd = Etcd::start();
@@ -1149,8 +1175,12 @@ mod tests {
             Err(Error::NotFound(_))
         ));
         assert_eq!(a.state().await.unwrap().volumes.len(), 1);
+        assert!(a.deleted_volumes().await.unwrap().is_empty());
         a.delete_volume("v", new).await.unwrap();
         assert!(a.state().await.unwrap().volumes.is_empty());
+        // The delete leaves the id, for storage it left behind to be freed, not imported.
+        let b = connect(&etcd, "b").await;
+        assert_eq!(b.deleted_volumes().await.unwrap(), vec![new]);
     }
 
     /// A datastore lock is bound to the lease it was granted under: one granted before the

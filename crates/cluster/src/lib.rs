@@ -70,6 +70,11 @@ pub trait Coordinator: Send + Sync + 'static {
     /// no volume by that name has that id (a name taken since by another volume is not its
     /// to delete).
     async fn delete_volume(&self, name: &str, id: Uuid) -> Result<()>;
+    /// Ids of deleted volumes: [`Coordinator::delete_volume`] keeps each, in the same change
+    /// that removes the record. Storage with such an id found with no record (left by a
+    /// delete that could not reach its datastore, or a relocation's copy out of reach) is the
+    /// deleted volume's, to be freed, never taken for a create cut short and imported.
+    async fn deleted_volumes(&self) -> Result<Vec<Uuid>>;
 
     /// This host's name.
     fn host(&self) -> &str;

@@ -30,6 +30,9 @@ struct OnDisk {
     state: State,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     vaults: Vec<Vault>,
+    /// [`Coordinator::deleted_volumes`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    deleted: Vec<Uuid>,
 }
 
 pub struct LocalCoordinator {
@@ -218,9 +221,14 @@ impl Coordinator for LocalCoordinator {
             }
             d.state.volumes.retain(|x| x.id != id);
             d.vaults.retain(|x| x.volume != id);
+            d.deleted.push(id);
             Ok(())
         })
         .await
+    }
+
+    async fn deleted_volumes(&self) -> Result<Vec<Uuid>> {
+        Ok(self.state.lock().await.deleted.clone())
     }
 
     fn host(&self) -> &str {

@@ -114,6 +114,8 @@ struct Unconfirmed {
     rec: VolumeRecord,
     /// The copy, written whole and flushed.
     copy: datastore::Extent,
+    /// The record was found naming neither datastore (said once).
+    odd_record: std::sync::atomic::AtomicBool,
 }
 
 impl VolumeEntry {
@@ -1422,13 +1424,40 @@ impl Daemon {
     /// which holds the datastore's lock), and returns their new records.
     async fn record_unknown_volumes(&self, store: &Arc<dyn Datastore>) -> Vec<VolumeRecord> {
         let mut made = Vec::new();
-        let Ok(found) = store.recorded_volumes().await else {
+        // Bounded: the datastore's lock is held, and every host's changes to it wait.
+        let Some(found) = Self::listed(store).await else {
             return made;
         };
         // Other hosts' volumes on a shared LUN are theirs, not lost ones to import.
         let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
             return made;
         };
+        // Read after the records: a delete removes a record and leaves its id here in one
+        // change, so an id is in one list or the other.
+        let Ok(deleted) = self.coord.deleted_volumes().await else {
+            return made;
+        };
+        let deleted: std::collections::HashSet<Uuid> = deleted.into_iter().collect();
+        let (gone, found): (Vec<_>, Vec<_>) = found
+            .into_iter()
+            .partition(|v| deleted.contains(&v.id) && !recorded.iter().any(|r| r.id == v.id));
+        for v in &gone {
+            // A deleted volume's: its delete could not reach this datastore, or a copy a
+            // relocation left here was out of its reach. The delete ends here.
+            let ds = &store.spec().name;
+            match store.delete_volume(v).await {
+                Ok(()) => info!(
+                    "datastore {ds:?}: freed the storage of deleted volume {:?} ({}) that its \
+                     delete left behind",
+                    v.name, v.id
+                ),
+                Err(e) => warn!(
+                    "datastore {ds:?}: the storage of deleted volume {:?} ({}) could not be \
+                     freed: {e}",
+                    v.name, v.id
+                ),
+            }
+        }
         for v in &found {
             let alike: Vec<&str> = found
                 .iter()
@@ -1565,8 +1594,13 @@ impl Daemon {
                     return Ok(extent);
                 };
                 // The coordinator may have made the record and lost only its answer: look.
-                match self.coord.state().await {
-                    Ok(s) if s.volumes.iter().any(|r| r.id == rec.id) => {
+                let found = self
+                    .coord
+                    .state()
+                    .await
+                    .map(|s| s.volumes.into_iter().find(|r| r.id == rec.id));
+                match found {
+                    Ok(Some(r)) if same_create(&r, &rec) => {
                         warn!(
                             "volume {:?}: recording it answered an error ({e}), but the record \
                              is there; going on",
@@ -1574,7 +1608,20 @@ impl Daemon {
                         );
                         Ok(extent)
                     }
-                    Ok(_) => {
+                    Ok(Some(r)) => {
+                        // Another host took the storage for a create cut short and recorded it
+                        // as its own: this host's lease (and with it the datastore's lock)
+                        // lapsed between the two steps. It is that host's volume now; nothing
+                        // of it may be undone here.
+                        Err(OpError::Conflict(format!(
+                            "volume {:?}: while this host stalled between making its storage \
+                             and recording it, host {} recorded that storage as its own ({e}); \
+                             it serves the volume now",
+                            rec.name,
+                            r.owner.as_deref().unwrap_or("?")
+                        )))
+                    }
+                    Ok(None) => {
                         // Roll back so the datastore holds nothing the coordinator does not
                         // know.
                         if let Err(e2) = store.delete_volume(&rec.spec()).await {
@@ -1929,6 +1976,7 @@ impl Daemon {
                             before: entry.clone(),
                             rec: rec.clone(),
                             copy: dst,
+                            odd_record: Default::default(),
                         }),
                         ..VolumeEntry::placeholder(entry.current_record(), why.clone())
                     };
@@ -2056,16 +2104,19 @@ impl Daemon {
                 u.volume.unrevoke();
                 self.reinstate(&u.before, Ok(u.volume.clone()));
             }
-            other => {
+            // Once, not at every retry.
+            other if !u.odd_record.swap(true, Ordering::Relaxed) => {
                 warn!(
                     "volume {name:?}: its relocation from {from:?} to {to:?} is unconfirmed, and \
-                     its record names {}: it stays out of service",
+                     its record names {}: it stays out of service; restart vestad to serve what \
+                     the record names",
                     other.map_or("no datastore (there is no record)".to_owned(), |d| format!(
                         "{d:?}"
                     ))
                 );
                 return false;
             }
+            _ => return false,
         }
         true
     }
@@ -2438,6 +2489,13 @@ impl Daemon {
             .claim_within(name, "loss acceptance", CLAIM_WAIT)
             .await?;
         let entry = self.local_entry(name).await?;
+        if entry.unconfirmed.is_some() {
+            // Its `Volume` is held for the settling: a reopen here would make a second one.
+            return Err(OpError::Unavailable(format!(
+                "volume {name:?}: {}; retry once it is settled",
+                entry.volume.as_ref().err().map_or("", |w| w.as_str())
+            )));
+        }
         crate::loss::accept(self, &entry, dry_run).await
     }
 
@@ -2566,6 +2624,12 @@ fn same_location(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
         (Kind::Lun { target: x, .. }, Kind::Lun { target: y, .. }) => x == y,
         _ => false,
     }
+}
+
+/// Whether record `r` is the one create `rec` made (not one another host made for the same
+/// storage, found without a record, as an import does).
+fn same_create(r: &VolumeRecord, rec: &VolumeRecord) -> bool {
+    r.id == rec.id && r.owner == rec.owner && r.created_unix == rec.created_unix
 }
 
 fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {

@@ -41,6 +41,9 @@ struct FailingVault {
     vault_reads: std::sync::atomic::AtomicU64,
     /// Reads of the cluster state (the volume records) fail.
     fail_state_reads: AtomicBool,
+    /// A volume record being created is made by host "b" first (an import of the storage
+    /// while this host's lease lapsed), so this host's create finds it exists.
+    creates_taken_by_b: AtomicBool,
 }
 
 #[async_trait]
@@ -63,6 +66,18 @@ impl Coordinator for FailingVault {
         self.inner.update_datastore(d).await
     }
     async fn create_volume(&self, v: VolumeRecord) -> cluster::Result<()> {
+        if self.creates_taken_by_b.load(Ordering::SeqCst) {
+            let theirs = VolumeRecord {
+                owner: Some("b".into()),
+                created_unix: v.created_unix + 10,
+                policy: Policy::Uncached,
+                ..v
+            };
+            self.inner.create_volume(theirs).await?;
+            return Err(cluster::Error::Exists(
+                "a volume by that name exists".into(),
+            ));
+        }
         self.inner.create_volume(v).await?;
         if self.lose_create_answers.load(Ordering::SeqCst) {
             return Err(cluster::Error::Unavailable(
@@ -88,6 +103,9 @@ impl Coordinator for FailingVault {
             return Err(cluster::Error::Unavailable("record deletes fail".into()));
         }
         self.inner.delete_volume(name, id).await
+    }
+    async fn deleted_volumes(&self) -> cluster::Result<Vec<Uuid>> {
+        self.inner.deleted_volumes().await
     }
     fn host(&self) -> &str {
         self.inner.host()
@@ -222,6 +240,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_vault_reads: AtomicBool::new(false),
         vault_reads: Default::default(),
         fail_state_reads: AtomicBool::new(false),
+        creates_taken_by_b: AtomicBool::new(false),
     })
 }
 
@@ -1449,6 +1468,69 @@ async fn copies_left_by_interrupted_relocations_are_freed_and_never_come_back() 
     drop(d);
     let d = start(&dir, &coord).await;
     assert!(d.entry("v").is_err(), "a deleted volume came back");
+}
+
+/// A volume deleted with `--force` while its datastore was unavailable leaves its storage
+/// there. When the datastore is back, that storage is freed: the delete ends, and the deleted
+/// volume does not come back as a create cut short (before, the next start imported it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_deleted_while_its_datastore_was_down_is_freed_when_it_is_back() {
+    let dir = TempDir::new("deleted-away");
+    let coord = coordinator(&dir);
+    create_and_stop(&dir, &coord).await;
+    let (ds, away) = (dir.0.join("ds"), dir.0.join("ds.away"));
+    std::fs::rename(&ds, &away).unwrap();
+    let d = start(&dir, &coord).await;
+    assert!(
+        d.entry("v").unwrap().volume.is_err(),
+        "opened without its datastore"
+    );
+    d.delete_volume("v", true).await.unwrap();
+    drop(d);
+    std::fs::rename(&away, &ds).unwrap();
+    assert!(ds.join("v.raw").exists());
+    let d = start(&dir, &coord).await;
+    assert!(d.entry("v").is_err(), "the deleted volume came back");
+    assert!(!ds.join("v.raw").exists(), "its storage was not freed");
+    // A volume created again under the name is a new one.
+    create_v(&d, "wt").await;
+    assert!(writes(&volume(&d, "v"), Duration::from_secs(5)).await);
+}
+
+/// A create whose record another host made first, for the storage this one had just made (it
+/// imported it as a create cut short while this host's lease had lapsed), leaves that host's
+/// record and storage alone. Before, the read-back went by id alone, took the record for its
+/// own, and could then remove it and free the storage under the other host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_whose_storage_another_host_recorded_leaves_it_to_that_host() {
+    let dir = TempDir::new("create-taken");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    coord.creates_taken_by_b.store(true, Ordering::SeqCst);
+    let e = d
+        .create_volume(api::CreateVolume {
+            name: "v".into(),
+            size: 1 << 20,
+            datastore: Some("default".into()),
+            policy: Some("wt".into()),
+            hold_s: None,
+            max_dirty_age_s: None,
+            rpo_s: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("host b recorded that storage"),
+        "{e}"
+    );
+    assert!(d.entry("v").is_err(), "served here");
+    assert!(dir.0.join("ds/v.raw").exists(), "b's storage was freed");
+    let recs = coord.state().await.unwrap().volumes;
+    assert!(
+        recs.iter()
+            .any(|r| r.name == "v" && r.owner.as_deref() == Some("b")),
+        "b's record was removed: {recs:?}"
+    );
 }
 
 /// A create whose record was made but whose answer was lost goes on: the volume serves, and
