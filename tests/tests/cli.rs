@@ -315,13 +315,85 @@ fn a_re_added_lun_brings_its_volumes_back() {
         // This host's state is then lost with it.
     }
     let v = Vestad::start();
-    let j = v.vesta_json(&["datastore", "add", "san-again", "--lun", &k.uri()]);
+    // Another pod's LUN, as far as the new host knows: refused, unless taken over.
+    let e = v.vesta_err(&["datastore", "add", "san-again", "--lun", &k.uri()]);
+    assert!(
+        e.contains("a Vesta LUN of another pod") && e.contains("1 volume(s)"),
+        "{e}"
+    );
+    let j = v.vesta_json(&[
+        "datastore",
+        "add",
+        "san-again",
+        "--lun",
+        &k.uri(),
+        "--force",
+    ]);
     assert_eq!(j["lun_id"], lun_id, "the LUN is adopted, not reformatted");
     assert_eq!(j["volumes"], 1);
     let vol = v.vesta_json(&["volume", "show", "keep"]);
     assert_eq!(vol["datastore"], "san-again");
     assert_eq!(vol["size"], 4 << 20);
     vesta_tests::qemu_io(&v.url("keep"), &["read -P 0x42 0 1M"]);
+}
+
+/// Two pods (here two single hosts) must never allocate from one LUN's volume table: the
+/// second is refused while the LUN carries the first pod's id, and once it takes the LUN over
+/// (`--force`) the first cannot open it again. Before, the second adopted it silently and
+/// both gave out the same extents.
+#[test]
+fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
+    let k = Nbdkit::start(64 << 20, &[], &[]);
+    let mut first = Vestad::start();
+    first.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri()]);
+    first.vesta_ok(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "4M",
+        "--datastore",
+        "san",
+    ]);
+    vesta_tests::qemu_io(&first.url("x"), &["write -P 0x17 0 1M", "flush"]);
+    let pod = first.vesta_json(&["status"])["pod"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(!pod.is_empty());
+
+    let second = Vestad::start();
+    assert_ne!(second.vesta_json(&["status"])["pod"], pod.as_str());
+    let e = second.vesta_err(&["datastore", "add", "san", "--lun", &k.uri()]);
+    assert!(
+        e.contains("a Vesta LUN of another pod") && e.contains(&pod),
+        "{e}"
+    );
+    // Refused, nothing changed: the first host goes on, and the second created nothing.
+    vesta_tests::qemu_io(&first.url("x"), &["read -P 0x17 0 1M"]);
+    assert!(second
+        .vesta_err(&["volume", "show", "x"])
+        .contains("no volume named"));
+
+    second.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri(), "--force"]);
+    vesta_tests::qemu_io(&second.url("x"), &["read -P 0x17 0 1M"]);
+    first.terminate();
+    first.launch();
+    let ds = first.vesta_json(&["datastore", "list"]);
+    let san = ds
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "san")
+        .expect("san listed")
+        .clone();
+    assert!(
+        san["status"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("now belongs to another Vesta pod"),
+        "{san}"
+    );
 }
 
 fn spawn_fio(uri: &str, seconds: u32) -> Child {

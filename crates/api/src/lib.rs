@@ -39,6 +39,9 @@ pub struct Status {
     pub version: String,
     pub data_dir: String,
     pub coordinator: String,
+    /// The pod's id, which the labels of its LUNs carry.
+    #[serde(default)]
+    pub pod: String,
     /// This host's name and fault domain.
     #[serde(default)]
     pub host: String,

@@ -16,6 +16,7 @@
 //! | `{p}/stats/aggregator` | the name of the host that combines them | the aggregator's |
 //! | `{p}/stats/pod` | the combined statistics (opaque) | the aggregator's |
 //! | `{p}/peer-key` | 32 random bytes hosts prove they know before taking each other's `wbp` writes | none |
+//! | `{p}/pod-id` | the pod's UUID (text), which the labels of its LUNs carry | none |
 //!
 //! **Statistics** (DESIGN §8, §11): every host puts its own documents; one host at a time,
 //! the aggregator, reads them all and puts the pod's, which every host reads. So each host
@@ -1029,6 +1030,26 @@ impl Coordinator for EtcdCoordinator {
         })
     }
 
+    async fn pod_id(&self, fresh: Uuid) -> Result<Uuid> {
+        // As the peer key: whoever asks first stores theirs, in one transaction.
+        let key = format!("{}/pod-id", self.prefix);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), fresh.to_string(), None)])
+            .or_else([TxnOp::get(key.clone(), None)]);
+        let mut kv = self.client.kv_client();
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        if r.succeeded() {
+            return Ok(fresh);
+        }
+        let stored = first_get(&r.op_responses()).map(|kv| kv.value().to_vec());
+        let stored = String::from_utf8_lossy(&stored.unwrap_or_default()).into_owned();
+        stored.trim().parse().map_err(|_| Error::Corrupt {
+            path: format!("etcd key {key}"),
+            msg: format!("{stored:?} is not a UUID; put back the pod's id"),
+        })
+    }
+
     async fn shutdown(&self) {
         self.leave().await
     }
@@ -1181,6 +1202,16 @@ mod tests {
         // The delete leaves the id, for storage it left behind to be freed, not imported.
         let b = connect(&etcd, "b").await;
         assert_eq!(b.deleted_volumes().await.unwrap(), vec![new]);
+    }
+
+    /// Every host of a pod gets the pod id the first one stored.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_hosts_of_a_pod_share_one_pod_id() {
+        let etcd = Etcd::start();
+        let (a, b) = (connect(&etcd, "a").await, connect(&etcd, "b").await);
+        let first = a.pod_id(Uuid::new_v4()).await.unwrap();
+        assert_eq!(b.pod_id(Uuid::new_v4()).await.unwrap(), first);
+        assert_eq!(a.pod_id(Uuid::new_v4()).await.unwrap(), first);
     }
 
     /// A datastore lock is bound to the lease it was granted under: one granted before the

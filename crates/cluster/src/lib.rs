@@ -123,6 +123,13 @@ pub trait Coordinator: Send + Sync + 'static {
     /// every host then gets the first one stored.
     async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]>;
 
+    /// The pod's id: one for all its hosts, another for every other pod (or single host).
+    /// Each LUN the pod formats carries it in its label, so that a LUN another pod uses is
+    /// never adopted silently: two pods would allocate from one volume table under two
+    /// locks. `fresh` becomes the id if the pod has none yet; every host then gets the first
+    /// one stored.
+    async fn pod_id(&self, fresh: Uuid) -> Result<Uuid>;
+
     /// Leaves the cluster at a clean stop (this host shows as down at once).
     async fn shutdown(&self) {}
 }

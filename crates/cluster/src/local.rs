@@ -33,6 +33,9 @@ struct OnDisk {
     /// [`Coordinator::deleted_volumes`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     deleted: Vec<Uuid>,
+    /// This host's pod id ([`Coordinator::pod_id`]), made the first time it is asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pod: Option<Uuid>,
 }
 
 pub struct LocalCoordinator {
@@ -318,6 +321,18 @@ impl Coordinator for LocalCoordinator {
     async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]> {
         Ok(*self.peer_key.get_or_init(|| fresh))
     }
+
+    async fn pod_id(&self, fresh: Uuid) -> Result<Uuid> {
+        if let Some(id) = self.state.lock().await.pod {
+            return Ok(id);
+        }
+        self.change_all(|d| {
+            d.pod.get_or_insert(fresh);
+            Ok(())
+        })
+        .await?;
+        Ok(self.state.lock().await.pod.unwrap_or(fresh))
+    }
 }
 
 #[cfg(test)]
@@ -325,6 +340,20 @@ mod tests {
     use super::*;
     use crate::record::Policy;
     use datastore::{Class, Kind};
+
+    /// The pod id is made once and kept in the state file: a restart is the same pod, and
+    /// the LUNs it formatted still open.
+    #[tokio::test]
+    async fn the_pod_id_survives_a_restart() {
+        let dir = tmpdir();
+        let c = LocalCoordinator::open(&dir).unwrap();
+        let first = c.pod_id(Uuid::new_v4()).await.unwrap();
+        assert_eq!(c.pod_id(Uuid::new_v4()).await.unwrap(), first);
+        drop(c);
+        let c = LocalCoordinator::open(&dir).unwrap();
+        assert_eq!(c.pod_id(Uuid::new_v4()).await.unwrap(), first);
+        let _ = fs::remove_dir_all(&dir);
+    }
 
     fn tmpdir() -> PathBuf {
         let d = std::env::temp_dir().join(format!("vesta-local-{}", uuid::Uuid::new_v4()));

@@ -1,7 +1,7 @@
 //! The on-disk label and volume table of a `lun` datastore (pure: bytes in, bytes out).
 //!
 //! ```text
-//! 0 MiB   label (4 KiB): magic, version, LUN UUID, geometry, crc32c
+//! 0 MiB   label (4 KiB): magic, version, LUN UUID, geometry, pod UUID, crc32c
 //! 1 MiB   table slot 0 (up to 1 MiB)
 //! 2 MiB   table slot 1 (up to 1 MiB)
 //! 4 MiB   volume extents, each 1 MiB aligned, raw bytes laid out 1:1
@@ -34,6 +34,9 @@ pub struct Label {
     pub lun_id: Uuid,
     /// Device size when formatted; a device that has since shrunk is refused.
     pub device_size: u64,
+    /// The pod that uses the LUN (`Coordinator::pod_id`); none on a LUN formatted before
+    /// labels carried it. Stored as 16 zero bytes when none.
+    pub pod: Option<Uuid>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +83,7 @@ impl Label {
         b[48..56].copy_from_slice(&TABLE_SLOT_OFFSETS[1].to_le_bytes());
         b[56..60].copy_from_slice(&(TABLE_SLOT_LEN as u32).to_le_bytes());
         b[64..72].copy_from_slice(&DATA_START.to_le_bytes());
+        b[72..88].copy_from_slice(self.pod.unwrap_or_default().as_bytes());
         let crc = crc32c::crc32c(&b[..LABEL_LEN - 4]);
         b[LABEL_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
         b
@@ -99,6 +103,8 @@ impl Label {
         Ok(Label {
             lun_id: Uuid::from_bytes(b[16..32].try_into().expect("16 bytes")),
             device_size: le64(&b[32..40]),
+            pod: Some(Uuid::from_bytes(b[72..88].try_into().expect("16 bytes")))
+                .filter(|p| !p.is_nil()),
         })
     }
 }
@@ -280,9 +286,14 @@ mod tests {
         let l = Label {
             lun_id: Uuid::new_v4(),
             device_size: 1 << 34,
+            pod: Some(Uuid::new_v4()),
         };
         let mut b = l.encode();
-        assert_eq!(Label::decode(&b), Ok(l));
+        assert_eq!(Label::decode(&b), Ok(l.clone()));
+        // A label from before pods: zeroes where the pod goes.
+        let old = Label { pod: None, ..l };
+        assert_eq!(&old.encode()[72..88], &[0u8; 16]);
+        assert_eq!(Label::decode(&old.encode()), Ok(old));
         b[100] ^= 1;
         assert_eq!(Label::decode(&b), Err(LabelError::BadChecksum));
         assert_eq!(Label::decode(&[0u8; LABEL_LEN]), Err(LabelError::NoMagic));

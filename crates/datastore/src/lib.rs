@@ -212,8 +212,19 @@ pub trait Datastore: Send + Sync + 'static {
     }
 }
 
-/// Opens (or, when adding, prepares) a datastore of any kind.
+/// Opens (or, when adding, prepares) a datastore of any kind, for no pod in particular: a
+/// `lun` of any pod is opened, and one formatted here carries none.
 pub async fn open(spec: &DatastoreSpec, mode: OpenMode) -> Result<Arc<dyn Datastore>> {
+    open_in_pod(spec, mode, None).await
+}
+
+/// [`open`] for pod `pod`: a `lun` formatted here carries it in its label, and one whose label
+/// names another pod is refused (taken over when added with `force`).
+pub async fn open_in_pod(
+    spec: &DatastoreSpec,
+    mode: OpenMode,
+    pod: Option<Uuid>,
+) -> Result<Arc<dyn Datastore>> {
     if spec.queue_depth == 0 {
         return Err(Error::Invalid(format!(
             "datastore {:?}: queue_depth must be at least 1",
@@ -222,7 +233,7 @@ pub async fn open(spec: &DatastoreSpec, mode: OpenMode) -> Result<Arc<dyn Datast
     }
     Ok(match &spec.kind {
         Kind::Dir { .. } => Arc::new(dir::DirDatastore::open(spec.clone(), mode).await?),
-        Kind::Lun { .. } => Arc::new(lun::LunDatastore::open(spec.clone(), mode).await?),
+        Kind::Lun { .. } => Arc::new(lun::LunDatastore::open(spec.clone(), mode, pod).await?),
     })
 }
 

@@ -68,7 +68,15 @@ async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
 }
 
 impl LunDatastore {
-    pub async fn open(spec: DatastoreSpec, mode: OpenMode) -> Result<LunDatastore> {
+    /// Opens the LUN `spec` names for pod `pod` (none: any pod), formatting it if it is blank
+    /// and being added. A LUN whose label names another pod is refused: two pods would
+    /// allocate from one volume table under two locks. Added with `force`, this pod takes it
+    /// over (its label then names this pod, and the other pod can no longer open it).
+    pub async fn open(
+        spec: DatastoreSpec,
+        mode: OpenMode,
+        pod: Option<Uuid>,
+    ) -> Result<LunDatastore> {
         let Kind::Lun { target, .. } = &spec.kind else {
             unreachable!(
                 "LunDatastore::open called for a {} datastore",
@@ -76,7 +84,7 @@ impl LunDatastore {
             );
         };
         let dev = open_device(&spec.name, target).await?;
-        Self::open_on(dev, spec, mode).await
+        Self::open_on(dev, spec, mode, pod).await
     }
 
     /// [`LunDatastore::open`] on a device already open (tests wrap one to watch its IO).
@@ -84,6 +92,7 @@ impl LunDatastore {
         dev: Arc<dyn Device>,
         mut spec: DatastoreSpec,
         mode: OpenMode,
+        pod: Option<Uuid>,
     ) -> Result<LunDatastore> {
         let Kind::Lun { target, lun_id } = &spec.kind else {
             unreachable!("LunDatastore::open_on for a {} datastore", spec.kind_name());
@@ -115,7 +124,7 @@ impl LunDatastore {
                     recorded_id.unwrap_or_default()
                 )))
             }
-            (Ok(l), _) => {
+            (Ok(mut l), _) => {
                 let t = Table::newest([slot(0), slot(1)]).ok_or_else(|| {
                     Error::Invalid(format!(
                         "datastore {name:?}: {target} has a Vesta label but neither volume \
@@ -135,6 +144,45 @@ impl LunDatastore {
                         l.device_size,
                         dev.size()
                     )));
+                }
+                match (pod, l.pod) {
+                    (Some(ours), Some(theirs)) if ours != theirs => match mode {
+                        OpenMode::Reopen => {
+                            return Err(Error::Invalid(format!(
+                                "datastore {name:?}: {target} now belongs to another Vesta pod \
+                                 ({theirs}; this pod is {ours}), which took it over with \
+                                 --force: this pod must not use it any more"
+                            )))
+                        }
+                        OpenMode::Add { force: false } => {
+                            return Err(Error::Foreign(format!(
+                                "datastore {name:?}: {target} is a Vesta LUN of another pod \
+                                 ({theirs}; this pod is {ours}) with {} volume(s): two pods \
+                                 allocating from one volume table overwrite each other's \
+                                 volumes. Remove it from that pod first; pass --force only if \
+                                 that pod is gone for good (as is a single host whose data \
+                                 directory was lost): this pod then takes the LUN over, with \
+                                 its volumes, and the other can no longer open it",
+                                t.entries.len()
+                            )))
+                        }
+                        OpenMode::Add { force: true } => {
+                            warn!(
+                                "datastore {name:?}: taking Vesta LUN {} on {target} over from \
+                                 pod {theirs} (--force)",
+                                l.lun_id
+                            );
+                            l.pod = Some(ours);
+                            let before = dev.losses();
+                            dev.write_at(0, bytes::Bytes::from(l.encode()), true)
+                                .await
+                                .map_err(io_err(format!("write the label of {target}")))?;
+                            crate::device::flush_since(&*dev, before)
+                                .await
+                                .map_err(io_err(format!("write the label of {target}")))?;
+                        }
+                    },
+                    _ => {}
                 }
                 if mode != OpenMode::Reopen {
                     info!(
@@ -172,6 +220,7 @@ impl LunDatastore {
                 let l = Label {
                     lun_id: Uuid::new_v4(),
                     device_size: dev.size(),
+                    pod,
                 };
                 let t = Table {
                     generation: 1,
@@ -680,6 +729,7 @@ mod tests {
             dev.clone(),
             spec(std::path::Path::new("watched")),
             OpenMode::Add { force: false },
+            None,
         )
         .await
         .unwrap();
@@ -762,6 +812,66 @@ mod tests {
         lun.create_volume(&volume("w")).await.unwrap();
     }
 
+    /// A LUN carries the pod that formatted it: another pod is refused when it adds it, and
+    /// takes it over only with `force`, after which the first pod can no longer open it. A
+    /// LUN formatted before labels named pods is adopted as before.
+    #[tokio::test]
+    async fn a_lun_of_another_pod_is_refused_unless_taken_over() {
+        let dir = std::env::temp_dir().join(format!("vesta-lun-pod-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("lun.img");
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let (ours, theirs) = (Some(Uuid::new_v4()), Some(Uuid::new_v4()));
+        let add = |force| OpenMode::Add { force };
+        let a = LunDatastore::open(spec(&img), add(false), ours)
+            .await
+            .unwrap();
+        a.create_volume(&volume("v")).await.unwrap();
+        drop(a);
+        LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
+            .await
+            .unwrap();
+        let refused = LunDatastore::open(spec(&img), add(false), theirs).await;
+        let e = refused
+            .err()
+            .expect("another pod's LUN was adopted")
+            .to_string();
+        assert!(
+            e.contains("another pod") && e.contains("1 volume(s)"),
+            "{e}"
+        );
+        assert!(LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
+            .await
+            .is_err());
+        // Taken over: the volumes come along, and the first pod is shut out.
+        let b = LunDatastore::open(spec(&img), add(true), theirs)
+            .await
+            .unwrap();
+        assert_eq!(b.recorded_volumes().await.unwrap().len(), 1);
+        drop(b);
+        let e = LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
+            .await
+            .err()
+            .expect("the pod it was taken from still opens it")
+            .to_string();
+        assert!(e.contains("now belongs to another Vesta pod"), "{e}");
+        // A label without a pod (an older format) is adopted by any pod.
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        LunDatastore::open(spec(&img), add(false), None)
+            .await
+            .unwrap();
+        LunDatastore::open(spec(&img), add(false), ours)
+            .await
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Two hosts on one LUN: host B opened volume V once. Host A then moves V away, gives
     /// its extent to W, and moves V back elsewhere (a relocation keeps the id). B, opening V
     /// again (a peer replaying it), must get V's new extent, not write into W.
@@ -772,7 +882,7 @@ mod tests {
         let img = dir.join("lun.img");
         let f = std::fs::File::create(&img).unwrap();
         f.set_len(64 << 20).unwrap();
-        let a = LunDatastore::open(spec(&img), OpenMode::Add { force: false })
+        let a = LunDatastore::open(spec(&img), OpenMode::Add { force: false }, None)
             .await
             .unwrap();
         let mut recorded = spec(&img);
@@ -780,7 +890,7 @@ mod tests {
             target: img.display().to_string(),
             lun_id: Some(a.lun_id()),
         };
-        let b = LunDatastore::open(recorded, OpenMode::Reopen)
+        let b = LunDatastore::open(recorded, OpenMode::Reopen, None)
             .await
             .unwrap();
         let v = volume("v");

@@ -452,7 +452,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("vestad {}", s.version);
             println!("data dir     {}", s.data_dir);
             println!("host         {} (fault domain {})", s.host, s.fault_domain);
-            println!("coordinator  {}", s.coordinator);
+            println!("coordinator  {} (pod {})", s.coordinator, s.pod);
             println!("api          http://{}", s.api);
             println!("nbd unix     {}", s.nbd_unix.as_deref().unwrap_or("-"));
             println!("nbd tcp      {}", s.nbd_tcp.as_deref().unwrap_or("-"));

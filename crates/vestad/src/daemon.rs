@@ -190,6 +190,9 @@ pub struct NbdAddrs {
 
 pub struct Daemon {
     pub config: Config,
+    /// The pod's id ([`Coordinator::pod_id`]): LUNs formatted here carry it, and a LUN
+    /// carrying another is refused.
+    pod: Uuid,
     pub coord: Arc<dyn Coordinator>,
     /// The host's cache device, if one is configured.
     pub cache: Option<Arc<CacheHost>>,
@@ -262,7 +265,9 @@ impl Daemon {
         coord: Arc<dyn Coordinator>,
         cache: Option<Arc<CacheHost>>,
     ) -> anyhow::Result<Daemon> {
+        let pod = coord.pod_id(Uuid::new_v4()).await?;
         let d = Daemon {
+            pod,
             sampler: Mutex::new(Sampler::new(config.stats.history, config.stats.interval_s)),
             busy: Mutex::new(HashMap::new()),
             stopping: std::sync::atomic::AtomicBool::new(false),
@@ -312,7 +317,7 @@ impl Daemon {
         }
         let state = d.coord.state().await?;
         for spec in state.datastores {
-            let store = match datastore::open(&spec, OpenMode::Reopen).await {
+            let store = match datastore::open_in_pod(&spec, OpenMode::Reopen, Some(d.pod)).await {
                 Ok(s) => {
                     s.set_fence(d.coord.fence());
                     d.warn_if_cached_by_host(&spec);
@@ -620,7 +625,7 @@ impl Daemon {
                 anyhow::anyhow!("create datastore directory {}: {e}", path.display())
             })?;
         }
-        let store = datastore::open(spec, OpenMode::Add { force })
+        let store = datastore::open_in_pod(spec, OpenMode::Add { force }, Some(self.pod))
             .await
             .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
         // One LUN under two names would mean two locks on one volume table (as
@@ -1273,7 +1278,9 @@ impl Daemon {
             queue_depth,
         };
         // A LUN must not be added twice under two names.
-        let store = datastore::open(&spec, OpenMode::Add { force: req.force }).await?;
+        let store =
+            datastore::open_in_pod(&spec, OpenMode::Add { force: req.force }, Some(self.pod))
+                .await?;
         store.set_fence(self.coord.fence());
         self.warn_if_cached_by_host(&spec);
         let spec = store.spec().clone();
@@ -2422,7 +2429,8 @@ impl Daemon {
             }
         }
         for spec in down {
-            let Ok(store) = datastore::open(&spec, OpenMode::Reopen).await else {
+            let Ok(store) = datastore::open_in_pod(&spec, OpenMode::Reopen, Some(self.pod)).await
+            else {
                 continue;
             };
             store.set_fence(self.coord.fence());
@@ -2532,6 +2540,7 @@ impl Daemon {
             version: env!("CARGO_PKG_VERSION").into(),
             data_dir: self.config.data_dir.display().to_string(),
             coordinator: self.coord.kind().into(),
+            pod: self.pod.to_string(),
             host: self.coord.host().into(),
             fault_domain: self.config.cluster.fault_domain.clone(),
             nbd_unix: nbd.unix.map(|p| p.display().to_string()),

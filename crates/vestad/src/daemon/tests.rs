@@ -107,6 +107,9 @@ impl Coordinator for FailingVault {
     async fn deleted_volumes(&self) -> cluster::Result<Vec<Uuid>> {
         self.inner.deleted_volumes().await
     }
+    async fn pod_id(&self, fresh: Uuid) -> cluster::Result<Uuid> {
+        self.inner.pod_id(fresh).await
+    }
     fn host(&self) -> &str {
         self.inner.host()
     }
