@@ -327,7 +327,7 @@ fn a_re_added_lun_brings_its_volumes_back() {
         "san-again",
         "--lun",
         &k.uri(),
-        "--force",
+        "--take-over",
     ]);
     assert_eq!(j["lun_id"], lun_id, "the LUN is adopted, not reformatted");
     assert_eq!(j["volumes"], 1);
@@ -338,9 +338,10 @@ fn a_re_added_lun_brings_its_volumes_back() {
 }
 
 /// Two pods (here two single hosts) must never allocate from one LUN's volume table: the
-/// second is refused while the LUN carries the first pod's id, and once it takes the LUN over
-/// (`--force`) the first cannot open it again. Before, the second adopted it silently and
-/// both gave out the same extents.
+/// second is refused while the LUN carries the first pod's id (`--force`, which formats over
+/// foreign data, does not change that), and once it takes the LUN over (`--take-over`) the
+/// first can change its table no more, though it has it open, nor open it again. Before, the
+/// second adopted it silently and both gave out the same extents.
 #[test]
 fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
     let k = Nbdkit::start(64 << 20, &[], &[]);
@@ -364,19 +365,34 @@ fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
 
     let second = Vestad::start();
     assert_ne!(second.vesta_json(&["status"])["pod"], pod.as_str());
-    let e = second.vesta_err(&["datastore", "add", "san", "--lun", &k.uri()]);
-    assert!(
-        e.contains("a Vesta LUN of another pod") && e.contains(&pod),
-        "{e}"
-    );
+    for force in [&[][..], &["--force"][..]] {
+        let uri = k.uri();
+        let mut args = vec!["datastore", "add", "san", "--lun", &uri];
+        args.extend_from_slice(force);
+        let e = second.vesta_err(&args);
+        assert!(
+            e.contains("a Vesta LUN of another pod") && e.contains(&pod),
+            "{e}"
+        );
+    }
     // Refused, nothing changed: the first host goes on, and the second created nothing.
     vesta_tests::qemu_io(&first.url("x"), &["read -P 0x17 0 1M"]);
     assert!(second
         .vesta_err(&["volume", "show", "x"])
         .contains("no volume named"));
 
-    second.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri(), "--force"]);
+    second.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri(), "--take-over"]);
     vesta_tests::qemu_io(&second.url("x"), &["read -P 0x17 0 1M"]);
+    let e = first.vesta_err(&[
+        "volume",
+        "create",
+        "y",
+        "--size",
+        "4M",
+        "--datastore",
+        "san",
+    ]);
+    assert!(e.contains("now belongs to another Vesta pod"), "{e}");
     first.terminate();
     first.launch();
     let ds = first.vesta_json(&["datastore", "list"]);

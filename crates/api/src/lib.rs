@@ -81,6 +81,9 @@ pub struct AddDatastore {
     pub queue_depth: Option<u32>,
     #[serde(default)]
     pub force: bool,
+    /// Take over a LUN another pod formatted (that pod can no longer use it).
+    #[serde(default)]
+    pub take_over: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

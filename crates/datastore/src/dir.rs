@@ -384,9 +384,15 @@ mod tests {
             class: Default::default(),
             queue_depth: 4,
         };
-        let ds = DirDatastore::open(spec, OpenMode::Add { force: false })
-            .await
-            .unwrap();
+        let ds = DirDatastore::open(
+            spec,
+            OpenMode::Add {
+                force: false,
+                take_over: false,
+            },
+        )
+        .await
+        .unwrap();
         Scratch(p, ds)
     }
 

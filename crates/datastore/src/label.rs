@@ -4,6 +4,7 @@
 //! 0 MiB   label (4 KiB): magic, version, LUN UUID, geometry, pod UUID, crc32c
 //! 1 MiB   table slot 0 (up to 1 MiB)
 //! 2 MiB   table slot 1 (up to 1 MiB)
+//! 3 MiB   backup label (4 KiB): read when the label's checksum fails
 //! 4 MiB   volume extents, each 1 MiB aligned, raw bytes laid out 1:1
 //! ```
 //!
@@ -18,6 +19,9 @@ pub const LABEL_MAGIC: &[u8; 8] = b"VESTALUN";
 pub const TABLE_MAGIC: &[u8; 8] = b"VLUNTABL";
 pub const VERSION: u32 = 1;
 pub const LABEL_LEN: usize = 4096;
+/// Where the backup label lives: written before the label whenever the label changes, so a
+/// torn label write leaves one of the two whole.
+pub const LABEL_BACKUP_OFFSET: u64 = 3 << 20;
 pub const TABLE_SLOT_OFFSETS: [u64; 2] = [1 << 20, 2 << 20];
 pub const TABLE_SLOT_LEN: usize = 1 << 20;
 pub const DATA_START: u64 = 4 << 20;

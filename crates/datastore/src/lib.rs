@@ -183,8 +183,9 @@ pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> Error
 /// Whether a datastore is being added for the first time or reopened at start-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
-    /// First time: a blank `lun` is formatted; foreign data is refused unless `force`.
-    Add { force: bool },
+    /// First time: a blank `lun` is formatted; foreign data is refused unless `force`, and a
+    /// `lun` of another pod unless `take_over`.
+    Add { force: bool, take_over: bool },
     /// Start-up: the datastore must be exactly what was added before.
     Reopen,
 }
@@ -219,7 +220,7 @@ pub async fn open(spec: &DatastoreSpec, mode: OpenMode) -> Result<Arc<dyn Datast
 }
 
 /// [`open`] for pod `pod`: a `lun` formatted here carries it in its label, and one whose label
-/// names another pod is refused (taken over when added with `force`).
+/// names another pod is refused (taken over when added with `take_over`).
 pub async fn open_in_pod(
     spec: &DatastoreSpec,
     mode: OpenMode,

@@ -37,6 +37,9 @@ pub struct LunDatastore {
     spec: DatastoreSpec,
     dev: Arc<dyn Device>,
     label: Label,
+    /// The pod this host is in, if the caller named one: table changes are refused once the
+    /// label names another (a take-over while this host had the LUN open).
+    pod: Option<Uuid>,
     table: Mutex<Table>,
     gate: Arc<Gate>,
 }
@@ -110,7 +113,7 @@ impl LunDatastore {
             .read_at(0, label::DATA_START as usize)
             .await
             .map_err(io_err(format!("read label of {target}")))?;
-        let decoded = Label::decode(&head[..label::LABEL_LEN]);
+        let decoded = decode_label(&head, &name, &target);
         let slot = |i: usize| {
             let o = label::TABLE_SLOT_OFFSETS[i] as usize;
             Table::decode(&head[o..o + label::TABLE_SLOT_LEN])
@@ -146,6 +149,13 @@ impl LunDatastore {
                     )));
                 }
                 match (pod, l.pod) {
+                    (Some(ours), None) => {
+                        // Formatted before labels named pods: this pod's from now on.
+                        l.pod = Some(ours);
+                        write_label(&*dev, &l)
+                            .await
+                            .map_err(io_err(format!("write the label of {target}")))?;
+                    }
                     (Some(ours), Some(theirs)) if ours != theirs => match mode {
                         OpenMode::Reopen => {
                             return Err(Error::Invalid(format!(
@@ -154,30 +164,30 @@ impl LunDatastore {
                                  --force: this pod must not use it any more"
                             )))
                         }
-                        OpenMode::Add { force: false } => {
+                        OpenMode::Add {
+                            take_over: false, ..
+                        } => {
                             return Err(Error::Foreign(format!(
                                 "datastore {name:?}: {target} is a Vesta LUN of another pod \
                                  ({theirs}; this pod is {ours}) with {} volume(s): two pods \
                                  allocating from one volume table overwrite each other's \
-                                 volumes. Remove it from that pod first; pass --force only if \
-                                 that pod is gone for good (as is a single host whose data \
+                                 volumes. Remove it from that pod first; pass --take-over only \
+                                 if that pod is gone for good (as is a single host whose data \
                                  directory was lost): this pod then takes the LUN over, with \
-                                 its volumes, and the other can no longer open it",
+                                 its volumes, and the other can no longer change it",
                                 t.entries.len()
                             )))
                         }
-                        OpenMode::Add { force: true } => {
+                        OpenMode::Add {
+                            take_over: true, ..
+                        } => {
                             warn!(
                                 "datastore {name:?}: taking Vesta LUN {} on {target} over from \
-                                 pod {theirs} (--force)",
+                                 pod {theirs} (--take-over)",
                                 l.lun_id
                             );
                             l.pod = Some(ours);
-                            let before = dev.losses();
-                            dev.write_at(0, bytes::Bytes::from(l.encode()), true)
-                                .await
-                                .map_err(io_err(format!("write the label of {target}")))?;
-                            crate::device::flush_since(&*dev, before)
+                            write_label(&*dev, &l)
                                 .await
                                 .map_err(io_err(format!("write the label of {target}")))?;
                         }
@@ -200,7 +210,7 @@ impl LunDatastore {
                      the device wiped or replaced?"
                 )))
             }
-            (Err(e), OpenMode::Add { force }) => {
+            (Err(e), OpenMode::Add { force, .. }) => {
                 let blank = head.iter().all(|b| *b == 0);
                 if !blank && !force {
                     let first = head.iter().position(|b| *b != 0).unwrap_or(0);
@@ -246,6 +256,7 @@ impl LunDatastore {
             spec,
             dev,
             label,
+            pod,
             table: Mutex::new(table),
         })
     }
@@ -345,6 +356,7 @@ impl LunDatastore {
     /// coordinator's datastore lock, so after this `t` is the newest table and the next
     /// commit goes to the other slot.
     async fn refresh(&self, t: &mut Table) -> Result<()> {
+        self.check_pod().await?;
         let start = label::TABLE_SLOT_OFFSETS[0];
         let len = (label::TABLE_SLOT_OFFSETS[1] - start) as usize + label::TABLE_SLOT_LEN;
         let b = self.dev.read_at(start, len).await.map_err(io_err(format!(
@@ -373,6 +385,35 @@ impl LunDatastore {
         Ok(())
     }
 
+    /// Fails if the label now names a pod other than this host's: another pod took the LUN
+    /// over (`take_over`) while it was open here, and this pod must not change its table or
+    /// open its volumes any more.
+    async fn check_pod(&self) -> Result<()> {
+        let Some(ours) = self.pod else {
+            return Ok(());
+        };
+        let b = self
+            .dev
+            .read_at(0, label::LABEL_LEN)
+            .await
+            .map_err(io_err(format!(
+                "read the label of datastore {:?}",
+                self.spec.name
+            )))?;
+        // A label that does not decode (a torn take-over, say) is looked at again at the
+        // next open, which reads its backup too.
+        match Label::decode(&b) {
+            Ok(Label {
+                pod: Some(theirs), ..
+            }) if theirs != ours => Err(Error::Invalid(format!(
+                "datastore {:?} now belongs to another Vesta pod ({theirs}; this pod is \
+                 {ours}), which took it over: this pod must not use it any more",
+                self.spec.name
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn extent(&self, e: &Entry, size: u64) -> Extent {
         Extent::new(self.dev.clone(), e.offset, size, self.gate.clone())
     }
@@ -394,9 +435,41 @@ async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
     .await?;
     crate::device::flush_since(dev, before).await?;
     // The label goes last: a device with a label always has a valid table.
-    dev.write_at(0, bytes::Bytes::from(l.encode()), true)
+    write_label(dev, l).await
+}
+
+/// Writes label `l`: its backup first, then the label itself, each flushed before the next
+/// write. A write torn at any point leaves one of the two whole, and the other either whole
+/// too or failing its checksum ([`decode_label`] then reads the backup).
+async fn write_label(dev: &dyn Device, l: &Label) -> std::io::Result<()> {
+    let before = dev.losses();
+    let b = bytes::Bytes::from(l.encode());
+    dev.write_at(label::LABEL_BACKUP_OFFSET, b.clone(), true)
         .await?;
+    crate::device::flush_since(dev, before).await?;
+    dev.write_at(0, b, true).await?;
     crate::device::flush_since(dev, before).await
+}
+
+/// The label at the start of `head` (the device's first [`label::DATA_START`] bytes), or its
+/// backup when the label itself is a Vesta label whose checksum fails: a label write torn
+/// between the two ([`write_label`]).
+fn decode_label(head: &[u8], name: &str, target: &str) -> std::result::Result<Label, LabelError> {
+    let primary = Label::decode(&head[..label::LABEL_LEN]);
+    let Err(LabelError::BadChecksum) = primary else {
+        return primary;
+    };
+    let o = label::LABEL_BACKUP_OFFSET as usize;
+    match Label::decode(&head[o..o + label::LABEL_LEN]) {
+        Ok(backup) => {
+            warn!(
+                "datastore {name:?}: the Vesta label on {target} fails its checksum (a write \
+                 torn by a crash?); using its backup"
+            );
+            Ok(backup)
+        }
+        Err(_) => primary,
+    }
 }
 
 #[async_trait]
@@ -728,7 +801,10 @@ mod tests {
         let lun = LunDatastore::open_on(
             dev.clone(),
             spec(std::path::Path::new("watched")),
-            OpenMode::Add { force: false },
+            OpenMode::Add {
+                force: false,
+                take_over: false,
+            },
             None,
         )
         .await
@@ -813,8 +889,9 @@ mod tests {
     }
 
     /// A LUN carries the pod that formatted it: another pod is refused when it adds it, and
-    /// takes it over only with `force`, after which the first pod can no longer open it. A
-    /// LUN formatted before labels named pods is adopted as before.
+    /// takes it over only with `take_over` (not `force`), after which the first pod can
+    /// neither change its table, though it has it open, nor open it again. A LUN formatted
+    /// before labels named pods becomes the first pod's that opens it.
     #[tokio::test]
     async fn a_lun_of_another_pod_is_refused_unless_taken_over() {
         let dir = std::env::temp_dir().join(format!("vesta-lun-pod-{}", std::process::id()));
@@ -825,50 +902,72 @@ mod tests {
             .set_len(64 << 20)
             .unwrap();
         let (ours, theirs) = (Some(Uuid::new_v4()), Some(Uuid::new_v4()));
-        let add = |force| OpenMode::Add { force };
-        let a = LunDatastore::open(spec(&img), add(false), ours)
+        let add = |force, take_over| OpenMode::Add { force, take_over };
+        let a = LunDatastore::open(spec(&img), add(false, false), ours)
             .await
             .unwrap();
         a.create_volume(&volume("v")).await.unwrap();
-        drop(a);
         LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .unwrap();
-        let refused = LunDatastore::open(spec(&img), add(false), theirs).await;
-        let e = refused
-            .err()
-            .expect("another pod's LUN was adopted")
-            .to_string();
-        assert!(
-            e.contains("another pod") && e.contains("1 volume(s)"),
-            "{e}"
-        );
+        for force in [false, true] {
+            let refused = LunDatastore::open(spec(&img), add(force, false), theirs).await;
+            let e = refused
+                .err()
+                .expect("another pod's LUN was adopted")
+                .to_string();
+            assert!(
+                e.contains("another pod") && e.contains("1 volume(s)"),
+                "{e}"
+            );
+        }
         assert!(LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
             .await
             .is_err());
-        // Taken over: the volumes come along, and the first pod is shut out.
-        let b = LunDatastore::open(spec(&img), add(true), theirs)
+        // Taken over: the volumes come along, and the first pod is shut out, though `a`
+        // still has the LUN open.
+        let b = LunDatastore::open(spec(&img), add(false, true), theirs)
             .await
             .unwrap();
         assert_eq!(b.recorded_volumes().await.unwrap().len(), 1);
-        drop(b);
+        let e = a
+            .create_volume(&volume("w"))
+            .await
+            .err()
+            .expect("the pod it was taken from changed the table")
+            .to_string();
+        assert!(e.contains("now belongs to another Vesta pod"), "{e}");
         let e = LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .err()
             .expect("the pod it was taken from still opens it")
             .to_string();
         assert!(e.contains("now belongs to another Vesta pod"), "{e}");
-        // A label without a pod (an older format) is adopted by any pod.
+        // A take-over torn in the label: its backup, written first, is read instead.
+        {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+            f.seek(SeekFrom::Start(100)).unwrap();
+            f.write_all(&[0xee; 16]).unwrap();
+        }
+        let again = LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
+            .await
+            .unwrap();
+        assert_eq!(again.recorded_volumes().await.unwrap().len(), 1);
+        // A label without a pod (an older format) becomes the first opener's.
         std::fs::File::create(&img)
             .unwrap()
             .set_len(64 << 20)
             .unwrap();
-        LunDatastore::open(spec(&img), add(false), None)
+        LunDatastore::open(spec(&img), add(false, false), None)
             .await
             .unwrap();
-        LunDatastore::open(spec(&img), add(false), ours)
+        LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .unwrap();
+        assert!(LunDatastore::open(spec(&img), add(false, false), theirs)
+            .await
+            .is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -882,9 +981,11 @@ mod tests {
         let img = dir.join("lun.img");
         let f = std::fs::File::create(&img).unwrap();
         f.set_len(64 << 20).unwrap();
-        let a = LunDatastore::open(spec(&img), OpenMode::Add { force: false }, None)
-            .await
-            .unwrap();
+        let add = OpenMode::Add {
+            force: false,
+            take_over: false,
+        };
+        let a = LunDatastore::open(spec(&img), add, None).await.unwrap();
         let mut recorded = spec(&img);
         recorded.kind = Kind::Lun {
             target: img.display().to_string(),

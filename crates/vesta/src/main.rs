@@ -126,6 +126,11 @@ enum DatastoreCmd {
         /// Format a LUN even if it holds data that is not Vesta's (destroys that data).
         #[arg(long)]
         force: bool,
+        /// Take over a LUN another pod (another cluster, or a single host whose data
+        /// directory was lost) formatted: its volumes come along, and that pod can no longer
+        /// use it. Only once that pod is gone for good.
+        #[arg(long)]
+        take_over: bool,
     },
     /// List datastores with capacity and status.
     List,
@@ -466,6 +471,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             class,
             queue_depth,
             force,
+            take_over,
         }) => {
             let dir = match dir {
                 Some(d) => Some(
@@ -495,6 +501,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 class,
                 queue_depth,
                 force,
+                take_over,
             };
             let d: api::DatastoreInfo = c.post("/v1/datastores", &req)?;
             if cli.json {

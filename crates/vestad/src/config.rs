@@ -230,6 +230,9 @@ pub struct DatastoreConfig {
     /// Format a `lun` even if it holds foreign data.
     #[serde(default)]
     pub force: bool,
+    /// Take over a `lun` another pod formatted: that pod can no longer use it.
+    #[serde(default)]
+    pub take_over: bool,
 }
 
 impl Default for Config {
@@ -249,6 +252,7 @@ impl Default for Config {
                 class: None,
                 queue_depth: None,
                 force: false,
+                take_over: false,
             }],
         }
     }

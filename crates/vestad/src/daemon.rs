@@ -307,7 +307,11 @@ impl Daemon {
                     // Hosts of a cluster sharing one config start together: the first adds
                     // (and formats) the datastore, the others find it added.
                     let lock = d.coord.lock_datastore(&spec.name).await?;
-                    let added = d.add_configured(&spec, dc.force).await;
+                    let mode = OpenMode::Add {
+                        force: dc.force,
+                        take_over: dc.take_over,
+                    };
+                    let added = d.add_configured(&spec, mode).await;
                     if let Err(e) = d.coord.unlock_datastore(lock).await {
                         warn!("datastore {:?}: release metadata lock: {e}", spec.name);
                     }
@@ -605,7 +609,7 @@ impl Daemon {
 
     /// Adds a datastore from the config unless another host added it meanwhile (then its
     /// location must match).
-    async fn add_configured(&self, spec: &DatastoreSpec, force: bool) -> anyhow::Result<()> {
+    async fn add_configured(&self, spec: &DatastoreSpec, mode: OpenMode) -> anyhow::Result<()> {
         let state = self.coord.state().await?;
         if let Some(rec) = state.datastores.iter().find(|s| s.name == spec.name) {
             if !same_location(rec, spec) {
@@ -625,7 +629,7 @@ impl Daemon {
                 anyhow::anyhow!("create datastore directory {}: {e}", path.display())
             })?;
         }
-        let store = datastore::open_in_pod(spec, OpenMode::Add { force }, Some(self.pod))
+        let store = datastore::open_in_pod(spec, mode, Some(self.pod))
             .await
             .map_err(|e| anyhow::anyhow!("add configured datastore: {e}"))?;
         // One LUN under two names would mean two locks on one volume table (as
@@ -1278,9 +1282,11 @@ impl Daemon {
             queue_depth,
         };
         // A LUN must not be added twice under two names.
-        let store =
-            datastore::open_in_pod(&spec, OpenMode::Add { force: req.force }, Some(self.pod))
-                .await?;
+        let mode = OpenMode::Add {
+            force: req.force,
+            take_over: req.take_over,
+        };
+        let store = datastore::open_in_pod(&spec, mode, Some(self.pod)).await?;
         store.set_fence(self.coord.fence());
         self.warn_if_cached_by_host(&spec);
         let spec = store.spec().clone();
@@ -1435,14 +1441,23 @@ impl Daemon {
         let Some(found) = Self::listed(store).await else {
             return made;
         };
+        let ds = &store.spec().name;
         // Other hosts' volumes on a shared LUN are theirs, not lost ones to import.
-        let Ok(recorded) = self.coord.state().await.map(|s| s.volumes) else {
-            return made;
+        let recorded = match self.coord.state().await {
+            Ok(s) => s.volumes,
+            Err(e) => {
+                warn!("datastore {ds:?}: volumes no record knows are left for now: {e}");
+                return made;
+            }
         };
         // Read after the records: a delete removes a record and leaves its id here in one
         // change, so an id is in one list or the other.
-        let Ok(deleted) = self.coord.deleted_volumes().await else {
-            return made;
+        let deleted = match self.coord.deleted_volumes().await {
+            Ok(d) => d,
+            Err(e) => {
+                warn!("datastore {ds:?}: volumes no record knows are left for now: {e}");
+                return made;
+            }
         };
         let deleted: std::collections::HashSet<Uuid> = deleted.into_iter().collect();
         let (gone, found): (Vec<_>, Vec<_>) = found
@@ -1451,7 +1466,6 @@ impl Daemon {
         for v in &gone {
             // A deleted volume's: its delete could not reach this datastore, or a copy a
             // relocation left here was out of its reach. The delete ends here.
-            let ds = &store.spec().name;
             match store.delete_volume(v).await {
                 Ok(()) => info!(
                     "datastore {ds:?}: freed the storage of deleted volume {:?} ({}) that its \
@@ -2439,9 +2453,12 @@ impl Daemon {
                 spec.name.clone(),
                 DsEntry {
                     spec: spec.clone(),
-                    store: Ok(store),
+                    store: Ok(store.clone()),
                 },
             );
+            // What the start would have found on it: storage deletes left behind while it
+            // was away, creates cut short.
+            self.import_recorded_volumes(&store, true).await;
         }
         let broken: Vec<Arc<VolumeEntry>> = self
             .entries()

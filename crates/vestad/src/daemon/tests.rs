@@ -873,9 +873,15 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
         class: Default::default(),
         queue_depth: 4,
     };
-    let store = datastore::open(&spec, OpenMode::Add { force: false })
-        .await
-        .unwrap();
+    let store = datastore::open(
+        &spec,
+        OpenMode::Add {
+            force: false,
+            take_over: false,
+        },
+    )
+    .await
+    .unwrap();
     spec = store.spec().clone();
     coord.inner.add_datastore(spec).await.unwrap();
     let e = d
@@ -886,6 +892,7 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
             class: None,
             queue_depth: None,
             force: false,
+            take_over: false,
         })
         .await
         .unwrap_err();
@@ -1010,6 +1017,7 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
         class: None,
         queue_depth: None,
         force: false,
+        take_over: false,
     })
     .await
     .unwrap();
@@ -1038,6 +1046,7 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
         class: None,
         queue_depth: None,
         force: false,
+        take_over: false,
     })
     .await
     .unwrap();
@@ -1060,6 +1069,7 @@ async fn one_directory_is_never_two_datastores() {
             class: None,
             queue_depth: None,
             force: false,
+            take_over: false,
         })
         .await
         .unwrap_err();
@@ -1474,8 +1484,9 @@ async fn copies_left_by_interrupted_relocations_are_freed_and_never_come_back() 
 }
 
 /// A volume deleted with `--force` while its datastore was unavailable leaves its storage
-/// there. When the datastore is back, that storage is freed: the delete ends, and the deleted
-/// volume does not come back as a create cut short (before, the next start imported it).
+/// there. When the datastore is back (found by the retry of what was unavailable, or at a
+/// start), that storage is freed: the delete ends, and the deleted volume does not come back
+/// as a create cut short (before, the next start imported it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_deleted_while_its_datastore_was_down_is_freed_when_it_is_back() {
     let dir = TempDir::new("deleted-away");
@@ -1489,12 +1500,18 @@ async fn a_volume_deleted_while_its_datastore_was_down_is_freed_when_it_is_back(
         "opened without its datastore"
     );
     d.delete_volume("v", true).await.unwrap();
-    drop(d);
     std::fs::rename(&away, &ds).unwrap();
     assert!(ds.join("v.raw").exists());
-    let d = start(&dir, &coord).await;
+    // The datastore is back: the retry of what was unavailable frees it, no restart needed.
+    d.retry_unavailable().await;
     assert!(d.entry("v").is_err(), "the deleted volume came back");
     assert!(!ds.join("v.raw").exists(), "its storage was not freed");
+    drop(d);
+    let d = start(&dir, &coord).await;
+    assert!(
+        d.entry("v").is_err(),
+        "the deleted volume came back at a restart"
+    );
     // A volume created again under the name is a new one.
     create_v(&d, "wt").await;
     assert!(writes(&volume(&d, "v"), Duration::from_secs(5)).await);
