@@ -10,7 +10,7 @@
 //! | `{p}/hosts/{host}` | `HostRecord`: present while the host is alive | the host's |
 //! | `{p}/vault-locks/{volume id}` | the holder's host name | the holder's |
 //! | `{p}/vaults/{volume id}` | `Vault` (JSON) | none |
-//! | `{p}/deleted/{volume id}` | when the volume was deleted (Unix seconds): its storage, if found with no record, is freed, not imported | none |
+//! | `{p}/deleted/{volume id}` | when the volume was deleted (Unix seconds): its storage, if found with no record, is freed, not imported; forgotten after `DELETED_KEEP` | none |
 //! | `{p}/ds-locks/{datastore}` | etcd's lock service, for metadata changes | the locker's |
 //! | `{p}/stats/devices/{host}`, `{p}/stats/volumes/{host}` | the host's balancing statistics (opaque) | the host's |
 //! | `{p}/stats/aggregator` | the name of the host that combines them | the aggregator's |
@@ -773,19 +773,28 @@ impl Coordinator for EtcdCoordinator {
         let prefix = self.key("deleted", "");
         let mut kv = self.client.kv_client();
         let r = kv
-            .get(
-                prefix.clone(),
-                Some(GetOptions::new().with_prefix().with_keys_only()),
-            )
+            .get(prefix.clone(), Some(GetOptions::new().with_prefix()))
             .await
             .map_err(|e| self.unavailable(e))?;
-        Ok(r.kvs()
-            .iter()
-            .filter_map(|x| {
-                let k = String::from_utf8_lossy(x.key()).into_owned();
-                k.strip_prefix(&prefix)?.parse().ok()
-            })
-            .collect())
+        let now = crate::now_unix();
+        let mut kept = Vec::new();
+        for x in r.kvs() {
+            let key = String::from_utf8_lossy(x.key()).into_owned();
+            let Some(id) = key.strip_prefix(&prefix).and_then(|s| s.parse().ok()) else {
+                continue;
+            };
+            let unix: u64 = String::from_utf8_lossy(x.value())
+                .trim()
+                .parse()
+                .unwrap_or(now);
+            if unix + crate::DELETED_KEEP.as_secs() > now {
+                kept.push(id);
+            } else if let Err(e) = kv.delete(key.clone(), None).await {
+                // Forgotten at the next read instead.
+                warn!("etcd: forget the deleted volume {id}: {e}");
+            }
+        }
+        Ok(kept)
     }
 
     fn host(&self) -> &str {
@@ -1202,6 +1211,12 @@ mod tests {
         // The delete leaves the id, for storage it left behind to be freed, not imported.
         let b = connect(&etcd, "b").await;
         assert_eq!(b.deleted_volumes().await.unwrap(), vec![new]);
+        // An id deleted longer ago than it is kept is forgotten, and its key removed.
+        let key = format!("/vesta/deleted/{new}");
+        let mut kv = b.client.kv_client();
+        kv.put(key.clone(), "1", None).await.unwrap();
+        assert!(b.deleted_volumes().await.unwrap().is_empty());
+        assert!(kv.get(key, None).await.unwrap().kvs().is_empty());
     }
 
     /// Every host of a pod gets the pod id the first one stored.

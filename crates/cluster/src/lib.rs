@@ -73,7 +73,9 @@ pub trait Coordinator: Send + Sync + 'static {
     /// Ids of deleted volumes: [`Coordinator::delete_volume`] keeps each, in the same change
     /// that removes the record. Storage with such an id found with no record (left by a
     /// delete that could not reach its datastore, or a relocation's copy out of reach) is the
-    /// deleted volume's, to be freed, never taken for a create cut short and imported.
+    /// deleted volume's, to be freed, never taken for a create cut short and imported. An id
+    /// is kept [`DELETED_KEEP`], then forgotten (storage a delete left on a datastore away
+    /// longer than that is imported as a volume, listed and deletable, when it is back).
     async fn deleted_volumes(&self) -> Result<Vec<Uuid>>;
 
     /// This host's name.
@@ -133,6 +135,11 @@ pub trait Coordinator: Send + Sync + 'static {
     /// Leaves the cluster at a clean stop (this host shows as down at once).
     async fn shutdown(&self) {}
 }
+
+/// How long the id of a deleted volume is kept ([`Coordinator::deleted_volumes`]): long enough
+/// for any datastore that was away at the delete to be back, short enough that a pod creating
+/// and deleting volumes all day does not keep every id it ever used.
+pub const DELETED_KEEP: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
 
 /// The kinds of statistics documents hosts publish ([`Coordinator::put_stats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -30,12 +30,18 @@ struct OnDisk {
     state: State,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     vaults: Vec<Vault>,
-    /// [`Coordinator::deleted_volumes`].
+    /// [`Coordinator::deleted_volumes`], with when each was deleted.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    deleted: Vec<Uuid>,
+    deleted: Vec<Deleted>,
     /// This host's pod id ([`Coordinator::pod_id`]), made the first time it is asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pod: Option<Uuid>,
+}
+
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+struct Deleted {
+    id: Uuid,
+    unix: u64,
 }
 
 pub struct LocalCoordinator {
@@ -224,14 +230,26 @@ impl Coordinator for LocalCoordinator {
             }
             d.state.volumes.retain(|x| x.id != id);
             d.vaults.retain(|x| x.volume != id);
-            d.deleted.push(id);
+            let now = crate::now_unix();
+            d.deleted
+                .retain(|x| x.unix + crate::DELETED_KEEP.as_secs() > now);
+            d.deleted.push(Deleted { id, unix: now });
             Ok(())
         })
         .await
     }
 
     async fn deleted_volumes(&self) -> Result<Vec<Uuid>> {
-        Ok(self.state.lock().await.deleted.clone())
+        let now = crate::now_unix();
+        Ok(self
+            .state
+            .lock()
+            .await
+            .deleted
+            .iter()
+            .filter(|x| x.unix + crate::DELETED_KEEP.as_secs() > now)
+            .map(|x| x.id)
+            .collect())
     }
 
     fn host(&self) -> &str {
@@ -352,6 +370,29 @@ mod tests {
         drop(c);
         let c = LocalCoordinator::open(&dir).unwrap();
         assert_eq!(c.pod_id(Uuid::new_v4()).await.unwrap(), first);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A delete leaves the volume's id, kept [`crate::DELETED_KEEP`] and across restarts, then
+    /// forgotten.
+    #[tokio::test]
+    async fn a_deleted_volumes_id_is_kept_for_a_while() {
+        let dir = tmpdir();
+        let c = LocalCoordinator::open(&dir).unwrap();
+        let (a, b) = (vol("a"), vol("b"));
+        for v in [&a, &b] {
+            c.create_volume(v.clone()).await.unwrap();
+        }
+        c.delete_volume("a", a.id).await.unwrap();
+        drop(c);
+        let c = LocalCoordinator::open(&dir).unwrap();
+        assert_eq!(c.deleted_volumes().await.unwrap(), vec![a.id]);
+        // Deleted longer ago than it is kept: forgotten, and dropped at the next delete.
+        c.state.lock().await.deleted[0].unix = 1;
+        assert!(c.deleted_volumes().await.unwrap().is_empty());
+        c.delete_volume("b", b.id).await.unwrap();
+        let kept: Vec<Uuid> = c.state.lock().await.deleted.iter().map(|x| x.id).collect();
+        assert_eq!(kept, vec![b.id]);
         let _ = fs::remove_dir_all(&dir);
     }
 
