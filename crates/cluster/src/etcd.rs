@@ -1039,6 +1039,23 @@ impl Coordinator for EtcdCoordinator {
         })
     }
 
+    async fn stored_pod_id(&self) -> Result<Option<Uuid>> {
+        let key = format!("{}/pod-id", self.prefix);
+        let mut kv = self.client.kv_client();
+        let r = kv
+            .get(key.clone(), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let Some(x) = r.kvs().first() else {
+            return Ok(None);
+        };
+        let stored = String::from_utf8_lossy(x.value()).into_owned();
+        stored.trim().parse().map(Some).map_err(|_| Error::Corrupt {
+            path: format!("etcd key {key}"),
+            msg: format!("{stored:?} is not a UUID; put back the pod's id"),
+        })
+    }
+
     async fn pod_id(&self, fresh: Uuid) -> Result<Uuid> {
         // As the peer key: whoever asks first stores theirs, in one transaction.
         let key = format!("{}/pod-id", self.prefix);

@@ -131,6 +131,8 @@ pub trait Coordinator: Send + Sync + 'static {
     /// locks. `fresh` becomes the id if the pod has none yet; every host then gets the first
     /// one stored.
     async fn pod_id(&self, fresh: Uuid) -> Result<Uuid>;
+    /// The pod id if one is stored, without making one.
+    async fn stored_pod_id(&self) -> Result<Option<Uuid>>;
 
     /// Leaves the cluster at a clean stop (this host shows as down at once).
     async fn shutdown(&self) {}

@@ -340,6 +340,10 @@ impl Coordinator for LocalCoordinator {
         Ok(*self.peer_key.get_or_init(|| fresh))
     }
 
+    async fn stored_pod_id(&self) -> Result<Option<Uuid>> {
+        Ok(self.state.lock().await.pod)
+    }
+
     async fn pod_id(&self, fresh: Uuid) -> Result<Uuid> {
         if let Some(id) = self.state.lock().await.pod {
             return Ok(id);

@@ -70,6 +70,23 @@ async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
     }
 }
 
+/// The pod named in the label of the LUN `spec` names (its backup label if need be), if it
+/// carries one and is the LUN `spec` recorded: how a pod whose stored id was lost (an etcd
+/// restored from a backup older than pod ids, a state file rewritten by an older build) finds
+/// its id again instead of making a new one, under which none of its LUNs would open.
+pub async fn label_pod(spec: &DatastoreSpec) -> Option<Uuid> {
+    let Kind::Lun { target, lun_id } = &spec.kind else {
+        return None;
+    };
+    let dev = open_device(&spec.name, target).await.ok()?;
+    let head = dev.read_at(0, label::DATA_START as usize).await.ok()?;
+    let l = decode_label(&head, &spec.name, target).ok()?;
+    if lun_id.is_some_and(|id| id != l.lun_id) {
+        return None;
+    }
+    l.pod
+}
+
 impl LunDatastore {
     /// Opens the LUN `spec` names for pod `pod` (none: any pod), formatting it if it is blank
     /// and being added. A LUN whose label names another pod is refused: two pods would

@@ -265,7 +265,20 @@ impl Daemon {
         coord: Arc<dyn Coordinator>,
         cache: Option<Arc<CacheHost>>,
     ) -> anyhow::Result<Daemon> {
-        let pod = coord.pod_id(Uuid::new_v4()).await?;
+        let pod = match coord.stored_pod_id().await? {
+            Some(p) => p,
+            None => {
+                // None stored: a new pod, or one whose id was lost while its datastores were
+                // kept (an etcd restored from an older backup). Its LUNs' labels still carry
+                // it, and a new one would shut this pod out of every one of them.
+                let recorded = coord.state().await?.datastores;
+                let found = pod_of_luns(&recorded).await;
+                if let Some(p) = found {
+                    info!("pod id {p}: none was stored; taken from the labels of the pod's LUNs");
+                }
+                coord.pod_id(found.unwrap_or_else(Uuid::new_v4)).await?
+            }
+        };
         let d = Daemon {
             pod,
             sampler: Mutex::new(Sampler::new(config.stats.history, config.stats.interval_s)),
@@ -2650,6 +2663,18 @@ fn same_location(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
         (Kind::Lun { target: x, .. }, Kind::Lun { target: y, .. }) => x == y,
         _ => false,
     }
+}
+
+/// The pod the labels of the recorded LUN datastores name (the first that answers within a
+/// few seconds and names one).
+async fn pod_of_luns(recorded: &[DatastoreSpec]) -> Option<Uuid> {
+    for spec in recorded.iter().filter(|s| matches!(s.kind, Kind::Lun { .. })) {
+        let read = tokio::time::timeout(Duration::from_secs(5), datastore::lun::label_pod(spec));
+        if let Ok(Some(p)) = read.await {
+            return Some(p);
+        }
+    }
+    None
 }
 
 /// Whether record `r` is the one create `rec` made (not one another host made for the same

@@ -110,6 +110,9 @@ impl Coordinator for FailingVault {
     async fn pod_id(&self, fresh: Uuid) -> cluster::Result<Uuid> {
         self.inner.pod_id(fresh).await
     }
+    async fn stored_pod_id(&self) -> cluster::Result<Option<Uuid>> {
+        self.inner.stored_pod_id().await
+    }
     fn host(&self) -> &str {
         self.inner.host()
     }
@@ -897,6 +900,44 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
         .await
         .unwrap_err();
     assert!(e.to_string().contains("already datastore \"san\""), "{e}");
+}
+
+/// A pod whose stored id was lost while its datastores were kept (a state file rewritten by
+/// an older build, an etcd restored from a backup older than pod ids) takes its id back from
+/// its LUNs' labels. A new id would have shut it out of every LUN it formatted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_lost_its_id_finds_it_on_its_luns() {
+    let dir = TempDir::new("pod-lost");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    let img = dir.0.join("lun.img");
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    d.add_datastore(api::AddDatastore {
+        name: "san".into(),
+        dir: None,
+        lun: Some(img.display().to_string()),
+        class: None,
+        queue_depth: None,
+        force: false,
+        take_over: false,
+    })
+    .await
+    .unwrap();
+    let pod = d.status().pod;
+    drop(d);
+    drop(coord);
+    let state = dir.0.join("state.json");
+    let mut j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    assert!(j.as_object_mut().unwrap().remove("pod").is_some());
+    std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    assert_eq!(d.status().pod, pod);
+    assert!(d.store("san").is_ok(), "the pod's own LUN does not open");
 }
 
 /// A policy change and a relocation wait out a background round's claim of their volume
