@@ -298,10 +298,14 @@ fn a_lun_with_foreign_data_is_refused_without_force() {
 #[test]
 fn a_re_added_lun_brings_its_volumes_back() {
     let k = Nbdkit::start(64 << 20, &[], &[]);
-    let lun_id;
+    let (lun_id, pod);
     {
         let v = Vestad::start();
         lun_id = v.vesta_json(&["datastore", "add", "san", "--lun", &k.uri()])["lun_id"].clone();
+        pod = v.vesta_json(&["status"])["pod"]
+            .as_str()
+            .unwrap()
+            .to_owned();
         v.vesta_ok(&[
             "volume",
             "create",
@@ -328,6 +332,7 @@ fn a_re_added_lun_brings_its_volumes_back() {
         "--lun",
         &k.uri(),
         "--take-over",
+        &pod,
     ]);
     assert_eq!(j["lun_id"], lun_id, "the LUN is adopted, not reformatted");
     assert_eq!(j["volumes"], 1);
@@ -381,7 +386,27 @@ fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
         .vesta_err(&["volume", "show", "x"])
         .contains("no volume named"));
 
-    second.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri(), "--take-over"]);
+    // Only from the pod the label names: a pod id copied from elsewhere takes nothing.
+    let other = "00000000-0000-4000-8000-000000000001";
+    let e = second.vesta_err(&[
+        "datastore",
+        "add",
+        "san",
+        "--lun",
+        &k.uri(),
+        "--take-over",
+        other,
+    ]);
+    assert!(e.contains("a Vesta LUN of another pod"), "{e}");
+    second.vesta_ok(&[
+        "datastore",
+        "add",
+        "san",
+        "--lun",
+        &k.uri(),
+        "--take-over",
+        &pod,
+    ]);
     vesta_tests::qemu_io(&second.url("x"), &["read -P 0x17 0 1M"]);
     let e = first.vesta_err(&[
         "volume",

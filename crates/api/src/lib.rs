@@ -81,9 +81,9 @@ pub struct AddDatastore {
     pub queue_depth: Option<u32>,
     #[serde(default)]
     pub force: bool,
-    /// Take over a LUN another pod formatted (that pod can no longer use it).
+    /// Take over a LUN that pod (its id) formatted: that pod can no longer use it.
     #[serde(default)]
-    pub take_over: bool,
+    pub take_over: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

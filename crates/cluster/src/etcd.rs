@@ -789,9 +789,20 @@ impl Coordinator for EtcdCoordinator {
                 .unwrap_or(now);
             if unix + crate::DELETED_KEEP.as_secs() > now {
                 kept.push(id);
-            } else if let Err(e) = kv.delete(key.clone(), None).await {
-                // Forgotten at the next read instead.
-                warn!("etcd: forget the deleted volume {id}: {e}");
+            } else {
+                // Only the key as read: a volume imported since and deleted again has a new
+                // one.
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(
+                        key.clone(),
+                        CompareOp::Equal,
+                        x.mod_revision(),
+                    )])
+                    .and_then([TxnOp::delete(key.clone(), None)]);
+                if let Err(e) = kv.txn(txn).await {
+                    // Forgotten at the next read instead.
+                    warn!("etcd: forget the deleted volume {id}: {e}");
+                }
             }
         }
         Ok(kept)

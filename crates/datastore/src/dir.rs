@@ -388,7 +388,7 @@ mod tests {
             spec,
             OpenMode::Add {
                 force: false,
-                take_over: false,
+                take_over: None,
             },
         )
         .await

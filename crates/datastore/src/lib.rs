@@ -184,8 +184,11 @@ pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> Error
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
     /// First time: a blank `lun` is formatted; foreign data is refused unless `force`, and a
-    /// `lun` of another pod unless `take_over`.
-    Add { force: bool, take_over: bool },
+    /// `lun` of another pod unless `take_over` names that pod.
+    Add {
+        force: bool,
+        take_over: Option<Uuid>,
+    },
     /// Start-up: the datastore must be exactly what was added before.
     Reopen,
 }
@@ -220,7 +223,7 @@ pub async fn open(spec: &DatastoreSpec, mode: OpenMode) -> Result<Arc<dyn Datast
 }
 
 /// [`open`] for pod `pod`: a `lun` formatted here carries it in its label, and one whose label
-/// names another pod is refused (taken over when added with `take_over`).
+/// names another pod is refused (taken over when added with `take_over` naming it).
 pub async fn open_in_pod(
     spec: &DatastoreSpec,
     mode: OpenMode,

@@ -80,7 +80,7 @@ pub async fn label_pod(spec: &DatastoreSpec) -> Option<Uuid> {
     };
     let dev = open_device(&spec.name, target).await.ok()?;
     let head = dev.read_at(0, label::DATA_START as usize).await.ok()?;
-    let l = decode_label(&head, &spec.name, target).ok()?;
+    let (l, _) = decode_label(&head, &spec.name, target).ok()?;
     if lun_id.is_some_and(|id| id != l.lun_id) {
         return None;
     }
@@ -90,8 +90,9 @@ pub async fn label_pod(spec: &DatastoreSpec) -> Option<Uuid> {
 impl LunDatastore {
     /// Opens the LUN `spec` names for pod `pod` (none: any pod), formatting it if it is blank
     /// and being added. A LUN whose label names another pod is refused: two pods would
-    /// allocate from one volume table under two locks. Added with `force`, this pod takes it
-    /// over (its label then names this pod, and the other pod can no longer open it).
+    /// allocate from one volume table under two locks. Added with `take_over` naming that
+    /// pod, this pod takes it over (its label then names this pod, and the other pod can no
+    /// longer change or open it).
     pub async fn open(
         spec: DatastoreSpec,
         mode: OpenMode,
@@ -131,6 +132,9 @@ impl LunDatastore {
             .await
             .map_err(io_err(format!("read label of {target}")))?;
         let decoded = decode_label(&head, &name, &target);
+        // A label read from its backup (the label write was torn) is written whole again.
+        let mut repair = matches!(decoded, Ok((_, true)));
+        let decoded = decoded.map(|(l, _)| l);
         let slot = |i: usize| {
             let o = label::TABLE_SLOT_OFFSETS[i] as usize;
             Table::decode(&head[o..o + label::TABLE_SLOT_LEN])
@@ -169,47 +173,45 @@ impl LunDatastore {
                     (Some(ours), None) => {
                         // Formatted before labels named pods: this pod's from now on.
                         l.pod = Some(ours);
-                        write_label(&*dev, &l)
-                            .await
-                            .map_err(io_err(format!("write the label of {target}")))?;
+                        repair = true;
                     }
                     (Some(ours), Some(theirs)) if ours != theirs => match mode {
                         OpenMode::Reopen => {
                             return Err(Error::Invalid(format!(
                                 "datastore {name:?}: {target} now belongs to another Vesta pod \
-                                 ({theirs}; this pod is {ours}), which took it over with \
-                                 --force: this pod must not use it any more"
+                                 ({theirs}; this pod is {ours}), which took it over: this pod \
+                                 must not use it any more"
                             )))
                         }
-                        OpenMode::Add {
-                            take_over: false, ..
-                        } => {
+                        OpenMode::Add { take_over, .. } if take_over != Some(theirs) => {
                             return Err(Error::Foreign(format!(
                                 "datastore {name:?}: {target} is a Vesta LUN of another pod \
                                  ({theirs}; this pod is {ours}) with {} volume(s): two pods \
                                  allocating from one volume table overwrite each other's \
-                                 volumes. Remove it from that pod first; pass --take-over only \
-                                 if that pod is gone for good (as is a single host whose data \
-                                 directory was lost): this pod then takes the LUN over, with \
-                                 its volumes, and the other can no longer change it",
+                                 volumes. Remove it from that pod first; pass --take-over \
+                                 {theirs} only if that pod is gone for good (as is a single \
+                                 host whose data directory was lost): this pod then takes the \
+                                 LUN over, with its volumes, and the other can no longer change \
+                                 it",
                                 t.entries.len()
                             )))
                         }
-                        OpenMode::Add {
-                            take_over: true, ..
-                        } => {
+                        OpenMode::Add { .. } => {
                             warn!(
                                 "datastore {name:?}: taking Vesta LUN {} on {target} over from \
                                  pod {theirs} (--take-over)",
                                 l.lun_id
                             );
                             l.pod = Some(ours);
-                            write_label(&*dev, &l)
-                                .await
-                                .map_err(io_err(format!("write the label of {target}")))?;
+                            repair = true;
                         }
                     },
                     _ => {}
+                }
+                if repair {
+                    write_label(&*dev, &l)
+                        .await
+                        .map_err(io_err(format!("write the label of {target}")))?;
                 }
                 if mode != OpenMode::Reopen {
                     info!(
@@ -228,6 +230,30 @@ impl LunDatastore {
                 )))
             }
             (Err(e), OpenMode::Add { force, .. }) => {
+                // What --force must not format: a label from a newer build, or volumes whose
+                // label was overwritten while its backup and a table survive.
+                if let LabelError::Version(v) = e {
+                    return Err(Error::Foreign(format!(
+                        "datastore {name:?}: {target} carries a Vesta label of version {v}, \
+                         written by a newer Vesta than this one ({}); use that version",
+                        label::VERSION
+                    )));
+                }
+                let o = label::LABEL_BACKUP_OFFSET as usize;
+                if let (Ok(b), Some(t)) = (
+                    Label::decode(&head[o..o + label::LABEL_LEN]),
+                    Table::newest([slot(0), slot(1)]),
+                ) {
+                    return Err(Error::Foreign(format!(
+                        "datastore {name:?}: the label at the start of {target} was overwritten \
+                         ({e}), but its backup at 3 MiB names Vesta LUN {} with {} volume(s) \
+                         in its table: formatting would destroy them, so --force does not. To \
+                         keep them, copy the 4 KiB at offset 3 MiB back to offset 0; to format \
+                         anyway, zero the first 4 MiB",
+                        b.lun_id,
+                        t.entries.len()
+                    )));
+                }
                 let blank = head.iter().all(|b| *b == 0);
                 if !blank && !force {
                     let first = head.iter().position(|b| *b != 0).unwrap_or(0);
@@ -409,17 +435,21 @@ impl LunDatastore {
         let Some(ours) = self.pod else {
             return Ok(());
         };
-        let b = self
-            .dev
-            .read_at(0, label::LABEL_LEN)
-            .await
-            .map_err(io_err(format!(
-                "read the label of datastore {:?}",
-                self.spec.name
-            )))?;
-        // A label that does not decode (a torn take-over, say) is looked at again at the
-        // next open, which reads its backup too.
-        match Label::decode(&b) {
+        let read = |at: u64| async move {
+            self.dev
+                .read_at(at, label::LABEL_LEN)
+                .await
+                .map_err(io_err(format!(
+                    "read the label of datastore {:?}",
+                    self.spec.name
+                )))
+        };
+        let mut l = Label::decode(&read(0).await?);
+        if l == Err(LabelError::BadChecksum) {
+            // A take-over torn in the label: its backup, written first, names the new pod.
+            l = Label::decode(&read(label::LABEL_BACKUP_OFFSET).await?);
+        }
+        match l {
             Ok(Label {
                 pod: Some(theirs), ..
             }) if theirs != ours => Err(Error::Invalid(format!(
@@ -469,23 +499,30 @@ async fn write_label(dev: &dyn Device, l: &Label) -> std::io::Result<()> {
 }
 
 /// The label at the start of `head` (the device's first [`label::DATA_START`] bytes), or its
-/// backup when the label itself is a Vesta label whose checksum fails: a label write torn
-/// between the two ([`write_label`]).
-fn decode_label(head: &[u8], name: &str, target: &str) -> std::result::Result<Label, LabelError> {
+/// backup when the label itself is a Vesta label whose checksum fails (a label write torn
+/// between the two, [`write_label`]) and the backup is of the same LUN; with whether it was
+/// the backup.
+fn decode_label(
+    head: &[u8],
+    name: &str,
+    target: &str,
+) -> std::result::Result<(Label, bool), LabelError> {
     let primary = Label::decode(&head[..label::LABEL_LEN]);
     let Err(LabelError::BadChecksum) = primary else {
-        return primary;
+        return primary.map(|l| (l, false));
     };
     let o = label::LABEL_BACKUP_OFFSET as usize;
     match Label::decode(&head[o..o + label::LABEL_LEN]) {
-        Ok(backup) => {
+        // A torn write keeps the first sector whole, and with it the LUN's id; a backup of
+        // another id is left over from an earlier life of the device.
+        Ok(backup) if backup.lun_id.as_bytes()[..] == head[16..32] => {
             warn!(
                 "datastore {name:?}: the Vesta label on {target} fails its checksum (a write \
-                 torn by a crash?); using its backup"
+                 torn by a crash?); using its backup, and writing the label again"
             );
-            Ok(backup)
+            Ok((backup, true))
         }
-        Err(_) => primary,
+        _ => primary.map(|l| (l, false)),
     }
 }
 
@@ -820,7 +857,7 @@ mod tests {
             spec(std::path::Path::new("watched")),
             OpenMode::Add {
                 force: false,
-                take_over: false,
+                take_over: None,
             },
             None,
         )
@@ -906,9 +943,10 @@ mod tests {
     }
 
     /// A LUN carries the pod that formatted it: another pod is refused when it adds it, and
-    /// takes it over only with `take_over` (not `force`), after which the first pod can
-    /// neither change its table, though it has it open, nor open it again. A LUN formatted
-    /// before labels named pods becomes the first pod's that opens it.
+    /// takes it over only with `take_over` naming the first pod (not `force`), after which
+    /// the first pod can neither change its table, though it has it open, nor open it again,
+    /// even when the take-over's label write was torn. A LUN formatted before labels named
+    /// pods becomes the first pod's that opens it.
     #[tokio::test]
     async fn a_lun_of_another_pod_is_refused_unless_taken_over() {
         let dir = std::env::temp_dir().join(format!("vesta-lun-pod-{}", std::process::id()));
@@ -920,7 +958,7 @@ mod tests {
             .unwrap();
         let (ours, theirs) = (Some(Uuid::new_v4()), Some(Uuid::new_v4()));
         let add = |force, take_over| OpenMode::Add { force, take_over };
-        let a = LunDatastore::open(spec(&img), add(false, false), ours)
+        let a = LunDatastore::open(spec(&img), add(false, None), ours)
             .await
             .unwrap();
         a.create_volume(&volume("v")).await.unwrap();
@@ -928,7 +966,7 @@ mod tests {
             .await
             .unwrap();
         for force in [false, true] {
-            let refused = LunDatastore::open(spec(&img), add(force, false), theirs).await;
+            let refused = LunDatastore::open(spec(&img), add(force, None), theirs).await;
             let e = refused
                 .err()
                 .expect("another pod's LUN was adopted")
@@ -941,9 +979,15 @@ mod tests {
         assert!(LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
             .await
             .is_err());
+        // Taking over from a pod the label does not name is refused.
+        assert!(
+            LunDatastore::open(spec(&img), add(false, Some(Uuid::new_v4())), theirs)
+                .await
+                .is_err()
+        );
         // Taken over: the volumes come along, and the first pod is shut out, though `a`
         // still has the LUN open.
-        let b = LunDatastore::open(spec(&img), add(false, true), theirs)
+        let b = LunDatastore::open(spec(&img), add(false, ours), theirs)
             .await
             .unwrap();
         assert_eq!(b.recorded_volumes().await.unwrap().len(), 1);
@@ -960,29 +1004,48 @@ mod tests {
             .expect("the pod it was taken from still opens it")
             .to_string();
         assert!(e.contains("now belongs to another Vesta pod"), "{e}");
-        // A take-over torn in the label: its backup, written first, is read instead.
-        {
+        // A take-over torn in the label: its backup, written first, is read instead, by the
+        // pod shut out as by the one that took over, whose next open writes the label again.
+        let write_at = |at: u64, b: &[u8]| {
             use std::io::{Seek, SeekFrom, Write};
             let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
-            f.seek(SeekFrom::Start(100)).unwrap();
-            f.write_all(&[0xee; 16]).unwrap();
-        }
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.write_all(b).unwrap();
+        };
+        write_at(100, &[0xee; 16]);
+        assert!(a.create_volume(&volume("w")).await.is_err());
         let again = LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
             .await
             .unwrap();
         assert_eq!(again.recorded_volumes().await.unwrap().len(), 1);
+        let head = std::fs::read(&img).unwrap();
+        let l = Label::decode(&head[..label::LABEL_LEN]).expect("the label was not repaired");
+        assert_eq!(l.pod, theirs);
+        // A label overwritten at the start (not torn: no magic left) whose backup and table
+        // survive is not formatted, --force or not.
+        write_at(0, &[0u8; label::LABEL_LEN]);
+        let e = LunDatastore::open(spec(&img), add(true, None), theirs)
+            .await
+            .err()
+            .expect("formatted over a backup label and its volumes")
+            .to_string();
+        assert!(e.contains("1 volume(s)") && e.contains("3 MiB"), "{e}");
+        assert_eq!(
+            std::fs::read(&img).unwrap()[label::DATA_START as usize..],
+            head[label::DATA_START as usize..]
+        );
         // A label without a pod (an older format) becomes the first opener's.
         std::fs::File::create(&img)
             .unwrap()
             .set_len(64 << 20)
             .unwrap();
-        LunDatastore::open(spec(&img), add(false, false), None)
+        LunDatastore::open(spec(&img), add(false, None), None)
             .await
             .unwrap();
         LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .unwrap();
-        assert!(LunDatastore::open(spec(&img), add(false, false), theirs)
+        assert!(LunDatastore::open(spec(&img), add(false, None), theirs)
             .await
             .is_err());
         let _ = std::fs::remove_dir_all(&dir);
@@ -1000,7 +1063,7 @@ mod tests {
         f.set_len(64 << 20).unwrap();
         let add = OpenMode::Add {
             force: false,
-            take_over: false,
+            take_over: None,
         };
         let a = LunDatastore::open(spec(&img), add, None).await.unwrap();
         let mut recorded = spec(&img);

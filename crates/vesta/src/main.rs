@@ -126,11 +126,11 @@ enum DatastoreCmd {
         /// Format a LUN even if it holds data that is not Vesta's (destroys that data).
         #[arg(long)]
         force: bool,
-        /// Take over a LUN another pod (another cluster, or a single host whose data
-        /// directory was lost) formatted: its volumes come along, and that pod can no longer
-        /// use it. Only once that pod is gone for good.
-        #[arg(long)]
-        take_over: bool,
+        /// Take over a LUN that pod (another cluster, or a single host whose data directory
+        /// was lost; the refusal names its id) formatted: its volumes come along, and that
+        /// pod can no longer use it. Only once that pod is gone for good.
+        #[arg(long, value_name = "POD")]
+        take_over: Option<String>,
     },
     /// List datastores with capacity and status.
     List,

@@ -230,9 +230,10 @@ pub struct DatastoreConfig {
     /// Format a `lun` even if it holds foreign data.
     #[serde(default)]
     pub force: bool,
-    /// Take over a `lun` another pod formatted: that pod can no longer use it.
+    /// Take over a `lun` that pod (its id, as the refusal names it) formatted: that pod can
+    /// no longer use it. Naming the pod keeps a config copied elsewhere from taking another.
     #[serde(default)]
-    pub take_over: bool,
+    pub take_over: Option<uuid::Uuid>,
 }
 
 impl Default for Config {
@@ -252,7 +253,7 @@ impl Default for Config {
                 class: None,
                 queue_depth: None,
                 force: false,
-                take_over: false,
+                take_over: None,
             }],
         }
     }

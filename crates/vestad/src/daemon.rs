@@ -1295,9 +1295,19 @@ impl Daemon {
             queue_depth,
         };
         // A LUN must not be added twice under two names.
+        let take_over = match req.take_over.as_deref().map(str::parse::<Uuid>) {
+            None => None,
+            Some(Ok(p)) => Some(p),
+            Some(Err(_)) => {
+                return Err(OpError::BadRequest(format!(
+                    "--take-over {:?} is not a pod id; give the id the refusal names",
+                    req.take_over.unwrap_or_default()
+                )))
+            }
+        };
         let mode = OpenMode::Add {
             force: req.force,
-            take_over: req.take_over,
+            take_over,
         };
         let store = datastore::open_in_pod(&spec, mode, Some(self.pod)).await?;
         store.set_fence(self.coord.fence());
@@ -2443,6 +2453,7 @@ impl Daemon {
             .filter(|e| e.store.is_err())
             .map(|e| e.spec.clone())
             .collect();
+        let were_down = down.len();
         // Datastores another host of the cluster added since.
         if self.coord.kind() != "local" {
             if let Ok(state) = self.coord.state().await {
@@ -2455,7 +2466,8 @@ impl Daemon {
                 );
             }
         }
-        for spec in down {
+        let mut back = Vec::new();
+        for (i, spec) in down.into_iter().enumerate() {
             let Ok(store) = datastore::open_in_pod(&spec, OpenMode::Reopen, Some(self.pod)).await
             else {
                 continue;
@@ -2469,9 +2481,10 @@ impl Daemon {
                     store: Ok(store.clone()),
                 },
             );
-            // What the start would have found on it: storage deletes left behind while it
-            // was away, creates cut short.
-            self.import_recorded_volumes(&store, true).await;
+            // One learned from another host was imported by that host when it added it.
+            if i < were_down {
+                back.push(store);
+            }
         }
         let broken: Vec<Arc<VolumeEntry>> = self
             .entries()
@@ -2493,6 +2506,12 @@ impl Daemon {
                 continue;
             };
             let _ = self.reopen(&e).await;
+        }
+        // What the start would have found on a datastore that is back (storage deletes left
+        // behind while it was away, creates cut short): after its volumes serve again, as the
+        // import may wait for the datastore's lock.
+        for store in back {
+            self.import_recorded_volumes(&store, true).await;
         }
         let unconfirmed: Vec<Arc<VolumeEntry>> = self
             .entries()
@@ -2668,7 +2687,10 @@ fn same_location(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
 /// The pod the labels of the recorded LUN datastores name (the first that answers within a
 /// few seconds and names one).
 async fn pod_of_luns(recorded: &[DatastoreSpec]) -> Option<Uuid> {
-    for spec in recorded.iter().filter(|s| matches!(s.kind, Kind::Lun { .. })) {
+    for spec in recorded
+        .iter()
+        .filter(|s| matches!(s.kind, Kind::Lun { .. }))
+    {
         let read = tokio::time::timeout(Duration::from_secs(5), datastore::lun::label_pod(spec));
         if let Ok(Some(p)) = read.await {
             return Some(p);

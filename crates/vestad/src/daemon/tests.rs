@@ -880,7 +880,7 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
         &spec,
         OpenMode::Add {
             force: false,
-            take_over: false,
+            take_over: None,
         },
     )
     .await
@@ -895,7 +895,7 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
             class: None,
             queue_depth: None,
             force: false,
-            take_over: false,
+            take_over: None,
         })
         .await
         .unwrap_err();
@@ -922,7 +922,7 @@ async fn a_pod_that_lost_its_id_finds_it_on_its_luns() {
         class: None,
         queue_depth: None,
         force: false,
-        take_over: false,
+        take_over: None,
     })
     .await
     .unwrap();
@@ -930,8 +930,7 @@ async fn a_pod_that_lost_its_id_finds_it_on_its_luns() {
     drop(d);
     drop(coord);
     let state = dir.0.join("state.json");
-    let mut j: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
     assert!(j.as_object_mut().unwrap().remove("pod").is_some());
     std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
     let coord = coordinator(&dir);
@@ -1058,7 +1057,7 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
         class: None,
         queue_depth: None,
         force: false,
-        take_over: false,
+        take_over: None,
     })
     .await
     .unwrap();
@@ -1087,7 +1086,7 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
         class: None,
         queue_depth: None,
         force: false,
-        take_over: false,
+        take_over: None,
     })
     .await
     .unwrap();
@@ -1110,7 +1109,7 @@ async fn one_directory_is_never_two_datastores() {
             class: None,
             queue_depth: None,
             force: false,
-            take_over: false,
+            take_over: None,
         })
         .await
         .unwrap_err();
