@@ -799,9 +799,12 @@ impl Coordinator for EtcdCoordinator {
                         x.mod_revision(),
                     )])
                     .and_then([TxnOp::delete(key.clone(), None)]);
-                if let Err(e) = kv.txn(txn).await {
+                match kv.txn(txn).await {
+                    Ok(r) if r.succeeded() => {}
+                    // Put again since it was read: a new delete of it, kept.
+                    Ok(_) => kept.push(id),
                     // Forgotten at the next read instead.
-                    warn!("etcd: forget the deleted volume {id}: {e}");
+                    Err(e) => warn!("etcd: forget the deleted volume {id}: {e}"),
                 }
             }
         }

@@ -97,12 +97,14 @@ impl Label {
         if b.len() < LABEL_LEN || &b[0..8] != LABEL_MAGIC {
             return Err(LabelError::NoMagic);
         }
-        if crc32c::crc32c(&b[..LABEL_LEN - 4]) != le32(&b[LABEL_LEN - 4..]) {
-            return Err(LabelError::BadChecksum);
-        }
+        // The version first: a newer label may checksum other bytes, and must read as newer,
+        // never as damaged (which `--force` may format).
         let v = le32(&b[8..12]);
         if v != VERSION {
             return Err(LabelError::Version(v));
+        }
+        if crc32c::crc32c(&b[..LABEL_LEN - 4]) != le32(&b[LABEL_LEN - 4..]) {
+            return Err(LabelError::BadChecksum);
         }
         Ok(Label {
             lun_id: Uuid::from_bytes(b[16..32].try_into().expect("16 bytes")),
@@ -300,6 +302,9 @@ mod tests {
         assert_eq!(Label::decode(&old.encode()), Ok(old));
         b[100] ^= 1;
         assert_eq!(Label::decode(&b), Err(LabelError::BadChecksum));
+        // A newer version reads as newer, whatever its checksum: never as damaged.
+        b[8..12].copy_from_slice(&(VERSION + 1).to_le_bytes());
+        assert_eq!(Label::decode(&b), Err(LabelError::Version(VERSION + 1)));
         assert_eq!(Label::decode(&[0u8; LABEL_LEN]), Err(LabelError::NoMagic));
     }
 

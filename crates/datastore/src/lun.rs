@@ -70,11 +70,12 @@ async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
     }
 }
 
-/// The pod named in the label of the LUN `spec` names (its backup label if need be), if it
-/// carries one and is the LUN `spec` recorded: how a pod whose stored id was lost (an etcd
-/// restored from a backup older than pod ids, a state file rewritten by an older build) finds
-/// its id again instead of making a new one, under which none of its LUNs would open.
-pub async fn label_pod(spec: &DatastoreSpec) -> Option<Uuid> {
+/// The pod named in the label of the LUN `spec` names (its backup label if need be): how a
+/// pod whose stored id was lost (an etcd restored from a backup older than pod ids, a state
+/// file rewritten by an older build) finds its id again instead of making a new one, under
+/// which none of its LUNs would open. `None` if the LUN cannot be read or is not the one
+/// `spec` recorded; `Some(None)` for a label from before pod ids.
+pub async fn label_pod(spec: &DatastoreSpec) -> Option<Option<Uuid>> {
     let Kind::Lun { target, lun_id } = &spec.kind else {
         return None;
     };
@@ -84,7 +85,7 @@ pub async fn label_pod(spec: &DatastoreSpec) -> Option<Uuid> {
     if lun_id.is_some_and(|id| id != l.lun_id) {
         return None;
     }
-    l.pod
+    Some(l.pod)
 }
 
 impl LunDatastore {
@@ -209,6 +210,18 @@ impl LunDatastore {
                     _ => {}
                 }
                 if repair {
+                    // Only over the label this open read: another pod may have taken the LUN
+                    // over since, and its label must not be written back.
+                    let now = dev
+                        .read_at(0, label::LABEL_LEN)
+                        .await
+                        .map_err(io_err(format!("read label of {target}")))?;
+                    if now[..] != head[..label::LABEL_LEN] {
+                        return Err(Error::Invalid(format!(
+                            "datastore {name:?}: the label of {target} changed while it was \
+                             opened (another host wrote it); try again"
+                        )));
+                    }
                     write_label(&*dev, &l)
                         .await
                         .map_err(io_err(format!("write the label of {target}")))?;
@@ -230,8 +243,8 @@ impl LunDatastore {
                 )))
             }
             (Err(e), OpenMode::Add { force, .. }) => {
-                // What --force must not format: a label from a newer build, or volumes whose
-                // label was overwritten while its backup and a table survive.
+                // What --force must not format: a label from a newer build, or a Vesta label
+                // (or its backup) that does not decode while a volume table is whole.
                 if let LabelError::Version(v) = e {
                     return Err(Error::Foreign(format!(
                         "datastore {name:?}: {target} carries a Vesta label of version {v}, \
@@ -240,17 +253,18 @@ impl LunDatastore {
                     )));
                 }
                 let o = label::LABEL_BACKUP_OFFSET as usize;
-                if let (Ok(b), Some(t)) = (
-                    Label::decode(&head[o..o + label::LABEL_LEN]),
-                    Table::newest([slot(0), slot(1)]),
-                ) {
+                let magic = |at: usize| &head[at..at + 8] == label::LABEL_MAGIC;
+                if let (true, Some(t)) = (magic(0) || magic(o), Table::newest([slot(0), slot(1)])) {
+                    let backup = match Label::decode(&head[o..o + label::LABEL_LEN]) {
+                        Ok(b) => format!("its backup at 3 MiB names Vesta LUN {}", b.lun_id),
+                        Err(b) => format!("its backup at 3 MiB does not decode either ({b})"),
+                    };
                     return Err(Error::Foreign(format!(
-                        "datastore {name:?}: the label at the start of {target} was overwritten \
-                         ({e}), but its backup at 3 MiB names Vesta LUN {} with {} volume(s) \
-                         in its table: formatting would destroy them, so --force does not. To \
-                         keep them, copy the 4 KiB at offset 3 MiB back to offset 0; to format \
-                         anyway, zero the first 4 MiB",
-                        b.lun_id,
+                        "datastore {name:?}: the Vesta label of {target} does not decode \
+                         ({e}), and {backup}, while its volume table holds {} volume(s): \
+                         formatting would destroy them, so --force does not. To keep them, \
+                         restore the label (the 4 KiB at offset 3 MiB, if whole, copied to \
+                         offset 0); to format anyway, zero the first 4 MiB",
                         t.entries.len()
                     )));
                 }
@@ -447,7 +461,13 @@ impl LunDatastore {
         let mut l = Label::decode(&read(0).await?);
         if l == Err(LabelError::BadChecksum) {
             // A take-over torn in the label: its backup, written first, names the new pod.
-            l = Label::decode(&read(label::LABEL_BACKUP_OFFSET).await?);
+            l = Label::decode(&read(label::LABEL_BACKUP_OFFSET).await?).and_then(|b| {
+                if b.lun_id == self.label.lun_id {
+                    Ok(b)
+                } else {
+                    Err(LabelError::BadChecksum)
+                }
+            });
         }
         match l {
             Ok(Label {
@@ -457,7 +477,18 @@ impl LunDatastore {
                  {ours}), which took it over: this pod must not use it any more",
                 self.spec.name
             ))),
-            _ => Ok(()),
+            Ok(l) if l.lun_id != self.label.lun_id => Err(Error::Invalid(format!(
+                "datastore {:?} now carries Vesta LUN {} instead of {}: the device was \
+                 replaced or formatted again",
+                self.spec.name, l.lun_id, self.label.lun_id
+            ))),
+            Ok(_) => Ok(()),
+            // Whose it is cannot be told: no change until it can (a reopen refuses it too).
+            Err(e) => Err(Error::Invalid(format!(
+                "datastore {:?}: its Vesta label can no longer be read ({e}); its volume table \
+                 is left alone until it is restored",
+                self.spec.name
+            ))),
         }
     }
 
@@ -1024,6 +1055,14 @@ mod tests {
         // A label overwritten at the start (not torn: no magic left) whose backup and table
         // survive is not formatted, --force or not.
         write_at(0, &[0u8; label::LABEL_LEN]);
+        // Whose it is cannot be told now: the pod that has it open changes nothing.
+        let e = again
+            .create_volume(&volume("z"))
+            .await
+            .err()
+            .expect("changed")
+            .to_string();
+        assert!(e.contains("can no longer be read"), "{e}");
         let e = LunDatastore::open(spec(&img), add(true, None), theirs)
             .await
             .err()

@@ -272,7 +272,7 @@ impl Daemon {
                 // kept (an etcd restored from an older backup). Its LUNs' labels still carry
                 // it, and a new one would shut this pod out of every one of them.
                 let recorded = coord.state().await?.datastores;
-                let found = pod_of_luns(&recorded).await;
+                let found = pod_of_luns(&recorded).await?;
                 if let Some(p) = found {
                     info!("pod id {p}: none was stored; taken from the labels of the pod's LUNs");
                 }
@@ -1294,7 +1294,6 @@ impl Daemon {
             class,
             queue_depth,
         };
-        // A LUN must not be added twice under two names.
         let take_over = match req.take_over.as_deref().map(str::parse::<Uuid>) {
             None => None,
             Some(Ok(p)) => Some(p),
@@ -1313,6 +1312,7 @@ impl Daemon {
         store.set_fence(self.coord.fence());
         self.warn_if_cached_by_host(&spec);
         let spec = store.spec().clone();
+        // A LUN must not be added twice under two names.
         if let Kind::Lun {
             lun_id: Some(id), ..
         } = &spec.kind
@@ -2684,19 +2684,69 @@ fn same_location(a: &DatastoreSpec, b: &DatastoreSpec) -> bool {
     }
 }
 
-/// The pod the labels of the recorded LUN datastores name (the first that answers within a
-/// few seconds and names one).
-async fn pod_of_luns(recorded: &[DatastoreSpec]) -> Option<Uuid> {
-    for spec in recorded
+/// The pod the labels of the recorded LUN datastores name, for a pod with no id stored:
+/// `None` (make a new one) when none is recorded or none names a pod. An error when they are
+/// recorded but none can be read within a few seconds, or they name different pods: a guess
+/// would either shut the pod out of its LUNs or take another pod's.
+async fn pod_of_luns(recorded: &[DatastoreSpec]) -> anyhow::Result<Option<Uuid>> {
+    let luns: Vec<DatastoreSpec> = recorded
         .iter()
         .filter(|s| matches!(s.kind, Kind::Lun { .. }))
-    {
-        let read = tokio::time::timeout(Duration::from_secs(5), datastore::lun::label_pod(spec));
-        if let Ok(Some(p)) = read.await {
-            return Some(p);
+        .cloned()
+        .collect();
+    if luns.is_empty() {
+        return Ok(None);
+    }
+    let reads: Vec<_> = luns
+        .iter()
+        .map(|spec| {
+            let spec = spec.clone();
+            tokio::spawn(async move {
+                let read = datastore::lun::label_pod(&spec);
+                tokio::time::timeout(Duration::from_secs(5), read)
+                    .await
+                    .ok()
+                    .flatten()
+            })
+        })
+        .collect();
+    let mut named = BTreeMap::new();
+    let mut answered = 0;
+    for (spec, r) in luns.iter().zip(reads) {
+        if let Ok(Some(pod)) = r.await {
+            answered += 1;
+            if let Some(p) = pod {
+                named
+                    .entry(p)
+                    .or_insert_with(Vec::new)
+                    .push(spec.name.clone());
+            }
         }
     }
-    None
+    if answered == 0 {
+        anyhow::bail!(
+            "this pod has no id stored (an etcd restored from an older backup, a state file \
+             rewritten by an older vestad?), and none of its LUN datastores ({}) could be read \
+             to find it. Start again once they are reachable",
+            luns.iter()
+                .map(|s| s.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    match named.len() {
+        0 => Ok(None),
+        1 => Ok(named.into_keys().next()),
+        _ => anyhow::bail!(
+            "this pod has no id stored, and its LUN datastores name different pods: {}. Put \
+             the pod's id back (etcd key <prefix>/pod-id, or \"pod\" in state.json)",
+            named
+                .iter()
+                .map(|(p, ds)| format!("{p} ({})", ds.join(", ")))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    }
 }
 
 /// Whether record `r` is the one create `rec` made (not one another host made for the same

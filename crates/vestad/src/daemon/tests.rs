@@ -939,6 +939,87 @@ async fn a_pod_that_lost_its_id_finds_it_on_its_luns() {
     assert!(d.store("san").is_ok(), "the pod's own LUN does not open");
 }
 
+/// A pod with no id stored guesses none from its LUNs when they cannot be read, or name
+/// different pods: its start fails and says why. A new id would shut it out of its LUNs; one
+/// taken from a LUN another pod took over would give it that pod's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_lost_its_id_does_not_guess_it() {
+    let dir = TempDir::new("pod-guess");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    let lun = |n: &str| {
+        let img = dir.0.join(format!("{n}.img"));
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        img
+    };
+    let (one, two) = (lun("one"), lun("two"));
+    d.add_datastore(api::AddDatastore {
+        name: "one".into(),
+        dir: None,
+        lun: Some(one.display().to_string()),
+        class: None,
+        queue_depth: None,
+        force: false,
+        take_over: None,
+    })
+    .await
+    .unwrap();
+    drop(d);
+    // "two" recorded too, formatted by another pod.
+    let spec = DatastoreSpec {
+        name: "two".into(),
+        kind: Kind::Lun {
+            target: two.display().to_string(),
+            lun_id: None,
+        },
+        class: Default::default(),
+        queue_depth: 4,
+    };
+    let add = OpenMode::Add {
+        force: false,
+        take_over: None,
+    };
+    let store = datastore::open_in_pod(&spec, add, Some(Uuid::new_v4()))
+        .await
+        .unwrap();
+    coord
+        .inner
+        .add_datastore(store.spec().clone())
+        .await
+        .unwrap();
+    drop(store);
+    drop(coord);
+    let state = dir.0.join("state.json");
+    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    assert!(j.as_object_mut().unwrap().remove("pod").is_some());
+    std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
+    let started = |coord: &Arc<FailingVault>| {
+        let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
+        let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
+        let coord: Arc<dyn Coordinator> = coord.clone();
+        Daemon::start(config(&dir), coord, Some(cache))
+    };
+    let e = started(&coordinator(&dir))
+        .await
+        .err()
+        .expect("started")
+        .to_string();
+    assert!(e.contains("name different pods"), "{e}");
+    // Neither can be read: no guess either.
+    let away = |p: &Path| std::fs::rename(p, p.with_extension("away")).unwrap();
+    away(&one);
+    away(&two);
+    let e = started(&coordinator(&dir))
+        .await
+        .err()
+        .expect("started")
+        .to_string();
+    assert!(e.contains("could be read"), "{e}");
+}
+
 /// A policy change and a relocation wait out a background round's claim of their volume
 /// (a `wbp` volume without peers tries a peer change every second) instead of failing as a
 /// conflict; another operator's change still refuses them at once.
