@@ -216,15 +216,19 @@ impl LunDatastore {
                         .read_at(0, label::LABEL_LEN)
                         .await
                         .map_err(io_err(format!("read label of {target}")))?;
-                    if now[..] != head[..label::LABEL_LEN] {
+                    let ours = l.encode();
+                    if now[..] == ours[..] {
+                        // Another host of this pod wrote the same label meanwhile.
+                    } else if now[..] != head[..label::LABEL_LEN] {
                         return Err(Error::Invalid(format!(
                             "datastore {name:?}: the label of {target} changed while it was \
                              opened (another host wrote it); try again"
                         )));
+                    } else {
+                        write_label(&*dev, &l)
+                            .await
+                            .map_err(io_err(format!("write the label of {target}")))?;
                     }
-                    write_label(&*dev, &l)
-                        .await
-                        .map_err(io_err(format!("write the label of {target}")))?;
                 }
                 if mode != OpenMode::Reopen {
                     info!(
@@ -254,7 +258,8 @@ impl LunDatastore {
                 }
                 let o = label::LABEL_BACKUP_OFFSET as usize;
                 let magic = |at: usize| &head[at..at + 8] == label::LABEL_MAGIC;
-                if let (true, Some(t)) = (magic(0) || magic(o), Table::newest([slot(0), slot(1)])) {
+                let table = Table::newest([slot(0), slot(1)]).filter(|t| !t.entries.is_empty());
+                if let (true, Some(t)) = (magic(0) || magic(o), table) {
                     let backup = match Label::decode(&head[o..o + label::LABEL_LEN]) {
                         Ok(b) => format!("its backup at 3 MiB names Vesta LUN {}", b.lun_id),
                         Err(b) => format!("its backup at 3 MiB does not decode either ({b})"),
@@ -1087,6 +1092,21 @@ mod tests {
         assert!(LunDatastore::open(spec(&img), add(false, None), theirs)
             .await
             .is_err());
+        // With no volume in its table, a LUN whose label was overwritten is formatted with
+        // --force: there is nothing to lose.
+        let write_at = |at: u64, b: &[u8]| {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.write_all(b).unwrap();
+        };
+        write_at(0, &[0u8; label::LABEL_LEN]);
+        assert!(LunDatastore::open(spec(&img), add(false, None), ours)
+            .await
+            .is_err());
+        LunDatastore::open(spec(&img), add(true, None), ours)
+            .await
+            .unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -272,7 +272,15 @@ impl Daemon {
                 // kept (an etcd restored from an older backup). Its LUNs' labels still carry
                 // it, and a new one would shut this pod out of every one of them.
                 let recorded = coord.state().await?.datastores;
-                let found = pod_of_luns(&recorded).await?;
+                let found = match pod_of_luns(&recorded).await {
+                    Ok(found) => found,
+                    // Another host of a pod starting at the same time may have stored one
+                    // meanwhile (and recorded a LUN this host cannot read yet).
+                    Err(e) => match coord.stored_pod_id().await? {
+                        Some(p) => Some(p),
+                        None => return Err(e),
+                    },
+                };
                 if let Some(p) = found {
                     info!("pod id {p}: none was stored; taken from the labels of the pod's LUNs");
                 }
@@ -2723,19 +2731,22 @@ async fn pod_of_luns(recorded: &[DatastoreSpec]) -> anyhow::Result<Option<Uuid>>
             }
         }
     }
-    if answered == 0 {
-        anyhow::bail!(
+    match named.len() {
+        // Every LUN answered and none names a pod (all formatted before pod ids): a new id.
+        0 if answered == luns.len() => Ok(None),
+        // One that did not answer may name the pod: a new id would shut the pod out of it.
+        0 => anyhow::bail!(
             "this pod has no id stored (an etcd restored from an older backup, a state file \
-             rewritten by an older vestad?), and none of its LUN datastores ({}) could be read \
-             to find it. Start again once they are reachable",
+             rewritten by an older vestad?), and of its LUN datastores ({}) {} could not be read \
+             to find it. Start again once they are reachable, or put the pod's id back (etcd \
+             key <prefix>/pod-id, or \"pod\" in state.json; `vesta status` on another host of \
+             the pod shows it)",
             luns.iter()
                 .map(|s| s.name.as_str())
                 .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
-    match named.len() {
-        0 => Ok(None),
+                .join(", "),
+            luns.len() - answered
+        ),
         1 => Ok(named.into_keys().next()),
         _ => anyhow::bail!(
             "this pod has no id stored, and its LUN datastores name different pods: {}. Put \

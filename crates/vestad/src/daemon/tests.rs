@@ -1017,7 +1017,7 @@ async fn a_pod_that_lost_its_id_does_not_guess_it() {
         .err()
         .expect("started")
         .to_string();
-    assert!(e.contains("could be read"), "{e}");
+    assert!(e.contains("could not be read"), "{e}");
 }
 
 /// A policy change and a relocation wait out a background round's claim of their volume
