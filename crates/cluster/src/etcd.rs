@@ -189,6 +189,25 @@ impl EtcdCoordinator {
         Ok(c)
     }
 
+    /// Stores `value` at `key` unless something is stored there already, and returns what is
+    /// stored there now (the pod's peer key and id). Not bound to a lease: such a key outlives
+    /// every host. Whoever asks first stores theirs; one transaction, so everyone gets back
+    /// the same.
+    async fn put_if_absent(&self, key: &str, value: Vec<u8>) -> Result<Vec<u8>> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key, value.clone(), None)])
+            .or_else([TxnOp::get(key, None)]);
+        let mut kv = self.client.kv_client();
+        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
+        if r.succeeded() {
+            return Ok(value);
+        }
+        Ok(first_get(&r.op_responses())
+            .map(|kv| kv.value().to_vec())
+            .unwrap_or_default())
+    }
+
     fn key(&self, kind: &str, name: &str) -> String {
         format!("{}/{kind}/{name}", self.prefix)
     }
@@ -1029,20 +1048,8 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn peer_key(&self, fresh: [u8; 32]) -> Result<[u8; 32]> {
-        // Not bound to a lease: the key outlives every host. Whoever asks first stores
-        // theirs; one transaction, so everyone gets back what is stored.
         let key = format!("{}/peer-key", self.prefix);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), fresh.to_vec(), None)])
-            .or_else([TxnOp::get(key.clone(), None)]);
-        let mut kv = self.client.kv_client();
-        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
-        if r.succeeded() {
-            return Ok(fresh);
-        }
-        let stored = first_get(&r.op_responses()).map(|kv| kv.value().to_vec());
-        let stored = stored.unwrap_or_default();
+        let stored = self.put_if_absent(&key, fresh.to_vec()).await?;
         stored.as_slice().try_into().map_err(|_| Error::Corrupt {
             path: format!("etcd key {key}"),
             msg: format!(
@@ -1071,19 +1078,11 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn pod_id(&self, fresh: Uuid) -> Result<Uuid> {
-        // As the peer key: whoever asks first stores theirs, in one transaction.
         let key = format!("{}/pod-id", self.prefix);
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), fresh.to_string(), None)])
-            .or_else([TxnOp::get(key.clone(), None)]);
-        let mut kv = self.client.kv_client();
-        let r = kv.txn(txn).await.map_err(|e| self.unavailable(e))?;
-        if r.succeeded() {
-            return Ok(fresh);
-        }
-        let stored = first_get(&r.op_responses()).map(|kv| kv.value().to_vec());
-        let stored = String::from_utf8_lossy(&stored.unwrap_or_default()).into_owned();
+        let stored = self
+            .put_if_absent(&key, fresh.to_string().into_bytes())
+            .await?;
+        let stored = String::from_utf8_lossy(&stored).into_owned();
         stored.trim().parse().map_err(|_| Error::Corrupt {
             path: format!("etcd key {key}"),
             msg: format!("{stored:?} is not a UUID; put back the pod's id"),
