@@ -387,26 +387,11 @@ fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
         .contains("no volume named"));
 
     // Only from the pod the label names: a pod id copied from elsewhere takes nothing.
-    let other = "00000000-0000-4000-8000-000000000001";
-    let e = second.vesta_err(&[
-        "datastore",
-        "add",
-        "san",
-        "--lun",
-        &k.uri(),
-        "--take-over",
-        other,
-    ]);
+    let uri = k.uri();
+    let take_over = |pod| ["datastore", "add", "san", "--lun", &uri, "--take-over", pod];
+    let e = second.vesta_err(&take_over("00000000-0000-4000-8000-000000000001"));
     assert!(e.contains("a Vesta LUN of another pod"), "{e}");
-    second.vesta_ok(&[
-        "datastore",
-        "add",
-        "san",
-        "--lun",
-        &k.uri(),
-        "--take-over",
-        &pod,
-    ]);
+    second.vesta_ok(&take_over(&pod));
     vesta_tests::qemu_io(&second.url("x"), &["read -P 0x17 0 1M"]);
     let e = first.vesta_err(&[
         "volume",

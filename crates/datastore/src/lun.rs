@@ -994,6 +994,12 @@ mod tests {
             .unwrap();
         let (ours, theirs) = (Some(Uuid::new_v4()), Some(Uuid::new_v4()));
         let add = |force, take_over| OpenMode::Add { force, take_over };
+        let write_at = |at: u64, b: &[u8]| {
+            use std::io::{Seek, SeekFrom, Write};
+            let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+            f.seek(SeekFrom::Start(at)).unwrap();
+            f.write_all(b).unwrap();
+        };
         let a = LunDatastore::open(spec(&img), add(false, None), ours)
             .await
             .unwrap();
@@ -1042,12 +1048,6 @@ mod tests {
         assert!(e.contains("now belongs to another Vesta pod"), "{e}");
         // A take-over torn in the label: its backup, written first, is read instead, by the
         // pod shut out as by the one that took over, whose next open writes the label again.
-        let write_at = |at: u64, b: &[u8]| {
-            use std::io::{Seek, SeekFrom, Write};
-            let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
-            f.seek(SeekFrom::Start(at)).unwrap();
-            f.write_all(b).unwrap();
-        };
         write_at(100, &[0xee; 16]);
         assert!(a.create_volume(&volume("w")).await.is_err());
         let again = LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
@@ -1094,12 +1094,6 @@ mod tests {
             .is_err());
         // With no volume in its table, a LUN whose label was overwritten is formatted with
         // --force: there is nothing to lose.
-        let write_at = |at: u64, b: &[u8]| {
-            use std::io::{Seek, SeekFrom, Write};
-            let mut f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
-            f.seek(SeekFrom::Start(at)).unwrap();
-            f.write_all(b).unwrap();
-        };
         write_at(0, &[0u8; label::LABEL_LEN]);
         assert!(LunDatastore::open(spec(&img), add(false, None), ours)
             .await

@@ -252,18 +252,24 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
 
 /// A daemon on `dir`, its cache log in `dir/cache.img` (opened afresh, as at a restart).
 async fn start(dir: &TempDir, coord: &Arc<FailingVault>) -> Arc<Daemon> {
+    Arc::new(try_start(dir, coord).await.unwrap())
+}
+
+/// [`start`], and how it went.
+async fn try_start(dir: &TempDir, coord: &Arc<FailingVault>) -> anyhow::Result<Daemon> {
     let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
     let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
     let coord: Arc<dyn Coordinator> = coord.clone();
-    Arc::new(
-        Daemon::start(config(dir), coord, Some(cache))
-            .await
-            .unwrap(),
-    )
+    Daemon::start(config(dir), coord, Some(cache)).await
 }
 
 /// Creates the 1 MiB volume `v` on datastore `default` in `policy`.
 async fn create_v(d: &Daemon, policy: &str) {
+    try_create_v(d, policy).await.unwrap();
+}
+
+/// [`create_v`], and how it went.
+async fn try_create_v(d: &Daemon, policy: &str) -> OpResult<api::VolumeInfo> {
     d.create_volume(api::CreateVolume {
         name: "v".into(),
         size: 1 << 20,
@@ -274,7 +280,61 @@ async fn create_v(d: &Daemon, policy: &str) {
         rpo_s: None,
     })
     .await
-    .unwrap();
+}
+
+/// What `vesta datastore add NAME --dir DIR` or `--lun LUN` asks for.
+fn add_request(name: &str, dir: Option<&Path>, lun: Option<&Path>) -> api::AddDatastore {
+    api::AddDatastore {
+        name: name.into(),
+        dir: dir.map(|p| p.display().to_string()),
+        lun: lun.map(|p| p.display().to_string()),
+        class: None,
+        queue_depth: None,
+        force: false,
+        take_over: None,
+    }
+}
+
+/// A new, blank 64 MiB file `NAME.img` in `dir`, to serve as a LUN.
+fn lun_file(dir: &TempDir, name: &str) -> PathBuf {
+    let img = dir.0.join(format!("{name}.img"));
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    img
+}
+
+/// LUN `img`, formatted for pod `pod` (by another host) and recorded as datastore `name`.
+async fn record_lun(coord: &FailingVault, name: &str, img: &Path, pod: Option<Uuid>) {
+    let spec = DatastoreSpec {
+        name: name.into(),
+        kind: Kind::Lun {
+            target: img.display().to_string(),
+            lun_id: None,
+        },
+        class: Default::default(),
+        queue_depth: 4,
+    };
+    let add = OpenMode::Add {
+        force: false,
+        take_over: None,
+    };
+    let store = datastore::open_in_pod(&spec, add, pod).await.unwrap();
+    coord
+        .inner
+        .add_datastore(store.spec().clone())
+        .await
+        .unwrap();
+}
+
+/// Removes the pod id from the state file of the daemon on `dir` (stopped), as an older build
+/// rewriting it would.
+fn forget_pod_id(dir: &TempDir) {
+    let state = dir.0.join("state.json");
+    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    assert!(j.as_object_mut().unwrap().remove("pod").is_some());
+    std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
 }
 
 /// Creates volume `v` in `wt` and stops the daemon; returns its id and the generation its
@@ -860,43 +920,11 @@ async fn a_lun_another_host_added_is_refused_under_a_second_name() {
     let dir = TempDir::new("lunname");
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
-    let img = dir.0.join("lun.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
-        .unwrap();
-    let target = img.display().to_string();
+    let img = lun_file(&dir, "lun");
     // The other host formats and records it as "san".
-    let mut spec = DatastoreSpec {
-        name: "san".into(),
-        kind: Kind::Lun {
-            target: target.clone(),
-            lun_id: None,
-        },
-        class: Default::default(),
-        queue_depth: 4,
-    };
-    let store = datastore::open(
-        &spec,
-        OpenMode::Add {
-            force: false,
-            take_over: None,
-        },
-    )
-    .await
-    .unwrap();
-    spec = store.spec().clone();
-    coord.inner.add_datastore(spec).await.unwrap();
+    record_lun(&coord, "san", &img, None).await;
     let e = d
-        .add_datastore(api::AddDatastore {
-            name: "san2".into(),
-            dir: None,
-            lun: Some(target),
-            class: None,
-            queue_depth: None,
-            force: false,
-            take_over: None,
-        })
+        .add_datastore(add_request("san2", None, Some(&img)))
         .await
         .unwrap_err();
     assert!(e.to_string().contains("already datastore \"san\""), "{e}");
@@ -910,29 +938,14 @@ async fn a_pod_that_lost_its_id_finds_it_on_its_luns() {
     let dir = TempDir::new("pod-lost");
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
-    let img = dir.0.join("lun.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(64 << 20)
+    let img = lun_file(&dir, "lun");
+    d.add_datastore(add_request("san", None, Some(&img)))
+        .await
         .unwrap();
-    d.add_datastore(api::AddDatastore {
-        name: "san".into(),
-        dir: None,
-        lun: Some(img.display().to_string()),
-        class: None,
-        queue_depth: None,
-        force: false,
-        take_over: None,
-    })
-    .await
-    .unwrap();
     let pod = d.status().pod;
     drop(d);
     drop(coord);
-    let state = dir.0.join("state.json");
-    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
-    assert!(j.as_object_mut().unwrap().remove("pod").is_some());
-    std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
+    forget_pod_id(&dir);
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
     assert_eq!(d.status().pod, pod);
@@ -947,62 +960,16 @@ async fn a_pod_that_lost_its_id_does_not_guess_it() {
     let dir = TempDir::new("pod-guess");
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
-    let lun = |n: &str| {
-        let img = dir.0.join(format!("{n}.img"));
-        std::fs::File::create(&img)
-            .unwrap()
-            .set_len(64 << 20)
-            .unwrap();
-        img
-    };
-    let (one, two) = (lun("one"), lun("two"));
-    d.add_datastore(api::AddDatastore {
-        name: "one".into(),
-        dir: None,
-        lun: Some(one.display().to_string()),
-        class: None,
-        queue_depth: None,
-        force: false,
-        take_over: None,
-    })
-    .await
-    .unwrap();
+    let (one, two) = (lun_file(&dir, "one"), lun_file(&dir, "two"));
+    d.add_datastore(add_request("one", None, Some(&one)))
+        .await
+        .unwrap();
     drop(d);
     // "two" recorded too, formatted by another pod.
-    let spec = DatastoreSpec {
-        name: "two".into(),
-        kind: Kind::Lun {
-            target: two.display().to_string(),
-            lun_id: None,
-        },
-        class: Default::default(),
-        queue_depth: 4,
-    };
-    let add = OpenMode::Add {
-        force: false,
-        take_over: None,
-    };
-    let store = datastore::open_in_pod(&spec, add, Some(Uuid::new_v4()))
-        .await
-        .unwrap();
-    coord
-        .inner
-        .add_datastore(store.spec().clone())
-        .await
-        .unwrap();
-    drop(store);
+    record_lun(&coord, "two", &two, Some(Uuid::new_v4())).await;
     drop(coord);
-    let state = dir.0.join("state.json");
-    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
-    assert!(j.as_object_mut().unwrap().remove("pod").is_some());
-    std::fs::write(&state, serde_json::to_vec(&j).unwrap()).unwrap();
-    let started = |coord: &Arc<FailingVault>| {
-        let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
-        let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
-        let coord: Arc<dyn Coordinator> = coord.clone();
-        Daemon::start(config(&dir), coord, Some(cache))
-    };
-    let e = started(&coordinator(&dir))
+    forget_pod_id(&dir);
+    let e = try_start(&dir, &coordinator(&dir))
         .await
         .err()
         .expect("started")
@@ -1012,7 +979,7 @@ async fn a_pod_that_lost_its_id_does_not_guess_it() {
     let away = |p: &Path| std::fs::rename(p, p.with_extension("away")).unwrap();
     away(&one);
     away(&two);
-    let e = started(&coordinator(&dir))
+    let e = try_start(&dir, &coordinator(&dir))
         .await
         .err()
         .expect("started")
@@ -1131,17 +1098,9 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
     let coord = coordinator(&fresh);
     let d = start(&fresh, &coord).await;
     assert!(d.entry("v").is_err(), "a new host knows no volume yet");
-    d.add_datastore(api::AddDatastore {
-        name: "old".into(),
-        dir: Some(dir.0.join("ds").display().to_string()),
-        lun: None,
-        class: None,
-        queue_depth: None,
-        force: false,
-        take_over: None,
-    })
-    .await
-    .unwrap();
+    d.add_datastore(add_request("old", Some(&dir.0.join("ds")), None))
+        .await
+        .unwrap();
     let e = d.entry("v").unwrap();
     assert_eq!((e.record.id, e.record.datastore.as_str()), (id, "old"));
     let got = volume(&d, "v").read(4096, 4096).await.unwrap();
@@ -1160,17 +1119,9 @@ async fn a_dir_datastore_added_again_brings_its_volumes_back() {
     let other = TempDir::new("dirimport-third");
     let coord = coordinator(&other);
     let d = start(&other, &coord).await;
-    d.add_datastore(api::AddDatastore {
-        name: "old".into(),
-        dir: Some(ds.display().to_string()),
-        lun: None,
-        class: None,
-        queue_depth: None,
-        force: false,
-        take_over: None,
-    })
-    .await
-    .unwrap();
+    d.add_datastore(add_request("old", Some(&ds), None))
+        .await
+        .unwrap();
     assert!(d.entry("v").is_err() && d.entry("v-copy").is_err());
 }
 
@@ -1183,15 +1134,7 @@ async fn one_directory_is_never_two_datastores() {
     let link = dir.0.join("ds-link");
     std::os::unix::fs::symlink(dir.0.join("ds"), &link).unwrap();
     let e = d
-        .add_datastore(api::AddDatastore {
-            name: "alias".into(),
-            dir: Some(link.display().to_string()),
-            lun: None,
-            class: None,
-            queue_depth: None,
-            force: false,
-            take_over: None,
-        })
+        .add_datastore(add_request("alias", Some(&link), None))
         .await
         .unwrap_err();
     assert!(
@@ -1438,17 +1381,7 @@ async fn a_datastore_lock_granted_across_a_lost_lease_is_not_used() {
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
     coord.lease_lost_in_lock_wait.store(true, Ordering::SeqCst);
-    let create = || {
-        d.create_volume(api::CreateVolume {
-            name: "v".into(),
-            size: 1 << 20,
-            datastore: Some("default".into()),
-            policy: Some("uncached".into()),
-            hold_s: None,
-            max_dirty_age_s: None,
-            rpo_s: None,
-        })
-    };
+    let create = || try_create_v(&d, "uncached");
     let e = create().await.unwrap_err();
     assert!(e.to_string().contains("lease was lost"), "{e}");
     assert!(d.entry("v").is_err());
@@ -1648,18 +1581,7 @@ async fn a_create_whose_storage_another_host_recorded_leaves_it_to_that_host() {
     let coord = coordinator(&dir);
     let d = start(&dir, &coord).await;
     coord.creates_taken_by_b.store(true, Ordering::SeqCst);
-    let e = d
-        .create_volume(api::CreateVolume {
-            name: "v".into(),
-            size: 1 << 20,
-            datastore: Some("default".into()),
-            policy: Some("wt".into()),
-            hold_s: None,
-            max_dirty_age_s: None,
-            rpo_s: None,
-        })
-        .await
-        .unwrap_err();
+    let e = try_create_v(&d, "wt").await.unwrap_err();
     assert!(
         e.to_string().contains("host b recorded that storage"),
         "{e}"
@@ -1701,18 +1623,7 @@ async fn a_create_undone_only_in_part_can_be_deleted() {
     let d = start(&dir, &coord).await;
     *coord.locked_by.lock().unwrap() = Some("b".into());
     coord.fail_deletes.store(true, Ordering::SeqCst);
-    let e = d
-        .create_volume(api::CreateVolume {
-            name: "v".into(),
-            size: 1 << 20,
-            datastore: Some("default".into()),
-            policy: Some("wt".into()),
-            hold_s: None,
-            max_dirty_age_s: None,
-            rpo_s: None,
-        })
-        .await
-        .unwrap_err();
+    let e = try_create_v(&d, "wt").await.unwrap_err();
     assert!(e.to_string().contains("held by host"), "{e}");
     *coord.locked_by.lock().unwrap() = None;
     coord.fail_deletes.store(false, Ordering::SeqCst);
