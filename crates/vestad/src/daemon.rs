@@ -909,6 +909,13 @@ impl Daemon {
         r
     }
 
+    /// Frees volume `v`'s storage on datastore `ds`, under the datastore's lock.
+    async fn free_storage(&self, ds: &str, v: &datastore::VolumeSpec) -> OpResult<()> {
+        let store = self.store(ds)?;
+        self.ds_locked(ds, async { Ok(store.delete_volume(v).await?) })
+            .await
+    }
+
     /// The entry of a volume this host serves, or an error that says which host serves it.
     pub async fn local_entry(&self, name: &str) -> OpResult<Arc<VolumeEntry>> {
         match self.entry(name) {
@@ -1944,10 +1951,7 @@ impl Daemon {
                     "volume {name:?}: datastore {to:?} holds a stale copy from an interrupted \
                      relocation; removing it"
                 );
-                let stale = self.ds_locked(&to, async {
-                    Ok(dst_store.delete_volume(&rec.spec()).await?)
-                });
-                if let Err(e) = stale.await {
+                if let Err(e) = self.free_storage(&to, &rec.spec()).await {
                     return Err(OpError::Unavailable(restore(format!(
                         "cannot remove the stale copy of {name:?} on {to:?}: {e}"
                     ))));
@@ -1976,11 +1980,8 @@ impl Daemon {
         drop(admin);
         let copied = copy_extent(&src, &dst, &self.stopping).await;
         let _admin = self.admin.lock().await;
-        let drop_copy = || {
-            self.ds_locked(&to, async {
-                Ok(dst_store.delete_volume(&rec.spec()).await?)
-            })
-        };
+        let copy_spec = rec.spec();
+        let drop_copy = || self.free_storage(&to, &copy_spec);
         if let Err(e) = copied {
             if let Err(e2) = drop_copy().await {
                 warn!("volume {name:?}: the partial copy on {to:?} could not be removed: {e2}");
@@ -2092,14 +2093,7 @@ impl Daemon {
             .write()
             .expect("lock")
             .insert(rec.name.clone(), new_entry.clone());
-        let freed = async {
-            let src_store = self.store(from)?;
-            self.ds_locked(from, async {
-                Ok(src_store.delete_volume(&before.record.spec()).await?)
-            })
-            .await
-        };
-        if let Err(e) = freed.await {
+        if let Err(e) = self.free_storage(from, &before.record.spec()).await {
             warn!(
                 "volume {name:?} now lives on {to:?}, but its old storage on {from:?} could not \
                  be freed: {e}; the next start of vestad, or the volume's delete, frees it"
@@ -2140,14 +2134,7 @@ impl Daemon {
                     "volume {name:?}: its record names {from:?}: the relocation did not happen; \
                      the volume serves from there again and its copy on {to:?} is freed"
                 );
-                let dropped = async {
-                    let dst_store = self.store(to)?;
-                    self.ds_locked(to, async {
-                        Ok(dst_store.delete_volume(&u.rec.spec()).await?)
-                    })
-                    .await
-                };
-                if let Err(e) = dropped.await {
+                if let Err(e) = self.free_storage(to, &u.rec.spec()).await {
                     warn!(
                         "volume {name:?}: the copy on {to:?} could not be freed: {e}; the next \
                          start of vestad, or the volume's delete, frees it"
