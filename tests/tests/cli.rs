@@ -362,6 +362,18 @@ fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
         "san",
     ]);
     vesta_tests::qemu_io(&first.url("x"), &["write -P 0x17 0 1M", "flush"]);
+    first.vesta_ok(&[
+        "volume",
+        "create",
+        "wb",
+        "--size",
+        "4M",
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ]);
+    assert!(vesta_tests::try_write(&first.url("wb"), 0x21, 0));
     let pod = first.vesta_json(&["status"])["pod"]
         .as_str()
         .unwrap()
@@ -392,6 +404,17 @@ fn a_lun_of_another_pod_is_refused_and_a_take_over_shuts_that_pod_out() {
     let e = second.vesta_err(&take_over("00000000-0000-4000-8000-000000000001"));
     assert!(e.contains("a Vesta LUN of another pod"), "{e}");
     second.vesta_ok(&take_over(&pod));
+    // By the time the take-over returns, the first pod has seen it: the volume it still
+    // serves does no more IO to the LUN, and what it was asked to write did not land.
+    assert!(
+        !vesta_tests::try_write(&first.url("x"), 0x99, 0),
+        "the pod the LUN was taken from still wrote it"
+    );
+    // Its cache takes no write either: none would ever reach the LUN.
+    assert!(
+        !vesta_tests::try_write(&first.url("wb"), 0x99, 0),
+        "a write-back volume of the pod the LUN was taken from still took a write"
+    );
     vesta_tests::qemu_io(&second.url("x"), &["read -P 0x17 0 1M"]);
     let e = first.vesta_err(&[
         "volume",

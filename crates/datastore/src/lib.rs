@@ -7,7 +7,8 @@
 //! - [`device`]: the byte-addressed targets underneath: files, block devices, NBD exports.
 //! - [`Extent`]: a volume's bytes on a datastore; every IO through it passes the datastore's
 //!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]),
-//!   and refuses writes while the host's [`fence::Fence`] is closed.
+//!   and refuses writes while the host's [`fence::Fence`] is closed, and every IO once the
+//!   datastore is no longer this pod's ([`Datastore::check_owner`]).
 
 pub mod device;
 pub mod dir;
@@ -214,7 +215,24 @@ pub trait Datastore: Send + Sync + 'static {
     async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
         Ok(Vec::new())
     }
+    /// Checks that the datastore is still this pod's to use. Once it is not (another pod took
+    /// a `lun` over, or its device now carries another LUN) the error says so and every later
+    /// IO through its [`Gate`] fails, reads included ([`Gate::shut_out`]): the other pod may
+    /// by then give this pod's extents to volumes of its own. An error that only means the
+    /// owner cannot be told now (the device does not answer) shuts nothing. A host runs this
+    /// every [`OWNER_CHECK_EVERY`]; kinds with no owner to check always pass.
+    async fn check_owner(&self) -> Result<()> {
+        Ok(())
+    }
 }
+
+/// How often a host checks that each datastore it has open is still its pod's
+/// ([`Datastore::check_owner`]).
+pub const OWNER_CHECK_EVERY: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 2 });
+/// How long a take-over waits after relabelling a LUN before its pod uses it: three of the
+/// other pod's [`OWNER_CHECK_EVERY`], so a host of that pod still running has seen the new
+/// label, and stopped its IO to the LUN, before this pod writes it.
+pub const TAKE_OVER_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 6 });
 
 /// Opens (or, when adding, prepares) a datastore of any kind, for no pod in particular: a
 /// `lun` of any pod is opened, and one formatted here carries none.
@@ -249,6 +267,8 @@ pub struct Gate {
     pub stats: IoStats,
     /// The host's fence, once a coordinator with leases sets it; open until then.
     fence: std::sync::OnceLock<Arc<Fence>>,
+    /// Why the datastore is no longer this pod's, once it is not ([`Gate::shut_out`]).
+    shut_out: std::sync::OnceLock<String>,
 }
 
 impl Gate {
@@ -258,7 +278,20 @@ impl Gate {
             queue_depth,
             stats: IoStats::default(),
             fence: std::sync::OnceLock::new(),
+            shut_out: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Fails every later IO through this gate, reads and flushes included, with `why`: the
+    /// datastore is no longer this pod's ([`Datastore::check_owner`]). For good: only a new
+    /// open (a restart) can find it this pod's again. The first reason stays.
+    pub fn shut_out(&self, why: String) {
+        let _ = self.shut_out.set(why);
+    }
+
+    /// Why [`Gate::shut_out`] shut the gate, if it did.
+    pub fn shut_out_reason(&self) -> Option<&str> {
+        self.shut_out.get().map(String::as_str)
     }
 
     /// Makes every later write, trim and zeroing through this gate wait on `fence`. Set once;
@@ -289,15 +322,19 @@ impl Gate {
         self.run_timed(op, bytes, io).await.0
     }
 
-    /// A slot for an IO of kind `op`, unless the gate is closed or the host's lease fences
-    /// `op`. The fence is checked after the wait for a slot, right before the IO is issued:
-    /// a write that queued while the lease was still good must not go out after it lapsed.
+    /// A slot for an IO of kind `op`, unless the gate is closed or shut out, or the host's
+    /// lease fences `op`. Both are checked after the wait for a slot, right before the IO is
+    /// issued: a write that queued while the lease was still good must not go out after it
+    /// lapsed.
     async fn slot(&self, op: Op) -> io::Result<tokio::sync::SemaphorePermit<'_>> {
         let slot = self
             .slots
             .acquire()
             .await
             .map_err(|_| io::Error::other("datastore gate closed"))?;
+        if let Some(why) = self.shut_out.get() {
+            return Err(io::Error::other(why.clone()));
+        }
         if self.fenced(op) {
             return Err(io::Error::other(fence::FENCED));
         }

@@ -135,6 +135,8 @@ impl LunDatastore {
         let decoded = decode_label(&head, &name, &target);
         // A label read from its backup (the label write was torn) is written whole again.
         let mut repair = matches!(decoded, Ok((_, true)));
+        // The pod this open takes the LUN over from.
+        let mut taken_from = None;
         let decoded = decoded.map(|(l, _)| l);
         let slot = |i: usize| {
             let o = label::TABLE_SLOT_OFFSETS[i] as usize;
@@ -205,6 +207,7 @@ impl LunDatastore {
                             );
                             l.pod = Some(ours);
                             repair = true;
+                            taken_from = Some(theirs);
                         }
                     },
                     _ => {}
@@ -229,6 +232,18 @@ impl LunDatastore {
                             .await
                             .map_err(io_err(format!("write the label of {target}")))?;
                     }
+                }
+                if let Some(theirs) = taken_from {
+                    // Hosts of that pod still running stop their IO to the LUN once they see
+                    // the new label (`Datastore::check_owner`): not before then may this pod
+                    // hand out its space or serve its volumes.
+                    info!(
+                        "datastore {name:?}: took Vesta LUN {} over; waiting {:?} for any host \
+                         of pod {theirs} still running to stop its IO to it",
+                        l.lun_id,
+                        crate::TAKE_OVER_WAIT
+                    );
+                    tokio::time::sleep(crate::TAKE_OVER_WAIT).await;
                 }
                 if mode != OpenMode::Reopen {
                     info!(
@@ -448,11 +463,30 @@ impl LunDatastore {
     }
 
     /// Fails if the label now names a pod other than this host's: another pod took the LUN
-    /// over (`take_over`) while it was open here, and this pod must not change its table or
-    /// open its volumes any more.
+    /// over (`take_over`) while it was open here, and this pod must not change its table,
+    /// open its volumes, or do any IO to it any more ([`Gate::shut_out`], at the first sight
+    /// and for good).
     async fn check_pod(&self) -> Result<()> {
+        if let Some(why) = self.gate.shut_out_reason() {
+            return Err(Error::Invalid(why.to_owned()));
+        }
+        match self.owner().await? {
+            Owner::Ours => Ok(()),
+            Owner::Other(why) => {
+                if self.gate.shut_out_reason().is_none() {
+                    warn!("{why}; every IO to it fails from now on");
+                }
+                self.gate.shut_out(why.clone());
+                Err(Error::Invalid(why))
+            }
+        }
+    }
+
+    /// Whose the LUN is now, by its label (its backup if a take-over tore it). An error if
+    /// that cannot be told: the label cannot be read or does not decode.
+    async fn owner(&self) -> Result<Owner> {
         let Some(ours) = self.pod else {
-            return Ok(());
+            return Ok(Owner::Ours);
         };
         let read = |at: u64| async move {
             self.dev
@@ -477,17 +511,17 @@ impl LunDatastore {
         match l {
             Ok(Label {
                 pod: Some(theirs), ..
-            }) if theirs != ours => Err(Error::Invalid(format!(
+            }) if theirs != ours => Ok(Owner::Other(format!(
                 "datastore {:?} now belongs to another Vesta pod ({theirs}; this pod is \
                  {ours}), which took it over: this pod must not use it any more",
                 self.spec.name
             ))),
-            Ok(l) if l.lun_id != self.label.lun_id => Err(Error::Invalid(format!(
+            Ok(l) if l.lun_id != self.label.lun_id => Ok(Owner::Other(format!(
                 "datastore {:?} now carries Vesta LUN {} instead of {}: the device was \
                  replaced or formatted again",
                 self.spec.name, l.lun_id, self.label.lun_id
             ))),
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(Owner::Ours),
             // Whose it is cannot be told: no change until it can (a reopen refuses it too).
             Err(e) => Err(Error::Invalid(format!(
                 "datastore {:?}: its Vesta label can no longer be read ({e}); its volume table \
@@ -500,6 +534,13 @@ impl LunDatastore {
     fn extent(&self, e: &Entry, size: u64) -> Extent {
         Extent::new(self.dev.clone(), e.offset, size, self.gate.clone())
     }
+}
+
+/// Whose a LUN is now ([`LunDatastore::owner`]).
+enum Owner {
+    Ours,
+    /// No longer this pod's: why.
+    Other(String),
 }
 
 async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
@@ -727,6 +768,10 @@ impl Datastore for LunDatastore {
             })
             .collect())
     }
+
+    async fn check_owner(&self) -> Result<()> {
+        self.check_pod().await
+    }
 }
 
 /// What became of a table write ([`LunDatastore::commit_or_read_back`]).
@@ -902,6 +947,65 @@ mod tests {
         (dev, lun)
     }
 
+    /// A host still running in the pod a LUN was taken from does no IO to it, reads
+    /// included, once it has seen the new label; the take-over waits long enough for it to
+    /// see it. A label it only cannot read shuts nothing.
+    #[tokio::test]
+    async fn a_pod_whose_lun_was_taken_over_does_no_more_io_to_it() {
+        let (dev, _) = watched_lun().await;
+        let (ours, theirs) = (Uuid::new_v4(), Uuid::new_v4());
+        let open = |mode, pod| {
+            let dev: Arc<dyn Device> = dev.clone();
+            LunDatastore::open_on(dev, spec(Path::new("watched")), mode, Some(pod))
+        };
+        let a = open(OpenMode::Reopen, ours).await.unwrap();
+        let v = volume("v");
+        let e = a.create_volume(&v).await.unwrap();
+        let data = |b: u8| bytes::Bytes::from(vec![b; 4096]);
+        e.write(0, data(0x17), false).await.unwrap();
+        use std::sync::atomic::Ordering::SeqCst;
+        dev.reads_fail.store(true, SeqCst);
+        assert!(a.check_owner().await.is_err());
+        dev.reads_fail.store(false, SeqCst);
+        a.check_owner().await.unwrap();
+        e.write(4096, data(0x18), false).await.unwrap();
+        e.flush().await.unwrap();
+
+        let started = std::time::Instant::now();
+        let take_over = OpenMode::Add {
+            force: false,
+            take_over: Some(ours),
+        };
+        let b = open(take_over, theirs).await.unwrap();
+        assert!(started.elapsed() >= crate::TAKE_OVER_WAIT);
+        let why = a.check_owner().await.unwrap_err().to_string();
+        assert!(why.contains("now belongs to another Vesta pod"), "{why}");
+        let refused = [
+            e.write(0, data(0x99), false).await,
+            e.write_zeroes(0, 4096, false).await,
+            e.trim(0, 4096).await,
+            e.read(0, 4096).await.map(drop),
+            e.flush().await,
+        ];
+        for r in refused {
+            let r = r.expect_err("an IO went to a LUN taken over").to_string();
+            assert!(r.contains("now belongs to another Vesta pod"), "{r}");
+        }
+        let mut want = vec![0x17; 4096];
+        want.extend_from_slice(&[0x18; 4096]);
+        let eb = b.open_volume(&v).await.unwrap();
+        assert_eq!(eb.read(0, 8192).await.unwrap()[..], want[..]);
+        // For good: the label naming this pod again (taken back) opens nothing until a
+        // new open reads it.
+        let back = OpenMode::Add {
+            force: false,
+            take_over: Some(theirs),
+        };
+        open(back, ours).await.unwrap();
+        assert!(a.check_owner().await.is_err());
+        assert!(e.read(0, 4096).await.is_err());
+    }
+
     fn volume(name: &str) -> VolumeSpec {
         VolumeSpec {
             id: Uuid::new_v4(),
@@ -1004,7 +1108,8 @@ mod tests {
             .await
             .unwrap();
         a.create_volume(&volume("v")).await.unwrap();
-        LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
+        // Another host of the pod, which has not looked at the label since.
+        let a2 = LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .unwrap();
         for force in [false, true] {
@@ -1049,7 +1154,13 @@ mod tests {
         // A take-over torn in the label: its backup, written first, is read instead, by the
         // pod shut out as by the one that took over, whose next open writes the label again.
         write_at(100, &[0xee; 16]);
-        assert!(a.create_volume(&volume("w")).await.is_err());
+        let e = a2
+            .create_volume(&volume("w"))
+            .await
+            .err()
+            .expect("the pod it was taken from changed the table")
+            .to_string();
+        assert!(e.contains("now belongs to another Vesta pod"), "{e}");
         let again = LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
             .await
             .unwrap();

@@ -835,6 +835,11 @@ impl Volume {
     /// volume with nothing dirty stalls the same way until it goes on uncached
     /// ([`Volume::go_uncached_with_nothing_lost`]), all but its reads: the datastore holds
     /// everything already.
+    ///
+    /// Once the datastore is no longer this pod's ([`datastore::Gate::shut_out`]) every IO
+    /// fails, a cached one too: a write the cache took would never reach the datastore, and
+    /// a read from the cache could be older than what the pod that took the datastore over
+    /// has written since.
     async fn measured<T, C, D>(
         &self,
         op: Op,
@@ -848,6 +853,9 @@ impl Volume {
     {
         let mut started = None;
         let r = loop {
+            if let Some(why) = self.store.gate().shut_out_reason() {
+                break Err(Error::Datastore(io::Error::other(why.to_owned())));
+            }
             let inside = match self.enter(op).await {
                 Ok(g) => g,
                 Err(e) => break Err(e),

@@ -2436,6 +2436,30 @@ impl Daemon {
             .insert(old.record.name.clone(), Arc::new(entry));
     }
 
+    /// Checks that each datastore open here is still this pod's ([`Datastore::check_owner`]):
+    /// one another pod took over does no more IO from here. All at once, each given
+    /// [`datastore::OWNER_CHECK_EVERY`], so one slow LUN does not hold up the others' checks.
+    pub async fn check_owners(&self) {
+        let stores: Vec<Arc<dyn Datastore>> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .filter_map(|e| e.store.as_ref().ok().cloned())
+            .collect();
+        let checks: Vec<_> = stores
+            .into_iter()
+            .map(|s| {
+                tokio::spawn(async move {
+                    tokio::time::timeout(datastore::OWNER_CHECK_EVERY, s.check_owner()).await
+                })
+            })
+            .collect();
+        for c in checks {
+            let _ = c.await;
+        }
+    }
+
     /// Tries again to open datastores that were unavailable, and the volumes on them. Volumes
     /// that failed to open had no connections (they cannot be attached), so their entries are
     /// simply replaced.
