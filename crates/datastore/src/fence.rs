@@ -9,12 +9,14 @@
 //! reading a datastore never harms a contender.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The error text of an IO refused by a closed fence; the destager treats it like any
 /// datastore write error (retry with backoff, reported as stalled).
-pub const FENCED: &str = "datastore writes are fenced: this host's cluster lease is not renewed";
+pub const FENCED: &str = "datastore writes are fenced: this host's cluster lease is not \
+                           renewed, or (a LUN) no recent read of its label confirmed that this \
+                           pod still owns it";
 
 /// Deadline for datastore writes. Starts open without limit (a single host with no lease);
 /// a coordinator with leases closes it and then keeps extending it.
@@ -25,6 +27,8 @@ pub struct Fence {
     revoked: AtomicBool,
     /// How many times it was closed ([`Fence::closes`]).
     closes: AtomicU64,
+    /// A fence this one also waits on ([`Fence::set_parent`]).
+    parent: OnceLock<Arc<Fence>>,
 }
 
 fn epoch() -> Instant {
@@ -49,6 +53,7 @@ impl Fence {
             until_ns: AtomicU64::new(u64::MAX),
             revoked: AtomicBool::new(false),
             closes: AtomicU64::new(0),
+            parent: OnceLock::new(),
         }
     }
 
@@ -58,7 +63,15 @@ impl Fence {
             until_ns: AtomicU64::new(0),
             revoked: AtomicBool::new(false),
             closes: AtomicU64::new(0),
+            parent: OnceLock::new(),
         }
+    }
+
+    /// Makes this fence closed whenever `parent` is too: a datastore's own fence (its owner
+    /// check, [`crate::lun`]) under the host's (its lease). Set once; a second call keeps the
+    /// first parent.
+    pub fn set_parent(&self, parent: Arc<Fence>) {
+        let _ = self.parent.set(parent);
     }
 
     /// Allows writes until `at`. Never moves the deadline backwards: renewals answered out of
@@ -80,12 +93,12 @@ impl Fence {
         self.until_ns.store(0, Ordering::Release);
     }
 
-    /// How many times the fence was closed (the lease lost). What is bound to the lease (a
-    /// datastore's metadata lock) is gone after a close, though the fence opens again once
-    /// the host registers with a new lease: an operation that holds such a thing notes this
-    /// first and writes only while it is unchanged.
+    /// How many times the fence was closed (the lease lost), its parent's closes included.
+    /// What is bound to the lease (a datastore's metadata lock) is gone after a close, though
+    /// the fence opens again once the host registers with a new lease: an operation that
+    /// holds such a thing notes this first and writes only while it is unchanged.
     pub fn closes(&self) -> u64 {
-        self.closes.load(Ordering::Acquire)
+        self.closes.load(Ordering::Acquire) + self.parent.get().map_or(0, |p| p.closes())
     }
 
     /// Stops writes for good: no later [`Fence::extend_to`] opens it again (the host lost a
@@ -95,24 +108,30 @@ impl Fence {
         self.close();
     }
 
-    /// Whether [`Fence::revoke`] closed it for good.
+    /// Whether [`Fence::revoke`] closed it (not its parent) for good.
     pub fn is_revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
     }
 
-    /// Whether a write may be issued now.
+    /// Whether a write may be issued now: this fence and its parent both allow it.
     pub fn allows_writes(&self) -> bool {
         let until = self.until_ns.load(Ordering::Acquire);
-        until == u64::MAX || nanos(Instant::now()) < until
+        (until == u64::MAX || nanos(Instant::now()) < until)
+            && self.parent.get().is_none_or(|p| p.allows_writes())
     }
 
-    /// How long writes stay allowed from now; `None` for an open fence.
+    /// How long writes stay allowed from now, by this fence and its parent; `None` if both
+    /// are open.
     pub fn remaining(&self) -> Option<Duration> {
-        match self.until_ns.load(Ordering::Acquire) {
+        let own = match self.until_ns.load(Ordering::Acquire) {
             u64::MAX => None,
             until => Some(Duration::from_nanos(
                 until.saturating_sub(nanos(Instant::now())),
             )),
+        };
+        match (own, self.parent.get().and_then(|p| p.remaining())) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 }
@@ -156,6 +175,30 @@ mod tests {
         f.extend_to(Instant::now() + Duration::from_secs(10));
         assert!(f.allows_writes());
         assert_eq!(f.closes(), before + 1);
+    }
+
+    #[test]
+    fn a_fence_under_a_parent_allows_writes_only_when_both_do() {
+        let host = Arc::new(Fence::closed());
+        let own = Fence::closed();
+        own.set_parent(host.clone());
+        own.extend_to(Instant::now() + Duration::from_secs(10));
+        assert!(!own.allows_writes(), "the parent is closed");
+        host.extend_to(Instant::now() + Duration::from_secs(5));
+        assert!(own.allows_writes());
+        let left = own.remaining().unwrap();
+        assert!(left <= Duration::from_secs(5) && left > Duration::from_secs(4));
+        let before = own.closes();
+        host.close();
+        assert!(!own.allows_writes());
+        assert_eq!(own.closes(), before + 1, "a parent's close is counted");
+        host.extend_to(Instant::now() + Duration::from_secs(10));
+        own.revoke();
+        assert!(!own.allows_writes());
+        assert!(
+            host.allows_writes() && !host.is_revoked(),
+            "a child's revoke stays its own"
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! - [`Extent`]: a volume's bytes on a datastore; every IO through it passes the datastore's
 //!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]),
 //!   and refuses writes while the host's [`fence::Fence`] is closed, and every IO once the
-//!   datastore is no longer this pod's ([`Datastore::check_owner`]).
+//!   datastore is no longer this pod's ([`Gate::shut_out`]).
 
 pub mod device;
 pub mod dir;
@@ -215,24 +215,7 @@ pub trait Datastore: Send + Sync + 'static {
     async fn recorded_volumes(&self) -> Result<Vec<VolumeSpec>> {
         Ok(Vec::new())
     }
-    /// Checks that the datastore is still this pod's to use. Once it is not (another pod took
-    /// a `lun` over, or its device now carries another LUN) the error says so and every later
-    /// IO through its [`Gate`] fails, reads included ([`Gate::shut_out`]): the other pod may
-    /// by then give this pod's extents to volumes of its own. An error that only means the
-    /// owner cannot be told now (the device does not answer) shuts nothing. A host runs this
-    /// every [`OWNER_CHECK_EVERY`]; kinds with no owner to check always pass.
-    async fn check_owner(&self) -> Result<()> {
-        Ok(())
-    }
 }
-
-/// How often a host checks that each datastore it has open is still its pod's
-/// ([`Datastore::check_owner`]).
-pub const OWNER_CHECK_EVERY: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 2 });
-/// How long a take-over waits after relabelling a LUN before its pod uses it: three of the
-/// other pod's [`OWNER_CHECK_EVERY`], so a host of that pod still running has seen the new
-/// label, and stopped its IO to the LUN, before this pod writes it.
-pub const TAKE_OVER_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 6 });
 
 /// Opens (or, when adding, prepares) a datastore of any kind, for no pod in particular: a
 /// `lun` of any pod is opened, and one formatted here carries none.
@@ -283,8 +266,10 @@ impl Gate {
     }
 
     /// Fails every later IO through this gate, reads and flushes included, with `why`: the
-    /// datastore is no longer this pod's ([`Datastore::check_owner`]). For good: only a new
-    /// open (a restart) can find it this pod's again. The first reason stays.
+    /// datastore is no longer this pod's (another pod took a `lun` over, or its device now
+    /// carries another LUN), and that pod may give this pod's extents to volumes of its own.
+    /// For good: only a new open (a restart) can find it this pod's again. The first reason
+    /// stays.
     pub fn shut_out(&self, why: String) {
         let _ = self.shut_out.set(why);
     }

@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::Mutex;
@@ -15,6 +16,7 @@ use tracing::{info, warn};
 use uuid::Uuid;
 
 use crate::device::{Device, FileDevice, NbdDevice, NBD_POOL_DEFAULT};
+use crate::fence::Fence;
 use crate::label::{self, Entry, Label, LabelError, Table};
 use crate::{
     io_err, Capacity, Datastore, DatastoreSpec, Error, Extent, Gate, Kind, OpenMode, Result,
@@ -33,6 +35,18 @@ const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 #[cfg(test)]
 const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
 
+/// How often a host confirms that each LUN it uses is still its pod's, by its label
+/// ([`watch_owner`]).
+pub const OWNER_CHECK_EVERY: Duration = Duration::from_millis(if cfg!(test) { 300 } else { 2000 });
+/// How long writes to a LUN go on after a check that confirmed it (from when the check was
+/// sent): two checks, so one slow or failed read does not stop them.
+pub const OWNER_VALID: Duration = Duration::from_millis(if cfg!(test) { 900 } else { 4000 });
+/// How long a take-over waits after relabelling a LUN before its pod uses it: longer than
+/// [`OWNER_VALID`], so no host of the pod it was taken from still writes it by then (its last
+/// confirmation was sent before the new label landed), with time for a write issued just
+/// before that to land.
+pub const TAKE_OVER_WAIT: Duration = Duration::from_millis(if cfg!(test) { 1500 } else { 6000 });
+
 pub struct LunDatastore {
     spec: DatastoreSpec,
     dev: Arc<dyn Device>,
@@ -40,6 +54,10 @@ pub struct LunDatastore {
     /// The pod this host is in, if the caller named one: table changes are refused once the
     /// label names another (a take-over while this host had the LUN open).
     pod: Option<Uuid>,
+    /// Closed unless a recent check of the label found it this pod's ([`OWNER_VALID`]),
+    /// revoked once it names another ([`shut_out`]); under the host's fence. The gate and the
+    /// device ask it before each write.
+    owner: Arc<Fence>,
     table: Mutex<Table>,
     gate: Arc<Gate>,
 }
@@ -128,6 +146,8 @@ impl LunDatastore {
                 label::DATA_START + label::EXTENT_ALIGN
             )));
         }
+        // When the label this open goes by was asked for (see `owner` below).
+        let mut sent = std::time::Instant::now();
         let head = dev
             .read_at(0, label::DATA_START as usize)
             .await
@@ -234,16 +254,30 @@ impl LunDatastore {
                     }
                 }
                 if let Some(theirs) = taken_from {
-                    // Hosts of that pod still running stop their IO to the LUN once they see
-                    // the new label (`Datastore::check_owner`): not before then may this pod
+                    // Hosts of that pod still running stop their writes to the LUN once no
+                    // check confirms it theirs (`watch_owner`): not before then may this pod
                     // hand out its space or serve its volumes.
                     info!(
-                        "datastore {name:?}: took Vesta LUN {} over; waiting {:?} for any host \
-                         of pod {theirs} still running to stop its IO to it",
-                        l.lun_id,
-                        crate::TAKE_OVER_WAIT
+                        "datastore {name:?}: took Vesta LUN {} over; waiting {TAKE_OVER_WAIT:?} \
+                         for any host of pod {theirs} still running to stop its IO to it",
+                        l.lun_id
                     );
-                    tokio::time::sleep(crate::TAKE_OVER_WAIT).await;
+                    tokio::time::sleep(TAKE_OVER_WAIT).await;
+                    sent = std::time::Instant::now();
+                    // A host of that pod that read the label before this open wrote it may
+                    // have written it back since (a repair of its own): then both pods think
+                    // the LUN theirs, and this one must not use it.
+                    let now = dev
+                        .read_at(0, label::LABEL_LEN)
+                        .await
+                        .map_err(io_err(format!("read label of {target}")))?;
+                    if now[..] != l.encode()[..] {
+                        return Err(Error::Invalid(format!(
+                            "datastore {name:?}: the label of {target} changed while it was \
+                             taken over (a host of pod {theirs} wrote it); nothing was taken \
+                             over. Stop that pod's hosts and try again"
+                        )));
+                    }
                 }
                 if mode != OpenMode::Reopen {
                     info!(
@@ -328,12 +362,35 @@ impl LunDatastore {
             target,
             lun_id: Some(label.lun_id),
         };
+        let gate = Arc::new(Gate::new(spec.queue_depth));
+        let owner = Arc::new(match pod {
+            // The label this open read (or wrote) names this pod.
+            Some(_) => {
+                let f = Fence::closed();
+                f.extend_to(sent + OWNER_VALID);
+                f
+            }
+            None => Fence::open(),
+        });
+        gate.set_fence(owner.clone());
+        dev.set_fence(owner.clone());
+        if let Some(pod) = pod {
+            tokio::spawn(watch_owner(
+                Arc::downgrade(&dev),
+                Arc::downgrade(&gate),
+                Arc::downgrade(&owner),
+                pod,
+                label.lun_id,
+                spec.name.clone(),
+            ));
+        }
         Ok(LunDatastore {
-            gate: Arc::new(Gate::new(spec.queue_depth)),
+            gate,
             spec,
             dev,
             label,
             pod,
+            owner,
             table: Mutex::new(table),
         })
     }
@@ -464,70 +521,25 @@ impl LunDatastore {
 
     /// Fails if the label now names a pod other than this host's: another pod took the LUN
     /// over (`take_over`) while it was open here, and this pod must not change its table,
-    /// open its volumes, or do any IO to it any more ([`Gate::shut_out`], at the first sight
-    /// and for good).
+    /// open its volumes, or do any IO to it any more ([`shut_out`], at the first sight and for
+    /// good). A label that names this pod confirms it ([`OWNER_VALID`]).
     async fn check_pod(&self) -> Result<()> {
         if let Some(why) = self.gate.shut_out_reason() {
             return Err(Error::Invalid(why.to_owned()));
         }
-        match self.owner().await? {
-            Owner::Ours => Ok(()),
+        let Some(pod) = self.pod else {
+            return Ok(());
+        };
+        let sent = std::time::Instant::now();
+        match owner_of(&*self.dev, pod, self.label.lun_id, &self.spec.name).await? {
+            Owner::Ours => {
+                self.owner.extend_to(sent + OWNER_VALID);
+                Ok(())
+            }
             Owner::Other(why) => {
-                if self.gate.shut_out_reason().is_none() {
-                    warn!("{why}; every IO to it fails from now on");
-                }
-                self.gate.shut_out(why.clone());
+                shut_out(&self.gate, &self.owner, why.clone());
                 Err(Error::Invalid(why))
             }
-        }
-    }
-
-    /// Whose the LUN is now, by its label (its backup if a take-over tore it). An error if
-    /// that cannot be told: the label cannot be read or does not decode.
-    async fn owner(&self) -> Result<Owner> {
-        let Some(ours) = self.pod else {
-            return Ok(Owner::Ours);
-        };
-        let read = |at: u64| async move {
-            self.dev
-                .read_at(at, label::LABEL_LEN)
-                .await
-                .map_err(io_err(format!(
-                    "read the label of datastore {:?}",
-                    self.spec.name
-                )))
-        };
-        let mut l = Label::decode(&read(0).await?);
-        if l == Err(LabelError::BadChecksum) {
-            // A take-over torn in the label: its backup, written first, names the new pod.
-            l = Label::decode(&read(label::LABEL_BACKUP_OFFSET).await?).and_then(|b| {
-                if b.lun_id == self.label.lun_id {
-                    Ok(b)
-                } else {
-                    Err(LabelError::BadChecksum)
-                }
-            });
-        }
-        match l {
-            Ok(Label {
-                pod: Some(theirs), ..
-            }) if theirs != ours => Ok(Owner::Other(format!(
-                "datastore {:?} now belongs to another Vesta pod ({theirs}; this pod is \
-                 {ours}), which took it over: this pod must not use it any more",
-                self.spec.name
-            ))),
-            Ok(l) if l.lun_id != self.label.lun_id => Ok(Owner::Other(format!(
-                "datastore {:?} now carries Vesta LUN {} instead of {}: the device was \
-                 replaced or formatted again",
-                self.spec.name, l.lun_id, self.label.lun_id
-            ))),
-            Ok(_) => Ok(Owner::Ours),
-            // Whose it is cannot be told: no change until it can (a reopen refuses it too).
-            Err(e) => Err(Error::Invalid(format!(
-                "datastore {:?}: its Vesta label can no longer be read ({e}); its volume table \
-                 is left alone until it is restored",
-                self.spec.name
-            ))),
         }
     }
 
@@ -536,11 +548,121 @@ impl LunDatastore {
     }
 }
 
-/// Whose a LUN is now ([`LunDatastore::owner`]).
+/// Whose a LUN is now ([`owner_of`]).
 enum Owner {
     Ours,
     /// No longer this pod's: why.
     Other(String),
+}
+
+/// Whose LUN `lun_id` (datastore `name`) on `dev` is now, for a host of pod `ours`, by its
+/// label (its backup if a take-over tore it). An error if that cannot be told: the label
+/// cannot be read or does not decode.
+async fn owner_of(dev: &dyn Device, ours: Uuid, lun_id: Uuid, name: &str) -> Result<Owner> {
+    let read = |at: u64| async move {
+        dev.read_at(at, label::LABEL_LEN)
+            .await
+            .map_err(io_err(format!("read the label of datastore {name:?}")))
+    };
+    let mut l = Label::decode(&read(0).await?);
+    if l == Err(LabelError::BadChecksum) {
+        // A take-over torn in the label: its backup, written first, names the new pod.
+        l = Label::decode(&read(label::LABEL_BACKUP_OFFSET).await?).and_then(|b| {
+            if b.lun_id == lun_id {
+                Ok(b)
+            } else {
+                Err(LabelError::BadChecksum)
+            }
+        });
+    }
+    match l {
+        Ok(Label {
+            pod: Some(theirs), ..
+        }) if theirs != ours => Ok(Owner::Other(format!(
+            "datastore {name:?} now belongs to another Vesta pod ({theirs}; this pod is \
+             {ours}), which took it over: this pod must not use it any more"
+        ))),
+        Ok(l) if l.lun_id != lun_id => Ok(Owner::Other(format!(
+            "datastore {name:?} now carries Vesta LUN {} instead of {lun_id}: the device was \
+             replaced or formatted again",
+            l.lun_id
+        ))),
+        Ok(_) => Ok(Owner::Ours),
+        // Whose it is cannot be told: no change until it can (a reopen refuses it too).
+        Err(e) => Err(Error::Invalid(format!(
+            "datastore {name:?}: its Vesta label can no longer be read ({e}); its volume table \
+             is left alone until it is restored"
+        ))),
+    }
+}
+
+/// Shuts a LUN that is no longer this pod's, for good: every IO through its gate fails, and
+/// its own fence, which the device asks too (batches, long zeroings, writes waiting for a
+/// reconnect), is revoked.
+fn shut_out(gate: &Gate, owner: &Fence, why: String) {
+    if gate.shut_out_reason().is_none() {
+        warn!("{why}; every IO to it fails from now on");
+    }
+    gate.shut_out(why);
+    owner.revoke();
+}
+
+/// Confirms, every [`OWNER_CHECK_EVERY`] for as long as anything uses the LUN (its gate is
+/// alive), that its label still names pod `pod`: each confirmation lets its writes go on for
+/// [`OWNER_VALID`] from when the check was sent. A label naming another pod shuts the LUN out
+/// ([`shut_out`]); one that cannot be read only lets the fence lapse until a later check
+/// confirms it again.
+async fn watch_owner(
+    dev: std::sync::Weak<dyn Device>,
+    gate: std::sync::Weak<Gate>,
+    owner: std::sync::Weak<Fence>,
+    pod: Uuid,
+    lun_id: Uuid,
+    name: String,
+) {
+    let mut every = tokio::time::interval(OWNER_CHECK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lapsed = false;
+    loop {
+        every.tick().await;
+        let (Some(dev), Some(gate), Some(owner)) = (dev.upgrade(), gate.upgrade(), owner.upgrade())
+        else {
+            return;
+        };
+        if gate.shut_out_reason().is_some() {
+            return;
+        }
+        let sent = std::time::Instant::now();
+        let checked =
+            tokio::time::timeout(OWNER_CHECK_EVERY, owner_of(&*dev, pod, lun_id, &name)).await;
+        match checked {
+            Ok(Ok(Owner::Ours)) => {
+                owner.extend_to(sent + OWNER_VALID);
+                if std::mem::take(&mut lapsed) {
+                    info!("datastore {name:?}: its label names this pod again; writes go on");
+                }
+            }
+            Ok(Ok(Owner::Other(why))) => {
+                shut_out(&gate, &owner, why);
+                return;
+            }
+            Ok(Err(e)) if !owner.allows_writes() && !lapsed => {
+                lapsed = true;
+                warn!(
+                    "datastore {name:?}: no write goes to it until its label can be read again \
+                     to confirm this pod still owns it ({e})"
+                );
+            }
+            Err(_) if !owner.allows_writes() && !lapsed => {
+                lapsed = true;
+                warn!(
+                    "datastore {name:?}: no write goes to it until its label can be read again \
+                     to confirm this pod still owns it (no answer within {OWNER_CHECK_EVERY:?})"
+                );
+            }
+            _ => {}
+        }
+    }
 }
 
 async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
@@ -613,12 +735,16 @@ impl Datastore for LunDatastore {
         &self.gate
     }
 
-    fn set_fence(&self, fence: Arc<crate::fence::Fence>) {
-        self.dev.set_fence(fence.clone());
-        self.gate.set_fence(fence);
+    /// The gate and the device ask the LUN's own fence ([`LunDatastore::owner`]), which
+    /// now waits on the host's too.
+    fn set_fence(&self, fence: Arc<Fence>) {
+        self.owner.set_parent(fence);
     }
 
     async fn capacity(&self) -> Result<Capacity> {
+        if let Some(why) = self.gate.shut_out_reason() {
+            return Err(Error::Invalid(why.to_owned()));
+        }
         let t = self.table.lock().await;
         let size = self.label.device_size;
         let (free, largest) = t.free(size);
@@ -767,10 +893,6 @@ impl Datastore for LunDatastore {
                 size: e.len,
             })
             .collect())
-    }
-
-    async fn check_owner(&self) -> Result<()> {
-        self.check_pod().await
     }
 }
 
@@ -948,8 +1070,9 @@ mod tests {
     }
 
     /// A host still running in the pod a LUN was taken from does no IO to it, reads
-    /// included, once it has seen the new label; the take-over waits long enough for it to
-    /// see it. A label it only cannot read shuts nothing.
+    /// included, by the time the take-over returns, though it goes on holding the LUN open
+    /// with a volume on it: it checks the label on its own. A label it only cannot read
+    /// stops its writes for as long (nothing confirms the LUN its pod's) and shuts nothing.
     #[tokio::test]
     async fn a_pod_whose_lun_was_taken_over_does_no_more_io_to_it() {
         let (dev, _) = watched_lun().await;
@@ -963,11 +1086,15 @@ mod tests {
         let e = a.create_volume(&v).await.unwrap();
         let data = |b: u8| bytes::Bytes::from(vec![b; 4096]);
         e.write(0, data(0x17), false).await.unwrap();
+
         use std::sync::atomic::Ordering::SeqCst;
         dev.reads_fail.store(true, SeqCst);
-        assert!(a.check_owner().await.is_err());
+        tokio::time::sleep(OWNER_VALID + OWNER_CHECK_EVERY).await;
+        let fenced = e.write(4096, data(0x18), false).await.unwrap_err();
+        assert!(fenced.to_string().contains("label"), "{fenced}");
         dev.reads_fail.store(false, SeqCst);
-        a.check_owner().await.unwrap();
+        tokio::time::sleep(2 * OWNER_CHECK_EVERY).await;
+        assert!(a.gate.shut_out_reason().is_none());
         e.write(4096, data(0x18), false).await.unwrap();
         e.flush().await.unwrap();
 
@@ -977,9 +1104,7 @@ mod tests {
             take_over: Some(ours),
         };
         let b = open(take_over, theirs).await.unwrap();
-        assert!(started.elapsed() >= crate::TAKE_OVER_WAIT);
-        let why = a.check_owner().await.unwrap_err().to_string();
-        assert!(why.contains("now belongs to another Vesta pod"), "{why}");
+        assert!(started.elapsed() >= TAKE_OVER_WAIT);
         let refused = [
             e.write(0, data(0x99), false).await,
             e.write_zeroes(0, 4096, false).await,
@@ -991,10 +1116,19 @@ mod tests {
             let r = r.expect_err("an IO went to a LUN taken over").to_string();
             assert!(r.contains("now belongs to another Vesta pod"), "{r}");
         }
+        let why = a
+            .capacity()
+            .await
+            .map(drop)
+            .expect_err("capacity")
+            .to_string();
+        assert!(why.contains("now belongs to another Vesta pod"), "{why}");
+        // Nothing of it landed, and the pod that took the LUN over writes it at once.
         let mut want = vec![0x17; 4096];
         want.extend_from_slice(&[0x18; 4096]);
         let eb = b.open_volume(&v).await.unwrap();
         assert_eq!(eb.read(0, 8192).await.unwrap()[..], want[..]);
+        eb.write(8192, data(0x19), false).await.unwrap();
         // For good: the label naming this pod again (taken back) opens nothing until a
         // new open reads it.
         let back = OpenMode::Add {
@@ -1002,7 +1136,6 @@ mod tests {
             take_over: Some(theirs),
         };
         open(back, ours).await.unwrap();
-        assert!(a.check_owner().await.is_err());
         assert!(e.read(0, 4096).await.is_err());
     }
 
@@ -1108,8 +1241,7 @@ mod tests {
             .await
             .unwrap();
         a.create_volume(&volume("v")).await.unwrap();
-        // Another host of the pod, which has not looked at the label since.
-        let a2 = LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
+        LunDatastore::open(spec(&img), OpenMode::Reopen, ours)
             .await
             .unwrap();
         for force in [false, true] {
@@ -1154,13 +1286,12 @@ mod tests {
         // A take-over torn in the label: its backup, written first, is read instead, by the
         // pod shut out as by the one that took over, whose next open writes the label again.
         write_at(100, &[0xee; 16]);
-        let e = a2
-            .create_volume(&volume("w"))
-            .await
-            .err()
-            .expect("the pod it was taken from changed the table")
-            .to_string();
-        assert!(e.contains("now belongs to another Vesta pod"), "{e}");
+        let dev = FileDevice::open(&img).unwrap();
+        let seen = owner_of(&dev, ours.unwrap(), a.lun_id(), "san").await;
+        assert!(
+            matches!(&seen, Ok(Owner::Other(why)) if why.contains("another Vesta pod")),
+            "a host of the pod it was taken from took the torn label for its own"
+        );
         let again = LunDatastore::open(spec(&img), OpenMode::Reopen, theirs)
             .await
             .unwrap();

@@ -853,13 +853,14 @@ impl Volume {
     {
         let mut started = None;
         let r = loop {
-            if let Some(why) = self.store.gate().shut_out_reason() {
-                break Err(Error::Datastore(io::Error::other(why.to_owned())));
-            }
             let inside = match self.enter(op).await {
                 Ok(g) => g,
                 Err(e) => break Err(e),
             };
+            // Asked once inside: an IO may have waited there (a pause) while it was shut.
+            if let Some(why) = self.shut_out_reason() {
+                break Err(Error::Datastore(io::Error::other(why.to_owned())));
+            }
             started.get_or_insert_with(|| self.stats.start());
             let Route::Cached(c) = self.route() else {
                 break direct().await.map_err(Error::Datastore);
@@ -883,6 +884,12 @@ impl Volume {
             self.stats.finish(t, op, bytes, r.is_ok());
         }
         r
+    }
+
+    /// Why the volume's datastore is no longer this pod's, once it is not
+    /// ([`datastore::Gate::shut_out`]): every IO of the volume fails from then on.
+    pub fn shut_out_reason(&self) -> Option<&str> {
+        self.store.gate().shut_out_reason()
     }
 
     pub async fn read(&self, offset: u64, len: u32) -> Result<Bytes> {

@@ -1178,6 +1178,10 @@ impl Daemon {
             },
             cache: cache.map(cache_info),
             status: match &e.volume {
+                Ok(v) if v.shut_out_reason().is_some() => format!(
+                    "every IO fails: {}",
+                    v.shut_out_reason().unwrap_or_default()
+                ),
                 Ok(v) if v.stalled() => {
                     if v.cache().is_some_and(|c| c.has_peers()) {
                         let mut s = "IO stalled: the cache device failed, and the volume's \
@@ -2434,30 +2438,6 @@ impl Daemon {
             .write()
             .expect("lock")
             .insert(old.record.name.clone(), Arc::new(entry));
-    }
-
-    /// Checks that each datastore open here is still this pod's ([`Datastore::check_owner`]):
-    /// one another pod took over does no more IO from here. All at once, each given
-    /// [`datastore::OWNER_CHECK_EVERY`], so one slow LUN does not hold up the others' checks.
-    pub async fn check_owners(&self) {
-        let stores: Vec<Arc<dyn Datastore>> = self
-            .datastores
-            .read()
-            .expect("lock")
-            .values()
-            .filter_map(|e| e.store.as_ref().ok().cloned())
-            .collect();
-        let checks: Vec<_> = stores
-            .into_iter()
-            .map(|s| {
-                tokio::spawn(async move {
-                    tokio::time::timeout(datastore::OWNER_CHECK_EVERY, s.check_owner()).await
-                })
-            })
-            .collect();
-        for c in checks {
-            let _ = c.await;
-        }
     }
 
     /// Tries again to open datastores that were unavailable, and the volumes on them. Volumes

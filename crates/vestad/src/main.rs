@@ -165,21 +165,6 @@ fn write_ready(dir: &Path, d: &Daemon) -> anyhow::Result<()> {
 /// How often datastores that are down are tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(3);
 
-/// Checks that the datastores open here are still this pod's, every
-/// [`datastore::OWNER_CHECK_EVERY`] (a take-over waits for it: `datastore::TAKE_OVER_WAIT`).
-async fn check_owners(d: Arc<Daemon>, mut stop: nbd::Stop) {
-    // Every period from the start of the round before (each check is cut off after one), not
-    // a period after its end: the wait bounds how long a take-over goes unseen.
-    let mut every = tokio::time::interval(datastore::OWNER_CHECK_EVERY);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = every.tick() => d.check_owners().await,
-            _ = stop.wait() => return,
-        }
-    }
-}
-
 /// How often this host's record (cache use) is published: every fourth retry round.
 const PUBLISH_EVERY_ROUNDS: u32 = 4;
 
@@ -356,7 +341,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     );
     tokio::spawn(stats::run(daemon.clone(), stop.subscribe()));
     tokio::spawn(retry_unavailable(daemon.clone(), stop.subscribe()));
-    tokio::spawn(check_owners(daemon.clone(), stop.subscribe()));
     tokio::spawn(peers::run(daemon.clone(), stop.subscribe()));
 
     // Handlers go in before the ready file: a SIGTERM sent as soon as it appears must drain.
