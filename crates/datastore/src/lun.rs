@@ -39,13 +39,14 @@ const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_millis(3
 /// ([`watch_owner`]).
 pub const OWNER_CHECK_EVERY: Duration = Duration::from_millis(if cfg!(test) { 300 } else { 2000 });
 /// How long writes to a LUN go on after a check that confirmed it (from when the check was
-/// sent): two checks, so one slow or failed read does not stop them.
-pub const OWNER_VALID: Duration = Duration::from_millis(if cfg!(test) { 900 } else { 4000 });
+/// sent). Long: a LUN whose reads are slow (seconds, on a struggling SAN) must not have its
+/// writes stopped by that alone; only a label that cannot be read for this long stops them.
+pub const OWNER_VALID: Duration = Duration::from_millis(if cfg!(test) { 900 } else { 30_000 });
 /// How long a take-over waits after relabelling a LUN before its pod uses it: longer than
 /// [`OWNER_VALID`], so no host of the pod it was taken from still writes it by then (its last
-/// confirmation was sent before the new label landed), with time for a write issued just
+/// confirmation was sent before the new label landed), with 10 s for a write issued just
 /// before that to land.
-pub const TAKE_OVER_WAIT: Duration = Duration::from_millis(if cfg!(test) { 1500 } else { 6000 });
+pub const TAKE_OVER_WAIT: Duration = Duration::from_millis(if cfg!(test) { 1500 } else { 40_000 });
 
 pub struct LunDatastore {
     spec: DatastoreSpec,
@@ -633,8 +634,7 @@ async fn watch_owner(
             return;
         }
         let sent = std::time::Instant::now();
-        let checked =
-            tokio::time::timeout(OWNER_CHECK_EVERY, owner_of(&*dev, pod, lun_id, &name)).await;
+        let checked = tokio::time::timeout(OWNER_VALID, owner_of(&*dev, pod, lun_id, &name)).await;
         match checked {
             Ok(Ok(Owner::Ours)) => {
                 owner.extend_to(sent + OWNER_VALID);
@@ -657,7 +657,7 @@ async fn watch_owner(
                 lapsed = true;
                 warn!(
                     "datastore {name:?}: no write goes to it until its label can be read again \
-                     to confirm this pod still owns it (no answer within {OWNER_CHECK_EVERY:?})"
+                     to confirm this pod still owns it (no answer within {OWNER_VALID:?})"
                 );
             }
             _ => {}
