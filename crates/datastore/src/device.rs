@@ -12,9 +12,14 @@
 //! the NBD server's per-connection threads — mark themselves with [`may_block_here`], and
 //! [`blocking`] runs IO inline on such a thread and on the blocking pool everywhere else.
 //!
-//! Only plain reads and writes take that inline path. Operations that can take long —
-//! `fdatasync` (FLUSH, FUA), zeroing, trimming — always go to the pool via [`on_pool`], so they
-//! never hold up the requests queued behind them on a connection.
+//! Only plain reads and writes take that inline path, and a read only as far as the page
+//! cache holds it ([`read_cached`]) while other requests of the connection are in flight or
+//! queued: one that must wait for the disk then goes to the pool, so random reads of data not
+//! in memory run in parallel, as the client sent them, instead of one at a time on the
+//! connection thread. A request alone on its connection (QD1) waits for the disk inline: a
+//! trip to the pool and back would only add to its latency. Operations that can take long — `fdatasync` (FLUSH,
+//! FUA), zeroing, trimming — always go to the pool via [`on_pool`], so they never hold up the
+//! requests queued behind them on a connection.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -107,20 +112,34 @@ pub struct BatchWrite {
     pub data: Option<Bytes>,
 }
 
-thread_local! {
-    static MAY_BLOCK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// What blocking IO the current thread may run inline ([`may_block_here`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inline {
+    /// None: a reactor thread, or any other.
+    No,
+    /// Reads only as far as the page cache holds them, and plain writes.
+    Cached,
+    /// Any plain read or write, a read that waits for the disk too.
+    Any,
 }
 
-/// Runs `f` with the current thread marked as one where blocking IO may run inline. Only
-/// threads that are not reactor threads may use this.
-pub fn may_block_here<R>(f: impl FnOnce() -> R) -> R {
-    struct Reset(bool);
+thread_local! {
+    static MAY_BLOCK: std::cell::Cell<Inline> = const { std::cell::Cell::new(Inline::No) };
+}
+
+/// Runs `f` with the current thread marked as one where blocking IO may run inline: plain
+/// writes, and reads as far as the page cache holds them or, if `alone` (nothing else waits
+/// for this thread: no other request of its connection is in flight or queued), reads that
+/// wait for the disk too. Only threads that are not reactor threads may use this.
+pub fn may_block_here<R>(alone: bool, f: impl FnOnce() -> R) -> R {
+    struct Reset(Inline);
     impl Drop for Reset {
         fn drop(&mut self) {
             MAY_BLOCK.with(|m| m.set(self.0));
         }
     }
-    let _reset = Reset(MAY_BLOCK.with(|m| m.replace(true)));
+    let now = if alone { Inline::Any } else { Inline::Cached };
+    let _reset = Reset(MAY_BLOCK.with(|m| m.replace(now)));
     f()
 }
 
@@ -136,6 +155,47 @@ where
     }
 }
 
+/// What the current thread may run inline ([`may_block_here`]).
+fn inline_here() -> Inline {
+    MAY_BLOCK.with(|m| m.get())
+}
+
+/// Reads into `buf` from `offset` what the page cache holds, without waiting for the disk
+/// (`preadv2` with `RWF_NOWAIT`): how many bytes it read, which is less than `buf.len()` where
+/// the data is not in memory (or the file ends). `Err` with `WouldBlock` if none of it is, and
+/// `Unsupported` where the file system or kernel cannot tell.
+pub fn read_cached(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    loop {
+        // SAFETY: one iovec over `buf`, which is valid for writes of its length for the whole
+        // call; the fd is valid for the File's life.
+        let n = unsafe {
+            libc::preadv2(
+                file.as_raw_fd(),
+                &iov,
+                1,
+                offset as libc::off_t,
+                libc::RWF_NOWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => Err(io::ErrorKind::WouldBlock.into()),
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EINVAL) => {
+                Err(io::ErrorKind::Unsupported.into())
+            }
+            _ => Err(e),
+        };
+    }
+}
+
 /// Runs blocking IO: inline on a thread marked with [`may_block_here`], else on the blocking
 /// pool.
 pub async fn blocking<T, F>(f: F) -> io::Result<T>
@@ -143,7 +203,7 @@ where
     F: FnOnce() -> io::Result<T> + Send + 'static,
     T: Send + 'static,
 {
-    if MAY_BLOCK.with(|m| m.get()) {
+    if inline_here() != Inline::No {
         return f();
     }
     on_pool(f).await
@@ -157,6 +217,9 @@ pub struct FileDevice {
     regular: bool,
     /// The host's fence, asked between the pieces of a long zeroing ([`Device::set_fence`]).
     fence: std::sync::OnceLock<Arc<Fence>>,
+    /// Set once [`read_cached`] turned out unsupported here: reads then run inline whole, as
+    /// they did before it.
+    no_cached_reads: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FileDevice {
@@ -185,6 +248,7 @@ impl FileDevice {
             size,
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
+            no_cached_reads: Default::default(),
             regular,
         })
     }
@@ -223,6 +287,7 @@ impl FileDevice {
             size,
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
+            no_cached_reads: Default::default(),
             regular: true,
         })
     }
@@ -286,10 +351,30 @@ impl Device for FileDevice {
     }
 
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+        use std::sync::atomic::Ordering::Relaxed;
         let f = self.file.clone();
-        blocking(move || {
-            let mut buf = vec![0u8; len];
-            f.read_exact_at(&mut buf, offset)?;
+        let mut buf = vec![0u8; len];
+        let mut got = 0;
+        let inline = inline_here();
+        if inline != Inline::No {
+            if inline == Inline::Any || self.no_cached_reads.load(Relaxed) {
+                f.read_exact_at(&mut buf, offset)?;
+                return Ok(Bytes::from(buf));
+            }
+            match read_cached(&f, &mut buf, offset) {
+                Ok(n) if n == len => return Ok(Bytes::from(buf)),
+                Ok(n) => got = n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                    self.no_cached_reads.store(true, Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // The rest waits for the disk: on the pool, so the requests behind this one on its
+        // connection go on meanwhile.
+        on_pool(move || {
+            f.read_exact_at(&mut buf[got..], offset + got as u64)?;
             Ok(Bytes::from(buf))
         })
         .await
@@ -722,6 +807,82 @@ mod tests {
         assert!(r[..4096 + 512].iter().all(|b| *b == 0));
         assert!(r[4096 + 512..].iter().all(|b| *b == 7));
         d.flush().await.unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// On a connection thread with other requests in flight a read runs inline only as far
+    /// as the page cache holds it: a read that must wait for the disk goes to the pool, so it
+    /// does not hold up the requests behind it. Alone on its connection, it waits inline.
+    /// Its data is whole either way.
+    #[tokio::test]
+    async fn a_read_waits_for_the_disk_on_the_pool_not_on_the_connection_thread() {
+        // On the disk the repository is on: a tmpfs temporary directory keeps every page.
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-tmp")
+            .join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.raw");
+        let d = FileDevice::create(&path, 1 << 20).unwrap();
+        let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+        d.write_at(0, Bytes::from(data.clone()), true)
+            .await
+            .unwrap();
+        // Out of the page cache (the pages are clean: the write was synced).
+        let f = File::open(&path).unwrap();
+        for advice in [libc::POSIX_FADV_RANDOM, libc::POSIX_FADV_DONTNEED] {
+            // SAFETY: posix_fadvise takes a valid fd and scalars.
+            assert_eq!(
+                unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, advice) },
+                0
+            );
+        }
+        let mut buf = vec![0u8; 4096];
+        let cold = read_cached(&f, &mut buf, 0).unwrap_err();
+        assert_eq!(cold.kind(), io::ErrorKind::WouldBlock, "{cold}");
+
+        let poll = |alone: bool, offset: u64, len: usize| {
+            let mut read = d.read_at(offset, len);
+            let first = may_block_here(alone, || {
+                read.as_mut()
+                    .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+            });
+            (first, read)
+        };
+        let poll_once = |offset: u64, len: usize| poll(false, offset, len);
+        let at = 512 << 10;
+        let (first, rest) = poll_once(at, 4096);
+        assert!(
+            first.is_pending(),
+            "a read from the disk ran inline on the connection thread"
+        );
+        let want = &data[at as usize..at as usize + 4096];
+        assert_eq!(rest.await.unwrap()[..], want[..]);
+        // Now in the page cache: inline, answered in the first poll.
+        match poll_once(at, 4096).0 {
+            std::task::Poll::Ready(r) => assert_eq!(r.unwrap()[..], want[..]),
+            std::task::Poll::Pending => panic!("a read the page cache holds left the thread"),
+        }
+        assert_eq!(read_cached(&f, &mut buf, at).unwrap(), 4096);
+        // What the page cache holds of a range inline, the rest from the disk: whole.
+        let (_, whole) = poll_once(at, 256 << 10);
+        assert_eq!(
+            whole.await.unwrap()[..],
+            data[at as usize..(at + (256 << 10)) as usize]
+        );
+        // Alone, a read from the disk is answered inline, in its first poll.
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) },
+            0
+        );
+        assert_eq!(
+            read_cached(&f, &mut buf, at).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
+        match poll(true, at, 4096).0 {
+            std::task::Poll::Ready(r) => assert_eq!(r.unwrap()[..], want[..]),
+            std::task::Poll::Pending => panic!("a read alone on its connection left the thread"),
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

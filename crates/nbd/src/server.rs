@@ -180,8 +180,10 @@ pub trait ExportSet: Send + Sync + 'static {
     fn open(&self, name: &str) -> Result<(ExportInfo, Self::Export), String>;
     /// Runs `f` — the first poll of a request — on a connection thread: a thread the server
     /// dedicates to one connection, never a reactor thread. Implementations may let their IO
-    /// block inline there.
-    fn on_connection_thread<R>(&self, f: impl FnOnce() -> R) -> R {
+    /// block inline there. `alone`: no other request of the connection is in flight or read
+    /// ahead, so blocking holds up nothing else (a client at queue depth 1).
+    fn on_connection_thread<R>(&self, alone: bool, f: impl FnOnce() -> R) -> R {
+        let _ = alone;
         f()
     }
 }
@@ -1166,8 +1168,13 @@ fn transmission<X: ExportSet>(
             unflushed = true;
             continue;
         }
+        // This request holds the only slot taken, no other one is read ahead, and the socket
+        // holds nothing more (asked last: a syscall, made only when the rest holds).
+        let alone = slots.available_permits() == IN_FLIGHT_REQUESTS_MAX - 1
+            && rd.buffer().len() < proto::REQUEST_LEN
+            && unread(rd.get_ref()) == 0;
         let mut fut = Box::pin(execute(export.clone(), req, data, budget));
-        let polled = exports.on_connection_thread(|| {
+        let polled = exports.on_connection_thread(alone, || {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 fut.as_mut()
                     .poll(&mut std::task::Context::from_waker(waker))
@@ -1220,6 +1227,19 @@ fn transmission<X: ExportSet>(
     let _ = reply_thread.join();
     let o = lock(&out);
     let _ = o.w.get_ref().shutdown(std::net::Shutdown::Both);
+}
+
+/// Bytes the client sent that the socket holds unread (`FIONREAD`); on error, as if some.
+fn unread(conn: &StdConn) -> usize {
+    use std::os::fd::AsRawFd as _;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int through the pointer, which points at `n`; the fd is
+    // the connection's socket, open for as long as `conn` is.
+    let r = unsafe { libc::ioctl(conn.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if r < 0 {
+        return usize::MAX;
+    }
+    n.max(0) as usize
 }
 
 /// Reads a WRITE's payload of `len` bytes into a new buffer, without zeroing the buffer first

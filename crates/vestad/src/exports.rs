@@ -52,9 +52,9 @@ impl ExportSet for Exports {
         Ok((export_info(&a.entry, &a.volume), a))
     }
 
-    fn on_connection_thread<R>(&self, f: impl FnOnce() -> R) -> R {
+    fn on_connection_thread<R>(&self, alone: bool, f: impl FnOnce() -> R) -> R {
         // Connection threads exist to block: file IO runs inline there (datastore::device).
-        datastore::device::may_block_here(f)
+        datastore::device::may_block_here(alone, f)
     }
 }
 
