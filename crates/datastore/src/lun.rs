@@ -41,12 +41,13 @@ pub const OWNER_CHECK_EVERY: Duration = Duration::from_millis(if cfg!(test) { 30
 /// How long writes to a LUN go on after a check that confirmed it (from when the check was
 /// sent). Long: a LUN whose reads are slow (seconds, on a struggling SAN) must not have its
 /// writes stopped by that alone; only a label that cannot be read for this long stops them.
-pub const OWNER_VALID: Duration = Duration::from_millis(if cfg!(test) { 900 } else { 30_000 });
+pub const OWNER_VALID: Duration = Duration::from_millis(if cfg!(test) { 900 } else { 20_000 });
 /// How long a take-over waits after relabelling a LUN before its pod uses it: longer than
 /// [`OWNER_VALID`], so no host of the pod it was taken from still writes it by then (its last
-/// confirmation was sent before the new label landed), with 10 s for a write issued just
-/// before that to land.
-pub const TAKE_OVER_WAIT: Duration = Duration::from_millis(if cfg!(test) { 1500 } else { 40_000 });
+/// confirmation was sent before the new label landed), with 5 s for a write issued just
+/// before that to land. The caller holds the datastore's lock meanwhile, which the other
+/// hosts of its pod wait up to 30 s for (a start with `take_over` configured on every host).
+pub const TAKE_OVER_WAIT: Duration = Duration::from_millis(if cfg!(test) { 1500 } else { 25_000 });
 
 pub struct LunDatastore {
     spec: DatastoreSpec,
