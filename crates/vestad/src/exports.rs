@@ -1,6 +1,7 @@
 //! Volumes as NBD exports: the glue between the `nbd` server and the `engine`.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -58,7 +59,48 @@ impl ExportSet for Exports {
     }
 }
 
-/// Maps an engine error to the errno the client sees, logging it once here where it is handled.
+/// Failed IOs logged per second, over every volume; the rest are counted, and the count is
+/// logged with the next one logged. A guest retrying against a failed or shut-out datastore
+/// fails thousands of IOs a second, which would drown everything else in the log.
+const FAILURES_LOGGED_PER_S: u64 = 10;
+
+/// Decides which failed IOs are logged ([`FAILURES_LOGGED_PER_S`]). Pure bookkeeping over the
+/// second it is told, so tests need no clock.
+#[derive(Default)]
+struct FailureLog {
+    /// The second the counts are for.
+    second: AtomicU64,
+    /// Failures logged in it.
+    logged: AtomicU64,
+    /// Failures not logged since the last one that was.
+    quiet: AtomicU64,
+}
+
+impl FailureLog {
+    /// Whether a failure in second `now` is logged; if so, with how many went unlogged before
+    /// it. Races between threads may log a few more or fewer; none is lost from the count
+    /// except those racing a change of second.
+    fn admit(&self, now: u64) -> Option<u64> {
+        if self.second.swap(now, Ordering::AcqRel) != now {
+            self.logged.store(0, Ordering::Release);
+        }
+        if self.logged.fetch_add(1, Ordering::AcqRel) < FAILURES_LOGGED_PER_S {
+            Some(self.quiet.swap(0, Ordering::AcqRel))
+        } else {
+            self.quiet.fetch_add(1, Ordering::AcqRel);
+            None
+        }
+    }
+}
+
+static FAILURES: FailureLog = FailureLog {
+    second: AtomicU64::new(0),
+    logged: AtomicU64::new(0),
+    quiet: AtomicU64::new(0),
+};
+
+/// Maps an engine error to the errno the client sees, logging it here where it is handled
+/// (at most [`FAILURES_LOGGED_PER_S`] a second).
 fn to_cmd(name: &str, what: &str, e: engine::Error) -> CmdError {
     let errno = match &e {
         engine::Error::Invalid(_) => Errno::EINVAL,
@@ -67,7 +109,16 @@ fn to_cmd(name: &str, what: &str, e: engine::Error) -> CmdError {
         engine::Error::Cache(_) | engine::Error::NoRoom => Errno::EIO,
         engine::Error::Datastore(io) => errno_of(io),
     };
-    warn!("volume {name:?}: {what} failed: {e}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    match FAILURES.admit(now) {
+        Some(0) => warn!("volume {name:?}: {what} failed: {e}"),
+        Some(quiet) => {
+            warn!("volume {name:?}: {what} failed: {e} ({quiet} more failed IOs were not logged)")
+        }
+        None => {}
+    }
     CmdError::new(errno, e.to_string())
 }
 
@@ -125,5 +176,26 @@ impl Export for Attachment {
 
     fn stop_signal(&self) -> Stop {
         self.entry.stop.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_ios_are_logged_ten_a_second_and_the_rest_counted() {
+        let log = FailureLog::default();
+        let logged: Vec<Option<u64>> = (0..25).map(|_| log.admit(100)).collect();
+        assert_eq!(logged[..10], [Some(0); 10]);
+        assert!(logged[10..].iter().all(Option::is_none));
+        // The next second logs again, first saying how many went unlogged.
+        assert_eq!(log.admit(101), Some(15));
+        assert_eq!(log.admit(101), Some(0));
+        for _ in 0..8 {
+            log.admit(101);
+        }
+        assert_eq!(log.admit(101), None);
+        assert_eq!(log.admit(105), Some(1));
     }
 }
