@@ -22,28 +22,8 @@ SIZE=${SIZE:-4G}
 OUT=${OUT:-bench/out/coldread}
 OUT=$(bench_out "$OUT")
 
-"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 & started
-API=$(vestad_api "$OUT/vesta")
-"$BIN/vesta" --api "$API" volume create bench --size "$SIZE" --datastore default >/dev/null
-VURI="nbd+unix:///bench?socket=$OUT/vesta/nbd.sock"
-VIMG=$(find "$OUT/vesta" -name bench.raw | head -1)
-
-truncate -s "$SIZE" "$OUT/nbdkit.img"
-nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 & started
-truncate -s "$SIZE" "$OUT/qemu-nbd.img"
-qemu-nbd -f raw --cache=writeback --aio=threads --shared=4 --persistent -x bench \
-    --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 & started
-truncate -s "$SIZE" "$OUT/raw.img"
-wait_sock "$OUT/nbdkit.sock"
-wait_sock "$OUT/qemu-nbd.sock"
-KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
-QURI="nbd+unix:///bench?socket=$OUT/qemu-nbd.sock"
-
-fill() { fio --name=fill --ioengine=nbd --uri="$1" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null; }
-fill "$VURI"
-fill "$KURI"
-fill "$QURI"
-fio --name=fill --ioengine=io_uring --filename="$OUT/raw.img" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null
+side_by_side "$SIZE"
+fill_side_by_side "$SIZE"
 # The fills' writeback (16 GiB) done and settled before any run: it slows the disk's reads
 # for a while after, and would fall on the first target.
 sync

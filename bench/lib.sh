@@ -68,3 +68,35 @@ w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 print(f'{w["iops"]:.0f} {w["lat_ns"]["mean"] / 1000:.1f} {w["bw"] / 1024:.1f}')
 EOF
 }
+
+# side_by_side SIZE: what the uncached-path benches compare, each over SIZE bytes: an
+# `uncached` volume `bench` on vestad's `default` datastore (VURI; its image file VIMG), and
+# images in OUT served over unix sockets by nbdkit's file plugin (KURI) and by qemu-nbd
+# (QURI; raw, writeback cache), plus OUT/raw.img for fio itself. Needs BIN and OUT.
+side_by_side() {
+    "$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 & started
+    API=$(vestad_api "$OUT/vesta")
+    "$BIN/vesta" --api "$API" volume create bench --size "$1" --datastore default >/dev/null
+    VURI="nbd+unix:///bench?socket=$OUT/vesta/nbd.sock"
+    VIMG=$(find "$OUT/vesta" -name bench.raw | head -1)
+    truncate -s "$1" "$OUT/nbdkit.img"
+    nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 & started
+    truncate -s "$1" "$OUT/qemu-nbd.img"
+    qemu-nbd -f raw --cache=writeback --aio=threads --shared=4 --persistent -x bench \
+        --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 & started
+    truncate -s "$1" "$OUT/raw.img"
+    wait_sock "$OUT/nbdkit.sock"
+    wait_sock "$OUT/qemu-nbd.sock"
+    KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
+    QURI="nbd+unix:///bench?socket=$OUT/qemu-nbd.sock"
+}
+
+# fill_side_by_side SIZE: writes all SIZE bytes of each of side_by_side's targets once, so
+# reads hit real blocks.
+fill_side_by_side() {
+    local uri
+    for uri in "$VURI" "$KURI" "$QURI"; do
+        fio --name=fill --ioengine=nbd --uri="$uri" --rw=write --bs=1M --iodepth=8 --size="$1" --output=/dev/null
+    done
+    fio --name=fill --ioengine=io_uring --filename="$OUT/raw.img" --rw=write --bs=1M --iodepth=8 --size="$1" --output=/dev/null
+}

@@ -22,29 +22,8 @@ SIZE=${SIZE:-1G}
 OUT=${OUT:-bench/out/uncached}
 OUT=$(bench_out "$OUT")
 
-"$BIN/vestad" --data-dir "$OUT/vesta" --api 127.0.0.1:0 --nbd-tcp "" >"$OUT/vestad.log" 2>&1 & started
-API=$(vestad_api "$OUT/vesta")
-"$BIN/vesta" --api "$API" volume create bench --size "$SIZE" >/dev/null
-VURI="nbd+unix:///bench?socket=$OUT/vesta/nbd.sock"
-
-truncate -s "$SIZE" "$OUT/nbdkit.img"
-nbdkit -f --unix "$OUT/nbdkit.sock" file "$OUT/nbdkit.img" >"$OUT/nbdkit.log" 2>&1 & started
-wait_sock "$OUT/nbdkit.sock"
-KURI="nbd+unix:///?socket=$OUT/nbdkit.sock"
-
-truncate -s "$SIZE" "$OUT/qemu-nbd.img"
-qemu-nbd -f raw --cache=writeback --aio=threads --shared=4 --persistent -x bench \
-    --socket="$OUT/qemu-nbd.sock" "$OUT/qemu-nbd.img" >"$OUT/qemu-nbd.log" 2>&1 & started
-wait_sock "$OUT/qemu-nbd.sock"
-QURI="nbd+unix:///bench?socket=$OUT/qemu-nbd.sock"
-
-truncate -s "$SIZE" "$OUT/raw.img"
-
-fill() { fio --name=fill --ioengine=nbd --uri="$1" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null; }
-fill "$VURI"
-fill "$KURI"
-fill "$QURI"
-fio --name=fill --ioengine=io_uring --filename="$OUT/raw.img" --rw=write --bs=1M --iodepth=8 --size="$SIZE" --output=/dev/null
+side_by_side "$SIZE"
+fill_side_by_side "$SIZE"
 
 # run NAME URI RW QD -> prints "iops lat_us"; a URI starting with / is a file for io_uring.
 run() {
