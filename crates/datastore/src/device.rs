@@ -225,7 +225,7 @@ pub struct FileDevice {
     fence: std::sync::OnceLock<Arc<Fence>>,
     /// Set once [`read_cached`] turned out unsupported here: reads then run inline whole, as
     /// they did before it.
-    no_cached_reads: Arc<std::sync::atomic::AtomicBool>,
+    no_cached_reads: std::sync::atomic::AtomicBool,
 }
 
 impl FileDevice {
