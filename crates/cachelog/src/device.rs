@@ -8,6 +8,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -16,6 +17,16 @@ pub trait CacheDevice: Send + Sync + 'static {
     fn size(&self) -> u64;
     fn describe(&self) -> String;
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Reads into `buf` from `offset` only as far as it can without waiting for the device
+    /// (what the page cache holds): how many bytes, `Err` with `WouldBlock` if none, and
+    /// `Unsupported` where the device cannot tell (the default), which [`read_at`] then
+    /// serves. See [`read_cached`].
+    ///
+    /// [`read_at`]: CacheDevice::read_at
+    fn read_cached(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let _ = (offset, buf);
+        Err(io::ErrorKind::Unsupported.into())
+    }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Makes every write that completed before this call durable.
     fn sync(&self) -> io::Result<()>;
@@ -26,11 +37,48 @@ pub trait CacheDevice: Send + Sync + 'static {
     }
 }
 
+/// Reads into `buf` from `offset` what the page cache holds, without waiting for the disk
+/// (`preadv2` with `RWF_NOWAIT`): how many bytes it read, which is less than `buf.len()` where
+/// the data is not in memory (or the file ends). `Err` with `WouldBlock` if none of it is, and
+/// `Unsupported` where the file system or kernel cannot tell (`EOPNOTSUPP`, `ENOSYS`); other
+/// errors are the read's own.
+pub fn read_cached(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    loop {
+        // SAFETY: one iovec over `buf`, which is valid for writes of its length for the whole
+        // call; the fd is valid for the File's life.
+        let n = unsafe {
+            libc::preadv2(
+                file.as_raw_fd(),
+                &iov,
+                1,
+                offset as libc::off_t,
+                libc::RWF_NOWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN) => Err(io::ErrorKind::WouldBlock.into()),
+            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Err(io::ErrorKind::Unsupported.into()),
+            _ => Err(e),
+        };
+    }
+}
+
 /// A cache file (created sparse at the configured size) or a block device.
 pub struct FileCache {
     file: File,
     size: u64,
     path: PathBuf,
+    /// Set once [`read_cached`] turned out unsupported here, so it is not asked again.
+    no_cached_reads: AtomicBool,
 }
 
 impl FileCache {
@@ -70,6 +118,7 @@ impl FileCache {
             file,
             size,
             path: path.to_owned(),
+            no_cached_reads: AtomicBool::new(false),
         })
     }
 }
@@ -85,6 +134,19 @@ impl CacheDevice for FileCache {
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.file.read_exact_at(buf, offset)
+    }
+
+    fn read_cached(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        if self.no_cached_reads.load(Ordering::Relaxed) {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        let r = read_cached(&self.file, buf, offset);
+        if r.as_ref()
+            .is_err_and(|e| e.kind() == io::ErrorKind::Unsupported)
+        {
+            self.no_cached_reads.store(true, Ordering::Relaxed);
+        }
+        r
     }
 
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
@@ -183,6 +245,10 @@ impl<D: CacheDevice> CacheDevice for Faulty<D> {
         self.check()?;
         self.inner.read_at(offset, buf)
     }
+    fn read_cached(&self, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
+        self.check()?;
+        self.inner.read_cached(offset, buf)
+    }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.check()?;
         if !self.recording.load(Ordering::SeqCst) {
@@ -233,6 +299,7 @@ pub struct SimDevice {
     state: Mutex<SimState>,
     failed: AtomicBool,
     writes: AtomicU64,
+    read_bytes: AtomicU64,
     /// Reads wait while this is true ([`SimDevice::pause_reads`]), counted in `waiting`.
     reads_paused: Mutex<bool>,
     /// Writes wait while this is true ([`SimDevice::pause_writes`]), counted in
@@ -269,6 +336,7 @@ impl SimDevice {
             }),
             failed: AtomicBool::new(false),
             writes: AtomicU64::new(0),
+            read_bytes: AtomicU64::new(0),
             reads_paused: Mutex::new(false),
             writes_paused: Mutex::new(false),
             resumed: std::sync::Condvar::new(),
@@ -356,6 +424,11 @@ impl SimDevice {
         self.writes.load(Ordering::SeqCst)
     }
 
+    /// Bytes ever read.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes.load(Ordering::SeqCst)
+    }
+
     /// Power loss: each unsynced write, oldest first, meets the fate `choose` gives it (called
     /// with the write's index and its length in sectors). Afterwards the device holds only
     /// durable data and works again.
@@ -424,6 +497,8 @@ impl CacheDevice for SimDevice {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.wait_while(&self.reads_paused, &self.waiting);
         self.check(offset, buf.len())?;
+        self.read_bytes
+            .fetch_add(buf.len() as u64, Ordering::SeqCst);
         self.read_now(offset, buf);
         Ok(())
     }

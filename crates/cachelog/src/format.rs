@@ -288,6 +288,10 @@ pub struct Header {
     pub arg: u64,
     /// crc32c of the payload (0 when there is none).
     pub payload_crc: u32,
+    /// How many page checksums the header carries after its fields, one per page of a paged
+    /// payload ([`PageCrcs`]), so that part of the payload can be read and verified alone;
+    /// 0 for other records, and in records written before there were any.
+    pub pages: u32,
     /// Where the payload starts, in bytes from the start of the segment: right after the
     /// header (inline) or a page of the data area (paged); 0 for records without payload.
     pub data_at: u64,
@@ -373,7 +377,17 @@ impl Header {
     }
 
     pub fn encode(&self, key: u32) -> [u8; HEADER_LEN] {
+        self.encode_with(key, &PageCrcs::NONE)
+    }
+
+    /// The header with the page checksums `crcs` of its payload, as many as
+    /// [`Header::pages`] says.
+    pub fn encode_with(&self, key: u32, crcs: &PageCrcs) -> [u8; HEADER_LEN] {
+        assert_eq!(crcs.n, self.pages as usize, "the header's page count");
         let mut b = [0u8; HEADER_LEN];
+        for (i, c) in crcs.as_slice().iter().enumerate() {
+            b[PAGE_CRCS_AT + 4 * i..][..4].copy_from_slice(&c.to_le_bytes());
+        }
         b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
         b[4] = self.kind.code();
         b[12..16].copy_from_slice(&self.payload_crc.to_le_bytes());
@@ -385,6 +399,7 @@ impl Header {
         b[64..72].copy_from_slice(&self.seg_seq.to_le_bytes());
         b[72..80].copy_from_slice(&self.arg.to_le_bytes());
         b[80..88].copy_from_slice(&self.data_at.to_le_bytes());
+        b[88..92].copy_from_slice(&self.pages.to_le_bytes());
         let crc = crc32c::crc32c_append(key, &b);
         b[8..12].copy_from_slice(&crc.to_le_bytes());
         b
@@ -413,6 +428,7 @@ impl Header {
             seg_seq: le64(&b[64..72]),
             arg: le64(&b[72..80]),
             data_at: le64(&b[80..88]),
+            pages: le32(&b[88..92]),
         };
         if h.seg_seq != seg_seq {
             return Err(BadHeader::Stale);
@@ -430,6 +446,71 @@ pub fn key_of(device_id: &Uuid) -> u32 {
 /// The checksum a payload must match.
 pub fn payload_crc(payload: &[u8]) -> u32 {
     crc32c::crc32c(payload)
+}
+
+/// Where a record header's page checksums start.
+pub const PAGE_CRCS_AT: usize = 96;
+/// The most page checksums a header holds (416 KiB of payload; writes are cut into parts of
+/// at most 256 KiB).
+pub const PAGE_CRCS_MAX: usize = (HEADER_LEN - PAGE_CRCS_AT) / 4;
+
+/// The crc32c of each page of a paged payload, which its header carries (from
+/// [`PAGE_CRCS_AT`]) so that a read of part of the payload reads and verifies only the pages
+/// it needs, not the whole record. Payloads that are not paged, or longer than
+/// [`PAGE_CRCS_MAX`] pages, have none.
+pub struct PageCrcs {
+    n: usize,
+    crcs: [u32; PAGE_CRCS_MAX],
+}
+
+impl PageCrcs {
+    pub const NONE: PageCrcs = PageCrcs {
+        n: 0,
+        crcs: [0; PAGE_CRCS_MAX],
+    };
+
+    /// The page checksums of `payload` where its header carries them, and the checksum of
+    /// the whole payload ([`payload_crc`]), computed from them in the same single pass.
+    pub fn of(payload: &[u8]) -> (u32, PageCrcs) {
+        let len = payload.len() as u64;
+        let pages = len / PAGE;
+        if placement(true, len) != Placement::Paged || pages > PAGE_CRCS_MAX as u64 {
+            return (payload_crc(payload), PageCrcs::NONE);
+        }
+        let mut c = PageCrcs::NONE;
+        let mut whole = 0;
+        for (i, page) in payload.chunks(PAGE as usize).enumerate() {
+            let crc = crc32c::crc32c(page);
+            c.crcs[i] = crc;
+            // crc(A ‖ B) = crc(A) shifted over |B| zero bytes, xor crc(B).
+            whole = if i == 0 { crc } else { shift_page(whole) ^ crc };
+        }
+        c.n = pages as usize;
+        (whole, c)
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.crcs[..self.n]
+    }
+}
+
+/// The checksum page `i` of a record's payload must match: from the header's bytes `head`,
+/// which must have decoded with `pages` > `i`.
+pub fn page_crc(head: &[u8], i: usize) -> u32 {
+    le32(&head[PAGE_CRCS_AT + 4 * i..])
+}
+
+/// `crc32c_combine(crc, 0, PAGE)`: a crc carried over a page of zero bytes. The operator is
+/// linear over GF(2), so it is the xor of its images of the bits set in `crc`, computed
+/// once: 32 steps here instead of the general combine's matrix squarings on every call.
+fn shift_page(crc: u32) -> u32 {
+    static COLUMNS: std::sync::OnceLock<[u32; 32]> = std::sync::OnceLock::new();
+    let cols = COLUMNS.get_or_init(|| {
+        std::array::from_fn(|bit| crc32c::crc32c_combine(1 << bit, 0, PAGE as usize))
+    });
+    (0..32)
+        .filter(|bit| crc & (1 << bit) != 0)
+        .fold(0, |acc, bit| acc ^ cols[bit])
 }
 
 #[cfg(test)]
@@ -451,6 +532,7 @@ mod tests {
             arg: 0,
             payload_crc: 0xdead_beef,
             data_at: 0,
+            pages: 0,
         }
     }
 
@@ -569,7 +651,68 @@ mod tests {
         assert!(!zero.layout_ok(512, S));
     }
 
+    #[test]
+    fn page_checksums_are_carried_for_paged_payloads_that_fit_the_header() {
+        let payload: Vec<u8> = (0..(PAGE_CRCS_MAX as u32 + 1) * PAGE as u32)
+            .map(|i| (i * 7 % 251) as u8)
+            .collect();
+        for len in [0, 1, 512, 4096, 4096 + 512, 8192, 256 << 10] {
+            let p = &payload[..len];
+            let (whole, pages) = PageCrcs::of(p);
+            assert_eq!(whole, payload_crc(p), "len {len}");
+            let want: Vec<u32> = if placement(true, len as u64) == Placement::Paged {
+                p.chunks(PAGE as usize).map(crc32c::crc32c).collect()
+            } else {
+                Vec::new()
+            };
+            assert_eq!(pages.as_slice(), want, "len {len}");
+        }
+        let most = PAGE_CRCS_MAX * PAGE as usize;
+        assert_eq!(
+            PageCrcs::of(&payload[..most]).1.as_slice().len(),
+            PAGE_CRCS_MAX
+        );
+        let (whole, none) = PageCrcs::of(&payload[..most + PAGE as usize]);
+        assert!(
+            none.as_slice().is_empty(),
+            "more pages than the header holds"
+        );
+        assert_eq!(whole, payload_crc(&payload[..most + PAGE as usize]));
+        // The header carries them under its checksum, and the last ends before it.
+        let mut h = header(Kind::Data, most as u64);
+        let (_, crcs) = PageCrcs::of(&payload[..most]);
+        h.pages = PAGE_CRCS_MAX as u32;
+        let b = h.encode_with(KEY, &crcs);
+        assert_eq!(Header::decode(&b, 7, KEY), Ok(h));
+        for (i, c) in crcs.as_slice().iter().enumerate() {
+            assert_eq!(page_crc(&b, i), *c);
+        }
+        assert_eq!(PAGE_CRCS_AT + 4 * PAGE_CRCS_MAX, HEADER_LEN);
+        let mut bad = b;
+        bad[PAGE_CRCS_AT + 4 * (PAGE_CRCS_MAX - 1)] ^= 1;
+        assert_eq!(Header::decode(&bad, 7, KEY), Err(BadHeader::Checksum));
+    }
+
     proptest! {
+        #[test]
+        fn the_whole_payload_checksum_from_page_checksums_is_crc32c(
+            pages in 1usize..=PAGE_CRCS_MAX,
+            seed in any::<u64>(),
+        ) {
+            let mut x = seed | 1;
+            let p: Vec<u8> = (0..pages * PAGE as usize)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            let (whole, c) = PageCrcs::of(&p);
+            prop_assert_eq!(whole, payload_crc(&p));
+            prop_assert_eq!(c.as_slice().len(), pages);
+        }
+
         #[test]
         fn any_single_bit_flip_in_a_header_is_detected(
             bit in 0usize..(HEADER_LEN * 8),

@@ -557,6 +557,7 @@ impl Log {
                 arg,
                 payload_crc: 0,
                 data_at: 0,
+                pages: 0,
             }
             .encode(self.key)
         };
@@ -613,6 +614,11 @@ impl Log {
             if e.kind.has_payload() { e.len } else { 0 },
             "payload length must match the record"
         );
+        let (payload_crc, page_crcs) = if e.kind.has_payload() {
+            format::PageCrcs::of(payload)
+        } else {
+            (0, format::PageCrcs::NONE)
+        };
         let mut h = Header {
             kind: e.kind,
             seg_seq: 0,
@@ -622,12 +628,9 @@ impl Log {
             offset: e.offset,
             len: e.len,
             arg: e.arg,
-            payload_crc: if e.kind.has_payload() {
-                format::payload_crc(payload)
-            } else {
-                0
-            },
+            payload_crc,
             data_at: 0,
+            pages: page_crcs.as_slice().len() as u32,
         };
         let (head_len, data_len) = format::record_space(e.kind.has_payload(), e.len);
         // It must fit a new segment: after the segment header and two metadata copies.
@@ -708,7 +711,7 @@ impl Log {
         debug_assert!(h.layout_ok(at, self.sb.segment_size));
         let base = self.sb.segment_offset(seg);
         let offset = base + at;
-        let header = h.encode(self.key);
+        let header = h.encode_with(self.key, &page_crcs);
         let written = match h.placement() {
             format::Placement::None => self.dev.write_at(offset, &header),
             format::Placement::Inline => {
@@ -747,25 +750,105 @@ impl Log {
 
     /// Reads a record's payload and verifies both checksums before returning it.
     pub fn read(&self, loc: &Loc) -> Result<Vec<u8>> {
+        self.read_range(loc, 0, loc.len)
+    }
+
+    /// Reads `len` bytes from `pos` of a record's payload, verified: where the header carries
+    /// page checksums ([`format::PageCrcs`]) only the pages the range lies in are read, else
+    /// the whole payload. A 4 KiB read of a 256 KiB record reads 4 KiB.
+    pub fn read_range(&self, loc: &Loc, pos: u64, len: u64) -> Result<Vec<u8>> {
+        let got = self.read_with(loc, pos, len, |offset, buf| {
+            self.dev.read_at(offset, buf).map(|()| true)
+        })?;
+        Ok(got.expect("a read that may wait gets every byte"))
+    }
+
+    /// [`Log::read_range`] without waiting for the device: `None` where some of it is not in
+    /// memory, for the caller to read it where waiting is allowed. A device that cannot tell
+    /// ([`CacheDevice::read_cached`] unsupported) is read as [`Log::read_range`] reads it.
+    pub fn read_range_cached(&self, loc: &Loc, pos: u64, len: u64) -> Option<Result<Vec<u8>>> {
+        self.read_with(loc, pos, len, |offset, buf| {
+            match self.dev.read_cached(offset, buf) {
+                Ok(n) => Ok(n == buf.len()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                    self.dev.read_at(offset, buf).map(|()| true)
+                }
+                Err(e) => Err(e),
+            }
+        })
+        .transpose()
+    }
+
+    /// `len` bytes from `pos` of a record's payload, verified, read with `read(offset, buf)`,
+    /// which fills `buf` and answers true, or answers false to give up (the bytes are not in
+    /// memory): `Ok(None)`.
+    fn read_with(
+        &self,
+        loc: &Loc,
+        pos: u64,
+        len: u64,
+        read: impl Fn(u64, &mut [u8]) -> io::Result<bool>,
+    ) -> Result<Option<Vec<u8>>> {
+        assert!(
+            pos.checked_add(len).is_some_and(|end| end <= loc.len),
+            "a range inside the payload"
+        );
         self.check_failed()?;
         let seg_seq = self.touch(loc);
+        // The bytes of `p` (which holds the payload from `from` on) that were asked for.
+        let range = |mut p: Vec<u8>, from: u64| {
+            p.truncate((pos + len - from) as usize);
+            p.drain(..(pos - from) as usize);
+            p
+        };
         let inline = loc.data == 0 || loc.data == loc.offset + format::HEADER_LEN as u64;
-        if !inline {
-            let mut p = vec![0u8; loc.len as usize];
-            self.read_paged(loc, seg_seq, &mut p)?;
-            return Ok(p);
+        if inline {
+            // Header and payload in one device read.
+            let padded = loc.len.div_ceil(format::SECTOR) as usize * format::SECTOR as usize;
+            let mut buf = vec![0u8; format::HEADER_LEN + padded];
+            if !read(loc.offset, &mut buf).map_err(|e| self.io_error(e))? {
+                return Ok(None);
+            }
+            let h = self.verify_header(loc, seg_seq, &buf)?;
+            buf.truncate(format::HEADER_LEN + loc.len as usize);
+            self.verify_payload(loc, &h, &buf[format::HEADER_LEN..])?;
+            buf.drain(..format::HEADER_LEN);
+            return Ok(Some(range(buf, 0)));
         }
-        // Header and payload in one device read.
-        let padded = loc.len.div_ceil(format::SECTOR) as usize * format::SECTOR as usize;
-        let mut buf = vec![0u8; format::HEADER_LEN + padded];
-        self.dev
-            .read_at(loc.offset, &mut buf)
-            .map_err(|e| self.io_error(e))?;
-        let h = self.verify_header(loc, seg_seq, &buf)?;
-        buf.truncate(format::HEADER_LEN + loc.len as usize);
-        self.verify_payload(loc, &h, &buf[format::HEADER_LEN..])?;
-        buf.drain(..format::HEADER_LEN);
-        Ok(buf)
+        let Some((head, h)) = self.read_head(loc, seg_seq, &read)? else {
+            return Ok(None);
+        };
+        let read = |offset: u64, buf: &mut [u8]| read(offset, buf).map_err(|e| self.io_error(e));
+        if h.pages == 0 || len == loc.len {
+            let mut p = vec![0u8; loc.len as usize];
+            if !p.is_empty() && !read(loc.data, &mut p)? {
+                return Ok(None);
+            }
+            self.verify_payload(loc, &h, &p)?;
+            return Ok(Some(range(p, 0)));
+        }
+        if u64::from(h.pages) * format::PAGE != loc.len {
+            return Err(LogError::Corrupt {
+                offset: loc.offset,
+                what: format!("{} page checksums for {} payload bytes", h.pages, loc.len),
+            });
+        }
+        // Only the pages the range lies in, each against its own checksum.
+        let (first, end) = (pos / format::PAGE, (pos + len).div_ceil(format::PAGE));
+        let mut p = vec![0u8; ((end - first) * format::PAGE) as usize];
+        if !read(loc.data + first * format::PAGE, &mut p)? {
+            return Ok(None);
+        }
+        for (i, page) in (first as usize..).zip(p.chunks(format::PAGE as usize)) {
+            if crc32c::crc32c(page) != format::page_crc(&head, i) {
+                return Err(LogError::Corrupt {
+                    offset: loc.offset,
+                    what: format!("payload checksum mismatch in page {i}"),
+                });
+            }
+        }
+        Ok(Some(range(p, first * format::PAGE)))
     }
 
     /// Reads a record's payload into `out` (exactly `loc.len` bytes) and verifies both
@@ -779,7 +862,16 @@ impl Log {
         );
         self.check_failed()?;
         let seg_seq = self.touch(loc);
-        self.read_paged(loc, seg_seq, out)
+        let read = |offset: u64, buf: &mut [u8]| self.dev.read_at(offset, buf).map(|()| true);
+        let (_, h) = self
+            .read_head(loc, seg_seq, read)?
+            .expect("a read that may wait");
+        if !out.is_empty() {
+            self.dev
+                .read_at(loc.data, out)
+                .map_err(|e| self.io_error(e))?;
+        }
+        self.verify_payload(loc, &h, out)
     }
 
     /// Marks the record's segment used now (for reclaim's LRU) and returns its `seg_seq`.
@@ -793,19 +885,20 @@ impl Log {
         s.seg_seq
     }
 
-    /// Header and payload in two device reads, the payload straight into `out`.
-    fn read_paged(&self, loc: &Loc, seg_seq: u64, out: &mut [u8]) -> Result<()> {
+    /// A record's header on its own, read with `read` as [`Log::read_with`] reads, and
+    /// verified: its bytes (for the page checksums) and what they say.
+    fn read_head(
+        &self,
+        loc: &Loc,
+        seg_seq: u64,
+        read: impl Fn(u64, &mut [u8]) -> io::Result<bool>,
+    ) -> Result<Option<([u8; format::HEADER_LEN], Header)>> {
         let mut head = [0u8; format::HEADER_LEN];
-        self.dev
-            .read_at(loc.offset, &mut head)
-            .map_err(|e| self.io_error(e))?;
-        let h = self.verify_header(loc, seg_seq, &head)?;
-        if !out.is_empty() {
-            self.dev
-                .read_at(loc.data, out)
-                .map_err(|e| self.io_error(e))?;
+        if !read(loc.offset, &mut head).map_err(|e| self.io_error(e))? {
+            return Ok(None);
         }
-        self.verify_payload(loc, &h, out)
+        let h = self.verify_header(loc, seg_seq, &head)?;
+        Ok(Some((head, h)))
     }
 
     /// Decodes a record's header and checks that it is the record the index points at.
@@ -1125,11 +1218,21 @@ mod tests {
         l.read_into(&paged, &mut out).unwrap();
         assert_eq!(out, vec![9u8; 4096]);
         assert_eq!(l.read(&paged).unwrap(), out);
+        // A device that cannot tell what memory holds is read as by `read`.
+        assert_eq!(l.read_range_cached(&paged, 0, 4096).unwrap().unwrap(), out);
+        assert_eq!(
+            l.read_range_cached(&loc, 0, 1024).unwrap().unwrap(),
+            vec![7u8; 1024]
+        );
         let mut out = vec![0u8; 1024];
         l.read_into(&loc, &mut out).unwrap();
         assert_eq!(out, vec![7u8; 1024]);
         d.corrupt(loc.offset + 512 + 100);
         assert!(matches!(l.read(&loc), Err(LogError::Corrupt { .. })));
+        assert!(matches!(
+            l.read_range_cached(&loc, 0, 1024),
+            Some(Err(LogError::Corrupt { .. }))
+        ));
         assert!(matches!(
             l.read_into(&loc, &mut out),
             Err(LogError::Corrupt { .. })
@@ -1138,6 +1241,10 @@ mod tests {
         assert!(matches!(
             l.read_into(&paged, &mut vec![0u8; 4096]),
             Err(LogError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            l.read_range_cached(&paged, 0, 4096),
+            Some(Err(LogError::Corrupt { .. }))
         ));
         // A location that does not match its header (a stale index) is refused.
         let wrong = Loc { len: 512, ..paged };
@@ -1153,6 +1260,132 @@ mod tests {
             .collect();
         assert_eq!(r.len(), 2);
         assert!(r.iter().all(|r| !r.intact));
+    }
+
+    #[test]
+    fn a_read_of_part_of_a_record_reads_and_verifies_only_its_pages() {
+        let d = Arc::new(SimDevice::new(format::SEGMENTS_START + 8 * (1 << 20)));
+        let l = Log::format(d.clone(), 1 << 20).unwrap();
+        let v = Uuid::new_v4();
+        let payload: Vec<u8> = (0..512u32 << 10).map(|i| (i * 13 % 251) as u8).collect();
+        let (rec, _) = l
+            .append(&data(v, 1, 0, 256 << 10), &payload[..256 << 10])
+            .unwrap();
+        let page = format::PAGE;
+        let read = |pos: u64, len: u64| {
+            let before = d.read_bytes();
+            let got = l.read_range(&rec, pos, len);
+            (got, d.read_bytes() - before)
+        };
+        for (pos, len) in [
+            (0, 4096),
+            (8192, 4096),
+            (4096 + 512, 512),
+            (4000, 200),
+            (0, 1),
+        ] {
+            let (got, bytes) = read(pos, len);
+            assert_eq!(got.unwrap(), payload[pos as usize..][..len as usize]);
+            let pages = (pos + len).div_ceil(page) - pos / page;
+            assert_eq!(
+                bytes,
+                format::HEADER_LEN as u64 + pages * page,
+                "{pos}+{len}"
+            );
+        }
+        // A damaged page fails the reads that cover it, and only those.
+        d.corrupt(rec.data + 10 * page + 7);
+        assert_eq!(read(0, 4096).0.unwrap(), payload[..4096]);
+        for (pos, len) in [(10 * page, 512), (9 * page, 2 * page), (0, 256 << 10)] {
+            let e = read(pos, len).0.unwrap_err();
+            assert!(matches!(e, LogError::Corrupt { .. }), "{pos}+{len}: {e}");
+        }
+        assert!(matches!(l.read(&rec), Err(LogError::Corrupt { .. })));
+        // A record whose header has no page checksums (more pages than it holds, or written
+        // before there were any) is read and verified whole.
+        let big = (format::PAGE_CRCS_MAX as u64 + 1) * page;
+        let (old, _) = l
+            .append(&data(v, 2, 1 << 20, big), &payload[..big as usize])
+            .unwrap();
+        let before = d.read_bytes();
+        assert_eq!(
+            l.read_range(&old, page, 512).unwrap(),
+            payload[page as usize..][..512]
+        );
+        assert_eq!(d.read_bytes() - before, format::HEADER_LEN as u64 + big);
+        d.corrupt(old.data + big - 1);
+        assert!(matches!(
+            l.read_range(&old, 0, 512),
+            Err(LogError::Corrupt { .. })
+        ));
+        // Inline records are read whole, as one device read.
+        let (inline, _) = l
+            .append(&data(v, 3, 2 << 20, 1536), &payload[..1536])
+            .unwrap();
+        assert_eq!(
+            l.read_range(&inline, 1024, 512).unwrap(),
+            payload[1024..1536]
+        );
+        assert!(!l.is_failed());
+    }
+
+    proptest! {
+        #[test]
+        fn any_range_of_a_record_reads_back_what_was_written(
+            pages in 1u64..=64,
+            tail in prop::sample::select(vec![0u64, 512, 1000]),
+            ranges in prop::collection::vec((any::<u64>(), any::<u64>()), 1..8),
+        ) {
+            let d = Arc::new(SimDevice::new(format::SEGMENTS_START + 4 * (1 << 20)));
+            let l = Log::format(d, 1 << 20).unwrap();
+            let len = pages * format::PAGE - if tail > 0 { format::PAGE - tail } else { 0 };
+            let p: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
+            let (rec, _) = l.append(&data(Uuid::new_v4(), 1, 0, len), &p).unwrap();
+            for (a, b) in ranges {
+                let pos = a % len;
+                let n = b % (len - pos) + 1;
+                let got = l.read_range(&rec, pos, n).unwrap();
+                prop_assert_eq!(&got[..], &p[pos as usize..(pos + n) as usize]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_cached_read_answers_only_from_memory_and_verifies_what_it_returns() {
+        use std::os::unix::io::AsRawFd;
+        // On the disk the repository is on: a tmpfs temporary directory keeps every page.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-tmp")
+            .join(format!("vesta-cachelog-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cache");
+        let dev = Arc::new(crate::device::FileCache::open(&path, 4 << 20).unwrap());
+        let l = Log::format(dev, SEG).unwrap();
+        let v = Uuid::new_v4();
+        let paged_data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        let (paged, _) = l.append(&data(v, 1, 0, 8192), &paged_data).unwrap();
+        let (inline, _) = l.append(&data(v, 2, 65536, 1024), &[3u8; 1024]).unwrap();
+        l.sync().unwrap();
+        let evict = || {
+            let f = std::fs::File::open(&path).unwrap();
+            for advice in [libc::POSIX_FADV_RANDOM, libc::POSIX_FADV_DONTNEED] {
+                // SAFETY: posix_fadvise takes a valid fd and scalars.
+                assert_eq!(
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, advice) },
+                    0
+                );
+            }
+        };
+        for (loc, want) in [(paged, paged_data.clone()), (inline, vec![3u8; 1024])] {
+            evict();
+            let cached = |pos: u64, len: u64| l.read_range_cached(&loc, pos, len);
+            assert!(cached(0, loc.len).is_none(), "{loc:?} not in memory");
+            assert_eq!(l.read(&loc).unwrap(), want);
+            assert_eq!(cached(0, loc.len).unwrap().unwrap(), want);
+            assert_eq!(cached(512, 512).unwrap().unwrap(), want[512..1024]);
+        }
+        assert!(!l.is_failed(), "a read that would wait is no device error");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

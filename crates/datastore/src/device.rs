@@ -21,6 +21,7 @@
 //! FUA), zeroing, trimming — always go to the pool via [`on_pool`], so they never hold up the
 //! requests queued behind them on a connection.
 
+pub use cachelog::device::read_cached;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, FileTypeExt};
@@ -167,41 +168,6 @@ fn inline_here() -> Inline {
     MAY_BLOCK.with(|m| m.get())
 }
 
-/// Reads into `buf` from `offset` what the page cache holds, without waiting for the disk
-/// (`preadv2` with `RWF_NOWAIT`): how many bytes it read, which is less than `buf.len()` where
-/// the data is not in memory (or the file ends). `Err` with `WouldBlock` if none of it is, and
-/// `Unsupported` where the file system or kernel cannot tell (`EOPNOTSUPP`, `ENOSYS`); other
-/// errors are the read's own.
-pub fn read_cached(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    loop {
-        // SAFETY: one iovec over `buf`, which is valid for writes of its length for the whole
-        // call; the fd is valid for the File's life.
-        let n = unsafe {
-            libc::preadv2(
-                file.as_raw_fd(),
-                &iov,
-                1,
-                offset as libc::off_t,
-                libc::RWF_NOWAIT,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            Some(libc::EAGAIN) => Err(io::ErrorKind::WouldBlock.into()),
-            Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Err(io::ErrorKind::Unsupported.into()),
-            _ => Err(e),
-        };
-    }
-}
-
 /// Runs blocking IO: inline on a thread marked with [`may_block_here`], else on the blocking
 /// pool.
 pub async fn blocking<T, F>(f: F) -> io::Result<T>
@@ -213,6 +179,28 @@ where
         return f();
     }
     on_pool(f).await
+}
+
+/// Runs a read that may wait for the disk: inline on a thread that may wait
+/// ([`may_block_here`] with `alone`); on one that may only read what memory holds, inline if
+/// `cached`, which must not wait, finds all of it there (`None` where it would have to wait)
+/// and on the blocking pool if not; on the pool everywhere else.
+pub async fn blocking_read<T, F>(
+    cached: impl FnOnce() -> Option<io::Result<T>>,
+    f: F,
+) -> io::Result<T>
+where
+    F: FnOnce() -> io::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    match inline_here() {
+        Inline::Any => f(),
+        Inline::Cached => match cached() {
+            Some(r) => r,
+            None => on_pool(f).await,
+        },
+        Inline::No => on_pool(f).await,
+    }
 }
 
 /// A regular file or a block device.

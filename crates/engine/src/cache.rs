@@ -51,7 +51,7 @@ use cachelog::index::{ExtentMap, Piece as IndexPiece};
 use cachelog::log::{Entry, Loc, Log, LogError, Scanned};
 use cachelog::CacheDevice;
 use cluster::Policy;
-use datastore::device::{blocking, on_pool, BatchWrite};
+use datastore::device::{blocking, blocking_read, on_pool, BatchWrite};
 use datastore::Extent;
 
 use crate::flow::{self, Ewma, Signals, Triggers};
@@ -2281,7 +2281,6 @@ impl VolCache {
         let mut out = BytesMut::zeroed(len as usize);
         let mut misses = Vec::new();
         let mut read_err = None;
-        let mut records: HashMap<Loc, Vec<u8>> = HashMap::new();
         let mut hit = 0;
         for sp in &spans {
             let at = (sp.start - offset) as usize;
@@ -2297,32 +2296,33 @@ impl VolCache {
                         ..
                     },
                 ) => {
-                    if let std::collections::hash_map::Entry::Vacant(slot) = records.entry(l) {
-                        let log = self.shared.log.clone();
-                        // The device read goes on if this future is dropped: it keeps the
-                        // segment until it ends.
-                        let keep = pins.again(l);
-                        match blocking(move || {
-                            let r = log
-                                .read(&l)
-                                .map_err(|e| std::io::Error::other(e.to_string()));
+                    let log = self.shared.log.clone();
+                    // The device read goes on if this future is dropped: it keeps the
+                    // segment until it ends.
+                    let keep = pins.again(l);
+                    let io = |e: LogError| std::io::Error::other(e.to_string());
+                    let n = sp.len;
+                    // Only the pages the span lies in. Inline what memory holds; a read that
+                    // waits for the cache device holds up the connection's other requests
+                    // only if there are none.
+                    let read = blocking_read(
+                        || {
+                            let r = self.shared.log.read_range_cached(&l, pos, n);
+                            r.map(|r| r.map_err(io))
+                        },
+                        move || {
+                            let r = log.read_range(&l, pos, n).map_err(io);
                             drop(keep);
                             r
-                        })
-                        .await
-                        {
-                            Ok(d) => {
-                                slot.insert(d);
-                            }
-                            Err(e) => {
-                                read_err = Some((e, sp.start, sp.len, ix));
-                                break;
-                            }
+                        },
+                    );
+                    match read.await {
+                        Ok(d) => out[at..at + n as usize].copy_from_slice(&d),
+                        Err(e) => {
+                            read_err = Some((e, sp.start, sp.len, ix));
+                            break;
                         }
                     }
-                    let d = &records[&l];
-                    out[at..at + sp.len as usize]
-                        .copy_from_slice(&d[pos as usize..(pos + sp.len) as usize]);
                     hit += sp.len;
                 }
             }

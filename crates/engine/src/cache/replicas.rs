@@ -379,6 +379,7 @@ impl CacheHost {
                     arg: e.arg,
                     payload_crc: 0,
                     data_at: 0,
+                    pages: 0,
                 },
                 loc,
                 intact: true,
