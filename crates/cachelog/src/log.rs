@@ -828,7 +828,8 @@ impl Log {
             self.verify_payload(loc, &h, &p)?;
             return Ok(Some(range(p, 0)));
         }
-        if u64::from(h.pages) * format::PAGE != loc.len {
+        if h.pages as usize > format::PAGE_CRCS_MAX || u64::from(h.pages) * format::PAGE != loc.len
+        {
             return Err(LogError::Corrupt {
                 offset: loc.offset,
                 what: format!("{} page checksums for {} payload bytes", h.pages, loc.len),
@@ -1351,7 +1352,7 @@ mod tests {
     }
 
     #[test]
-    fn a_cached_read_answers_only_from_memory_and_verifies_what_it_returns() {
+    fn a_cached_read_answers_only_from_memory() {
         use std::os::unix::io::AsRawFd;
         // On the disk the repository is on: a tmpfs temporary directory keeps every page.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -155,8 +155,8 @@ async fn a_small_read_of_a_large_write_reads_and_verifies_only_its_pages() {
     let sim = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
     let store = Arc::new(MemDevice::new(VOL));
     let (_host, vol) = common::open(sim.clone(), &store, Uuid::new_v4(), Policy::Wb);
-    // One 64 KiB write, dirty: a single record, the largest a 64 KiB test segment allows
-    // being 12 KiB, so it is cut into parts of several pages each.
+    // One 64 KiB write, dirty, so in the cache only. Records in 64 KiB test segments hold at
+    // most 12 KiB: it is cut into five parts of three pages and a last one of one page.
     // Bytes that repeat nowhere, so each page can be found in the log.
     let data = Bytes::from(
         (0..64u32 << 10)
