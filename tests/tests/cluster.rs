@@ -447,6 +447,7 @@ fn a_create_cut_short_in_a_cluster_is_imported_but_not_a_create_under_way() {
         },
         class: Default::default(),
         queue_depth: 4,
+        direct: false,
     };
     let rec = VolumeRecord {
         id: uuid::Uuid::new_v4(),

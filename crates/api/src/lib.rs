@@ -70,6 +70,9 @@ pub struct DatastoreInfo {
     pub unwritten_bytes: Option<u64>,
     pub volumes: usize,
     pub lun_id: Option<String>,
+    /// Read and written with `O_DIRECT`, past this host's page cache.
+    #[serde(default)]
+    pub direct: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -84,6 +87,9 @@ pub struct AddDatastore {
     /// Take over a LUN that pod (its id) formatted: that pod can no longer use it.
     #[serde(default)]
     pub take_over: Option<String>,
+    /// Read and write it with `O_DIRECT` (a datastore reached by path that hosts share).
+    #[serde(default)]
+    pub direct: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -429,6 +429,7 @@ mod tests {
             kind: Kind::Dir { path: dir.clone() },
             class: Class::Hdd,
             queue_depth: 8,
+            direct: false,
         })
         .await
         .unwrap();

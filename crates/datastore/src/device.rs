@@ -24,10 +24,12 @@
 pub use cachelog::device::read_cached;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use crate::fileio::FileIo;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -203,9 +205,10 @@ where
     }
 }
 
-/// A regular file or a block device.
+/// A regular file or a block device, through the page cache or with `O_DIRECT`
+/// ([`crate::fileio`]).
 pub struct FileDevice {
-    file: Arc<File>,
+    file: Arc<FileIo>,
     size: u64,
     path: PathBuf,
     regular: bool,
@@ -217,8 +220,15 @@ pub struct FileDevice {
 }
 
 impl FileDevice {
-    /// Opens an existing file or block device for reading and writing.
+    /// Opens an existing file or block device for reading and writing, through the page
+    /// cache.
     pub fn open(path: &Path) -> io::Result<FileDevice> {
+        FileDevice::open_with(path, false)
+    }
+
+    /// Opens an existing file or block device for reading and writing, with `O_DIRECT` if
+    /// `direct` (failing where that cannot be had: [`FileIo::open_direct`]).
+    pub fn open_with(path: &Path, direct: bool) -> io::Result<FileDevice> {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
         let md = file.metadata()?;
         let regular = md.file_type().is_file();
@@ -237,6 +247,11 @@ impl FileDevice {
                 ),
             ));
         };
+        let file = if direct {
+            FileIo::open_direct(path)?
+        } else {
+            FileIo::cached(file)
+        };
         Ok(FileDevice {
             file: Arc::new(file),
             size,
@@ -250,14 +265,16 @@ impl FileDevice {
     /// Creates a new sparse file of `size` bytes; fails if the path exists, and leaves nothing
     /// behind if it fails after creating the file.
     pub fn create(path: &Path, size: u64) -> io::Result<FileDevice> {
-        FileDevice::create_with(path, size, |_| Ok(()))
+        FileDevice::create_with(path, size, false, |_| Ok(()))
     }
 
     /// [`FileDevice::create`], running `prepare` on the new, empty file first (before it is
-    /// sized and synced, so what it sets is durable with the file).
+    /// sized and synced, so what it sets is durable with the file), and then using it with
+    /// `O_DIRECT` if `direct`.
     pub fn create_with(
         path: &Path,
         size: u64,
+        direct: bool,
         prepare: impl FnOnce(&File) -> io::Result<()>,
     ) -> io::Result<FileDevice> {
         let file = OpenOptions::new()
@@ -272,10 +289,17 @@ impl FileDevice {
                 Some(dir) => File::open(dir)?.sync_all(),
                 None => Ok(()),
             });
-        if let Err(e) = sized {
-            let _ = std::fs::remove_file(path);
-            return Err(e);
-        }
+        let file = sized.and_then(|()| match direct {
+            true => FileIo::open_direct(path),
+            false => Ok(FileIo::cached(file)),
+        });
+        let file = match file {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(e);
+            }
+        };
         Ok(FileDevice {
             file: Arc::new(file),
             size,
@@ -309,7 +333,7 @@ fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Resul
 }
 
 fn write_zero_bytes(
-    file: &File,
+    file: &FileIo,
     offset: u64,
     len: u64,
     fence: &Option<Arc<Fence>>,
@@ -350,6 +374,14 @@ impl Device for FileDevice {
         let mut buf = vec![0u8; len];
         let mut got = 0;
         let inline = inline_here();
+        if self.file.direct() && inline != Inline::Any {
+            // Nothing is in memory: to the pool, unless alone on a connection thread.
+            return on_pool(move || {
+                f.read_exact_at(&mut buf, offset)?;
+                Ok(Bytes::from(buf))
+            })
+            .await;
+        }
         if inline != Inline::No {
             if inline == Inline::Any || self.no_cached_reads.load(Relaxed) {
                 #[cfg(test)]
@@ -357,7 +389,7 @@ impl Device for FileDevice {
                 f.read_exact_at(&mut buf, offset)?;
                 return Ok(Bytes::from(buf));
             }
-            match read_cached(&f, &mut buf, offset) {
+            match read_cached(f.file(), &mut buf, offset) {
                 Ok(n) if n == len => return Ok(Bytes::from(buf)),
                 Ok(n) => got = n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -385,6 +417,10 @@ impl Device for FileDevice {
             })
             .await;
         }
+        if f.direct() && inline_here() != Inline::Any {
+            // A direct write waits for the device, as a read of the disk does.
+            return on_pool(move || f.write_all_at(&data, offset)).await;
+        }
         blocking(move || f.write_all_at(&data, offset)).await
     }
 
@@ -400,7 +436,7 @@ impl Device for FileDevice {
         let f = self.file.clone();
         on_pool(move || {
             match fallocate(
-                &f,
+                f.file(),
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
                 offset,
                 len,
@@ -420,7 +456,9 @@ impl Device for FileDevice {
     }
 
     fn prefers_batches(&self) -> bool {
-        true
+        // Writes that end in the page cache; a direct write waits for the device, and many
+        // at once are what it wants.
+        !self.file.direct()
     }
 
     fn set_fence(&self, fence: Arc<Fence>) {
@@ -456,7 +494,7 @@ impl Device for FileDevice {
 /// Zeroes a range of a file or block device: deallocated (`may_trim`) or zeroed in place by
 /// `fallocate` where the file system can, written out otherwise.
 fn zero_range(
-    f: &File,
+    f: &FileIo,
     regular: bool,
     offset: u64,
     len: u64,
@@ -469,7 +507,7 @@ fn zero_range(
         } else {
             libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
         };
-        match fallocate(f, mode, offset, len) {
+        match fallocate(f.file(), mode, offset, len) {
             Ok(()) => return Ok(()),
             Err(e) if unsupported(&e) => {}
             Err(e) => return Err(e),
@@ -845,17 +883,25 @@ mod tests {
             (first, read)
         };
         let poll_once = |offset: u64, len: usize| poll(false, offset, len);
+        // A read's outcome, from its first poll or after: a pool thread may finish it before
+        // the first poll returns.
+        let finish = |(first, rest): (std::task::Poll<io::Result<Bytes>>, _)| async move {
+            match first {
+                std::task::Poll::Ready(r) => r,
+                std::task::Poll::Pending => rest.await,
+            }
+        };
         let at = 512 << 10;
         let waits = || INLINE_WAITS.with(|n| n.get());
         let before = waits();
-        let (_, rest) = poll_once(at, 4096);
+        let read = poll_once(at, 4096);
         assert_eq!(
             waits(),
             before,
             "a read from the disk ran inline on the connection thread"
         );
         let want = &data[at as usize..at as usize + 4096];
-        assert_eq!(rest.await.unwrap()[..], want[..]);
+        assert_eq!(finish(read).await.unwrap()[..], want[..]);
         // Now in the page cache: inline, answered in the first poll.
         match poll_once(at, 4096).0 {
             std::task::Poll::Ready(r) => assert_eq!(r.unwrap()[..], want[..]),
@@ -863,9 +909,9 @@ mod tests {
         }
         assert_eq!(read_cached(&f, &mut buf, at).unwrap(), 4096);
         // What the page cache holds of a range inline, the rest from the disk: whole.
-        let (_, whole) = poll_once(at, 256 << 10);
+        let whole = poll_once(at, 256 << 10);
         assert_eq!(
-            whole.await.unwrap()[..],
+            finish(whole).await.unwrap()[..],
             data[at as usize..(at + (256 << 10)) as usize]
         );
         // Alone, a read from the disk is answered inline, in its first poll.

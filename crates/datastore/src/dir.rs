@@ -247,8 +247,8 @@ impl Datastore for DirDatastore {
         if i64::try_from(size).is_err() {
             return Err(too_large());
         }
-        let (f, id) = (file.clone(), v.id);
-        let dev = blocking(move || FileDevice::create_with(&f, size, |file| tag(file, id)))
+        let (f, id, direct) = (file.clone(), v.id, self.spec.direct);
+        let dev = blocking(move || FileDevice::create_with(&f, size, direct, |file| tag(file, id)))
             .await
             .map_err(|e| {
                 if e.kind() == std::io::ErrorKind::AlreadyExists {
@@ -272,22 +272,24 @@ impl Datastore for DirDatastore {
 
     async fn open_volume(&self, v: &VolumeSpec) -> Result<Extent> {
         let file = self.file_of(v);
-        let f = file.clone();
-        let dev = blocking(move || FileDevice::open(&f)).await.map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                Error::NotFound(format!(
-                    "volume {:?}: its image {} is missing from datastore {:?}",
-                    v.name,
-                    file.display(),
-                    self.spec.name
-                ))
-            } else {
-                Error::Io {
-                    what: format!("open {}", file.display()),
-                    source: e,
+        let (f, direct) = (file.clone(), self.spec.direct);
+        let dev = blocking(move || FileDevice::open_with(&f, direct))
+            .await
+            .map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Error::NotFound(format!(
+                        "volume {:?}: its image {} is missing from datastore {:?}",
+                        v.name,
+                        file.display(),
+                        self.spec.name
+                    ))
+                } else {
+                    Error::Io {
+                        what: format!("open {}", file.display()),
+                        source: e,
+                    }
                 }
-            }
-        })?;
+            })?;
         use crate::device::Device;
         if dev.size() < v.size {
             return Err(Error::Invalid(format!(
@@ -383,6 +385,7 @@ mod tests {
             kind: Kind::Dir { path: p.clone() },
             class: Default::default(),
             queue_depth: 4,
+            direct: false,
         };
         let ds = DirDatastore::open(
             spec,

@@ -13,6 +13,7 @@
 pub mod device;
 pub mod dir;
 pub mod fence;
+pub mod fileio;
 pub mod label;
 mod losses;
 pub mod lun;
@@ -93,6 +94,22 @@ pub struct DatastoreSpec {
     pub class: Class,
     #[serde(default = "default_queue_depth")]
     pub queue_depth: u32,
+    /// Read and write a datastore reached by path with `O_DIRECT`, bypassing this host's page
+    /// cache: for storage several hosts share (a SAN disk, NFS). See [`fileio`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub direct: bool,
+}
+
+/// Whether `direct` may be asked of a datastore of `kind`: only of one reached by path (an NBD
+/// server's cache is the same for all its clients already).
+pub fn check_direct(kind: &Kind, direct: bool) -> std::result::Result<(), String> {
+    match kind {
+        Kind::Lun { target, .. } if direct && lun::is_nbd_uri(target) => Err(format!(
+            "direct applies to a datastore reached by path; {target} is an NBD export, which \
+             every host reaches through the same server"
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn default_queue_depth() -> u32 {
@@ -625,8 +642,20 @@ mod tests {
             },
             class: Class::Ssd,
             queue_depth: 16,
+            direct: false,
         };
         let j = serde_json::to_value(&s).unwrap();
+        assert!(
+            j.get("direct").is_none(),
+            "records stay as older builds wrote them"
+        );
+        let direct = DatastoreSpec {
+            direct: true,
+            ..s.clone()
+        };
+        let d = serde_json::to_value(&direct).unwrap();
+        assert_eq!(d["direct"], true);
+        assert_eq!(serde_json::from_value::<DatastoreSpec>(d).unwrap(), direct);
         assert_eq!(j["kind"], "lun");
         assert_eq!(j["target"], "nbd://127.0.0.1:10810/x");
         let back: DatastoreSpec = serde_json::from_value(j).unwrap();

@@ -69,7 +69,7 @@ pub fn is_nbd_uri(target: &str) -> bool {
     target.starts_with("nbd://") || target.starts_with("nbd+unix://")
 }
 
-async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
+async fn open_device(name: &str, target: &str, direct: bool) -> Result<Arc<dyn Device>> {
     if is_nbd_uri(target) {
         let uri = nbd::uri::NbdUri::parse(target).map_err(|e| Error::Invalid(e.to_string()))?;
         let d = NbdDevice::connect(&uri, NBD_POOL_DEFAULT)
@@ -78,7 +78,7 @@ async fn open_device(name: &str, target: &str) -> Result<Arc<dyn Device>> {
         Ok(Arc::new(d))
     } else {
         let p = Path::new(target).to_owned();
-        let d = crate::device::blocking(move || FileDevice::open(&p))
+        let d = crate::device::blocking(move || FileDevice::open_with(&p, direct))
             .await
             .map_err(|e| {
                 Error::Invalid(format!(
@@ -99,7 +99,7 @@ pub async fn label_pod(spec: &DatastoreSpec) -> Option<Option<Uuid>> {
     let Kind::Lun { target, lun_id } = &spec.kind else {
         return None;
     };
-    let dev = open_device(&spec.name, target).await.ok()?;
+    let dev = open_device(&spec.name, target, spec.direct).await.ok()?;
     let head = dev.read_at(0, label::DATA_START as usize).await.ok()?;
     let (l, _) = decode_label(&head, &spec.name, target).ok()?;
     if lun_id.is_some_and(|id| id != l.lun_id) {
@@ -125,7 +125,7 @@ impl LunDatastore {
                 spec.kind_name()
             );
         };
-        let dev = open_device(&spec.name, target).await?;
+        let dev = open_device(&spec.name, target, spec.direct).await?;
         Self::open_on(dev, spec, mode, pod).await
     }
 
@@ -425,11 +425,7 @@ impl LunDatastore {
         self.unfenced(since, "write the volume table")?;
         let slot = Table::slot_of(t.generation);
         self.dev
-            .write_at(
-                label::TABLE_SLOT_OFFSETS[slot],
-                bytes::Bytes::from(t.encode()),
-                true,
-            )
+            .write_at(label::TABLE_SLOT_OFFSETS[slot], table_bytes(t), true)
             .await
             .map_err(io_err(format!(
                 "write volume table of datastore {:?}",
@@ -666,6 +662,14 @@ async fn watch_owner(
     }
 }
 
+/// Table `t` as written to its slot: padded with zeroes to whole 4 KiB blocks, which every
+/// device takes (`O_DIRECT` wants whole sectors); [`Table::decode`] reads only the table.
+fn table_bytes(t: &Table) -> bytes::Bytes {
+    let mut b = t.encode();
+    b.resize(b.len().next_multiple_of(label::LABEL_LEN), 0);
+    bytes::Bytes::from(b)
+}
+
 async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
     let before = dev.losses();
     // Clear both table slots first so a stale table from an earlier life is never read back.
@@ -674,12 +678,8 @@ async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
             .await?;
     }
     let slot = Table::slot_of(t.generation);
-    dev.write_at(
-        label::TABLE_SLOT_OFFSETS[slot],
-        bytes::Bytes::from(t.encode()),
-        false,
-    )
-    .await?;
+    dev.write_at(label::TABLE_SLOT_OFFSETS[slot], table_bytes(t), false)
+        .await?;
     crate::device::flush_since(dev, before).await?;
     // The label goes last: a device with a label always has a valid table.
     write_label(dev, l).await
@@ -921,6 +921,7 @@ mod tests {
             },
             class: Class::Hdd,
             queue_depth: 4,
+            direct: false,
         }
     }
 
@@ -1352,7 +1353,17 @@ mod tests {
     /// again (a peer replaying it), must get V's new extent, not write into W.
     #[tokio::test]
     async fn a_volume_moved_by_another_host_opens_at_its_new_extent() {
-        let dir = std::env::temp_dir().join(format!("vesta-lun-{}", std::process::id()));
+        // Through the page cache and with O_DIRECT (label, tables, zeroing and volume IO
+        // all aligned as it needs), on the disk the repository is on (tmpfs is memory).
+        for direct in [false, true] {
+            a_volume_moved_by_another_host_opens_at_its_new_extent_with(direct).await;
+        }
+    }
+
+    async fn a_volume_moved_by_another_host_opens_at_its_new_extent_with(direct: bool) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-tmp")
+            .join(format!("vesta-lun-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let img = dir.join("lun.img");
         let f = std::fs::File::create(&img).unwrap();
@@ -1360,6 +1371,10 @@ mod tests {
         let add = OpenMode::Add {
             force: false,
             take_over: None,
+        };
+        let spec = |img: &Path| DatastoreSpec {
+            direct,
+            ..spec(img)
         };
         let a = LunDatastore::open(spec(&img), add, None).await.unwrap();
         let mut recorded = spec(&img);
@@ -1382,6 +1397,7 @@ mod tests {
             .await
             .unwrap();
         let w_reads = on_w.read(0, 4096).await.unwrap();
+        assert_eq!(on_v.read(0, 4096).await.unwrap()[..], [7u8; 4096]);
         let _ = std::fs::remove_dir_all(&dir);
         assert!(
             w_reads.iter().all(|b| *b == 0),

@@ -131,6 +131,10 @@ enum DatastoreCmd {
         /// pod can no longer use it. Only once that pod is gone for good.
         #[arg(long, value_name = "POD")]
         take_over: Option<String>,
+        /// Read and write it with O_DIRECT, past this host's page cache: for a directory or
+        /// device that several hosts share (NFS, a SAN disk). Not for NBD URIs.
+        #[arg(long)]
+        direct: bool,
     },
     /// List datastores with capacity and status.
     List,
@@ -414,6 +418,15 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) {
 }
 
 /// Free space, and how much of it sparse volume images may still take as they are written.
+/// A datastore's kind, and `/direct` where it is read and written with `O_DIRECT`.
+fn kind_shown(d: &api::DatastoreInfo) -> String {
+    if d.direct {
+        format!("{}/direct", d.kind)
+    } else {
+        d.kind.clone()
+    }
+}
+
 fn free_shown(d: &api::DatastoreInfo) -> String {
     match d.unwritten_bytes.filter(|n| *n > 0) {
         Some(u) => format!("{} ({} unwritten)", opt_size(d.free_bytes), format_size(u)),
@@ -472,6 +485,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             queue_depth,
             force,
             take_over,
+            direct,
         }) => {
             let dir = match dir {
                 Some(d) => Some(
@@ -502,6 +516,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 queue_depth,
                 force,
                 take_over,
+                direct,
             };
             let d: api::DatastoreInfo = c.post("/v1/datastores", &req)?;
             if cli.json {
@@ -510,7 +525,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!(
                 "added datastore {} ({} {}, class {}, queue depth {}, {} free)",
                 d.name,
-                d.kind,
+                kind_shown(&d),
                 d.location,
                 d.class,
                 d.queue_depth,
@@ -533,8 +548,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .map(|d| {
                         let free = free_shown(&d);
                         vec![
-                            d.name,
-                            d.kind,
+                            d.name.clone(),
+                            kind_shown(&d),
                             d.class,
                             d.queue_depth.to_string(),
                             opt_size(d.total_bytes),

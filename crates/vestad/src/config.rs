@@ -234,6 +234,10 @@ pub struct DatastoreConfig {
     /// no longer use it. Naming the pod keeps a config copied elsewhere from taking another.
     #[serde(default)]
     pub take_over: Option<uuid::Uuid>,
+    /// Read and write it with `O_DIRECT`, past this host's page cache: for a datastore
+    /// reached by path that several hosts share (a SAN disk, NFS).
+    #[serde(default)]
+    pub direct: bool,
 }
 
 impl Default for Config {
@@ -254,6 +258,7 @@ impl Default for Config {
                 queue_depth: None,
                 force: false,
                 take_over: None,
+                direct: false,
             }],
         }
     }
@@ -404,11 +409,14 @@ impl Config {
         if queue_depth == 0 {
             bail!("datastore {:?}: queue_depth must be at least 1", d.name);
         }
+        datastore::check_direct(&kind, d.direct)
+            .map_err(|e| anyhow::anyhow!("datastore {:?}: {e}", d.name))?;
         Ok(DatastoreSpec {
             name: d.name.clone(),
             kind,
             class,
             queue_depth,
+            direct: d.direct,
         })
     }
 }

@@ -1307,11 +1307,13 @@ impl Daemon {
             None => datastore::Class::default(),
         };
         let queue_depth = req.queue_depth.unwrap_or(datastore::QUEUE_DEPTH_DEFAULT);
+        datastore::check_direct(&kind, req.direct).map_err(OpError::BadRequest)?;
         let spec = DatastoreSpec {
             name: req.name.clone(),
             kind,
             class,
             queue_depth,
+            direct: req.direct,
         };
         let take_over = match req.take_over.as_deref().map(str::parse::<Uuid>) {
             None => None,
@@ -2411,13 +2413,14 @@ impl Daemon {
             Kind::Dir { .. } => true,
             Kind::Lun { target, .. } => !target.contains("://"),
         };
-        if by_path && self.coord.kind() != "local" {
+        if by_path && !spec.direct && self.coord.kind() != "local" {
             warn!(
                 "datastore {:?} ({} {}) is reached by path: do not share it with other hosts \
                  of the cluster (NFS, a SAN disk). Each host caches it in its own page cache, \
                  so one host may read stale data after another wrote (a peer's replay) and \
-                 write old data back after its lease lapsed. Serve shared storage with an NBD \
-                 server (nbdkit, qemu-nbd) and add it as --lun nbd://…",
+                 write old data back after its lease lapsed. Add shared storage with --direct \
+                 (config: direct = true), which bypasses the page cache, or serve it with an \
+                 NBD server (nbdkit, qemu-nbd) and add it as --lun nbd://…",
                 spec.name,
                 spec.kind_name(),
                 spec.location()
@@ -2787,6 +2790,7 @@ fn datastore_info(
             Kind::Lun { lun_id, .. } => lun_id.map(|u| u.to_string()),
             Kind::Dir { .. } => None,
         },
+        direct: spec.direct,
     }
 }
 

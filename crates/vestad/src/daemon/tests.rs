@@ -292,6 +292,7 @@ fn add_request(name: &str, dir: Option<&Path>, lun: Option<&Path>) -> api::AddDa
         queue_depth: None,
         force: false,
         take_over: None,
+        direct: false,
     }
 }
 
@@ -315,6 +316,7 @@ async fn record_lun(coord: &FailingVault, name: &str, img: &Path, pod: Option<Uu
         },
         class: Default::default(),
         queue_depth: 4,
+        direct: false,
     };
     let add = OpenMode::Add {
         force: false,
@@ -1681,4 +1683,84 @@ async fn a_directory_under_two_datastore_names_keeps_its_images() {
     );
     let got = volume(&d, "v").read(0, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 9));
+}
+
+/// `vesta datastore add --direct`: the datastore is read and written with `O_DIRECT`, so this
+/// host keeps no copy of it in its page cache that another host's writes would leave stale
+/// (and that could be written back past the fence), also once the daemon restarts; an NBD
+/// datastore, which every host reaches through one server, refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datastore_added_direct_keeps_none_of_it_in_the_page_cache() {
+    let dir = TempDir::new("direct");
+    // On the disk the repository is on: tmpfs keeps every page in memory.
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-tmp")
+        .join(format!("vestad-direct-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&shared).unwrap();
+    let coord = coordinator(&dir);
+    let in_memory = |file: &Path, offset: u64| {
+        let f = std::fs::File::open(file).unwrap();
+        datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
+    };
+    let data = Bytes::from((0..8192u32).map(|i| (i % 241) as u8).collect::<Vec<_>>());
+    for round in 0..2 {
+        let d = start(&dir, &coord).await;
+        if round == 0 {
+            let nbd = api::AddDatastore {
+                direct: true,
+                ..add_request("nbd", None, None)
+            };
+            let nbd = api::AddDatastore {
+                lun: Some("nbd://127.0.0.1:1/x".into()),
+                ..nbd
+            };
+            let e = d.add_datastore(nbd).await.unwrap_err();
+            assert!(matches!(e, OpError::BadRequest(_)), "{e}");
+            assert!(e.to_string().contains("NBD"), "{e}");
+            let info = d
+                .add_datastore(api::AddDatastore {
+                    direct: true,
+                    ..add_request("shared", Some(&shared), None)
+                })
+                .await
+                .unwrap();
+            assert!(info.direct);
+            d.create_volume(api::CreateVolume {
+                name: "v".into(),
+                size: 1 << 20,
+                datastore: Some("shared".into()),
+                policy: Some("uncached".into()),
+                hold_s: None,
+                max_dirty_age_s: None,
+                rpo_s: None,
+            })
+            .await
+            .unwrap();
+        }
+        let info = d.datastore_infos().await;
+        let info = info.iter().find(|i| i.name == "shared").unwrap();
+        assert!(info.direct, "round {round}: {info:?}");
+        // A buffered write would leave its pages in the page cache; these leave none.
+        let at = 65536 * (round + 1);
+        let v = volume(&d, "v");
+        v.write(at, data.clone(), false).await.unwrap();
+        assert_eq!(v.read(at, 8192).await.unwrap(), data);
+        let image = shared.join("v.raw");
+        assert!(
+            !in_memory(&image, at),
+            "round {round}: the write is in the page cache"
+        );
+        // What the next host reads from the file itself.
+        let mut back = vec![0u8; 8192];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(&image).unwrap(),
+            &mut back,
+            at,
+        )
+        .unwrap();
+        assert_eq!(back, data);
+        drop(v);
+        d.flush_all().await;
+    }
+    std::fs::remove_dir_all(&shared).unwrap();
 }

@@ -1,0 +1,225 @@
+//! The file under a [`FileDevice`](crate::device::FileDevice): read and written through the
+//! page cache, or with `O_DIRECT`.
+//!
+//! Hosts that share a datastore by path (a SAN disk every host sees as a block device, a
+//! directory on NFS) must not each keep a page cache of it: a host would read its own stale
+//! copy of blocks another host wrote (a peer's replay, a take-over's new label), and the
+//! kernel could write a host's buffered data back after its lease lapsed, past its fence.
+//! With `O_DIRECT` (`direct = true` on the datastore) every read goes to the device and every
+//! write has reached it when it returns.
+//!
+//! `O_DIRECT` wants offsets, lengths and buffers aligned to the device's logical block size.
+//! Vesta's IO is 512-byte aligned (NBD's minimum block), so a file is opened direct only where
+//! 512-byte IO works (not on a 4Kn disk), and every IO goes through a 4 KiB-aligned bounce
+//! buffer of at most [`CHUNK`] bytes: one copy, which is what page-cache IO costs too.
+
+use std::alloc::Layout;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// The alignment `O_DIRECT` IO must have here: offsets and lengths.
+pub const DIRECT_ALIGN: u64 = 512;
+/// Bounce buffers are aligned to this (the page: enough for any device).
+const BUF_ALIGN: usize = 4096;
+/// The most one bounce buffer holds; longer IO goes in pieces.
+pub const CHUNK: usize = 1 << 20;
+
+pub struct FileIo {
+    file: File,
+    direct: bool,
+}
+
+impl FileIo {
+    /// Through the page cache.
+    pub fn cached(file: File) -> FileIo {
+        FileIo {
+            file,
+            direct: false,
+        }
+    }
+
+    /// Opens `path` for reading and writing with `O_DIRECT`. Fails where the file system
+    /// cannot (tmpfs before Linux 6.6), or where 512-byte IO is refused (a 4Kn disk).
+    pub fn open_direct(path: &Path) -> io::Result<FileIo> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!("{}: cannot open with O_DIRECT: {e}", path.display()),
+                )
+            })?;
+        let io = FileIo { file, direct: true };
+        // One sector, not at offset 0: a device that wants larger blocks refuses it.
+        let mut probe = Bounce::zeroed(DIRECT_ALIGN as usize);
+        match io.file.read_at(probe.as_mut(), DIRECT_ALIGN) {
+            Ok(_) => Ok(io),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: O_DIRECT here needs IO aligned to more than {DIRECT_ALIGN} bytes (a \
+                     4Kn disk?); Vesta's IO is {DIRECT_ALIGN}-byte aligned",
+                    path.display()
+                ),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// The file itself, for what is neither a read nor a write (`fdatasync`, `fallocate`).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    pub fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn check_aligned(offset: u64, len: usize) -> io::Result<()> {
+        if offset.is_multiple_of(DIRECT_ALIGN) && (len as u64).is_multiple_of(DIRECT_ALIGN) {
+            return Ok(());
+        }
+        Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "O_DIRECT IO must be {DIRECT_ALIGN}-byte aligned: {len} bytes at offset {offset}"
+            ),
+        ))
+    }
+
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        if !self.direct {
+            return self.file.read_exact_at(buf, offset);
+        }
+        Self::check_aligned(offset, buf.len())?;
+        let mut bounce = Bounce::zeroed(buf.len().clamp(1, CHUNK));
+        for (i, piece) in buf.chunks_mut(CHUNK).enumerate() {
+            let b = &mut bounce.as_mut()[..piece.len()];
+            self.file.read_exact_at(b, offset + (i * CHUNK) as u64)?;
+            piece.copy_from_slice(b);
+        }
+        Ok(())
+    }
+
+    pub fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
+        if !self.direct {
+            return self.file.write_all_at(data, offset);
+        }
+        Self::check_aligned(offset, data.len())?;
+        let mut bounce = Bounce::zeroed(data.len().clamp(1, CHUNK));
+        for (i, piece) in data.chunks(CHUNK).enumerate() {
+            let b = &mut bounce.as_mut()[..piece.len()];
+            b.copy_from_slice(piece);
+            self.file.write_all_at(b, offset + (i * CHUNK) as u64)?;
+        }
+        Ok(())
+    }
+}
+
+/// A zeroed buffer aligned to [`BUF_ALIGN`], as `O_DIRECT` needs.
+struct Bounce {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: Bounce owns its allocation alone, like a Vec<u8>.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    fn zeroed(len: usize) -> Bounce {
+        let layout = Layout::from_size_align(len.max(1), BUF_ALIGN).expect("a valid layout");
+        // SAFETY: the layout's size is not zero.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Bounce { ptr, layout }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `layout.size()` initialized (zeroed) bytes this Bounce owns,
+        // borrowed mutably through `self` for the slice's life.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this very layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::read_cached;
+    use std::os::unix::io::AsRawFd;
+
+    /// A directory on the disk the repository is on (tmpfs is the page cache itself).
+    fn dir() -> std::path::PathBuf {
+        let d = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../target/test-tmp")
+            .join(format!("vesta-fileio-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn direct_io_reads_back_what_it_wrote_and_leaves_nothing_in_the_page_cache() {
+        let d = dir();
+        let path = d.join("f.raw");
+        let f = File::create(&path).unwrap();
+        f.set_len(4 << 20).unwrap();
+        drop(f);
+        let io = FileIo::open_direct(&path).unwrap();
+        assert!(io.direct());
+        // Longer than a bounce buffer, sector-aligned but not page-aligned, odd lengths of
+        // sectors.
+        let data: Vec<u8> = (0..(CHUNK + 3 * 512) as u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+            .collect();
+        for (at, len) in [
+            (512u64, 512usize),
+            (4096 + 1536, 2560),
+            (1 << 20, data.len()),
+        ] {
+            io.write_all_at(&data[..len], at).unwrap();
+            let mut back = vec![0u8; len];
+            io.read_exact_at(&mut back, at).unwrap();
+            assert!(back == data[..len], "{len} bytes at {at}");
+        }
+        // What a plain reader of the file sees: the writes reached it.
+        let plain = File::open(&path).unwrap();
+        let mut b = vec![0u8; 2560];
+        plain.read_exact_at(&mut b, 4096 + 1536).unwrap();
+        assert!(b == data[..2560]);
+        // The page cache holds none of what direct IO read or wrote (after the plain read's
+        // pages are dropped again).
+        // SAFETY: posix_fadvise takes a valid fd and scalars.
+        assert_eq!(
+            unsafe { libc::posix_fadvise(plain.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) },
+            0
+        );
+        let mut back = vec![0u8; 4096];
+        io.read_exact_at(&mut back, 1 << 20).unwrap();
+        let e = read_cached(&plain, &mut b[..512], 1 << 20).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock, "{e}");
+        // Unaligned IO is refused, not done wrong.
+        for (at, len) in [(100u64, 512usize), (512, 100)] {
+            let e = io.write_all_at(&data[..len], at).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+            let e = io.read_exact_at(&mut vec![0; len], at).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
