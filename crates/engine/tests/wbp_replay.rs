@@ -381,8 +381,19 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
             "nothing was taken"
         );
     }
+    // As the peer service answers a replaying host's `held`: held first, then measured.
+    q.replica_hold(id, gen);
     let q_held = q.replica_held(id, gen, 0).unwrap();
     assert_eq!(q_held, 2);
+    // The owner's checkpoint of writes 1 and 2, still on its way to Q when it answered,
+    // arrives now: had Q taken it, it would continue P's replay from 2 and skip write 1,
+    // which P's replay may have set back over newer data by then.
+    q.replica_checkpoint(id, gen, 2).unwrap();
+    assert_eq!(
+        q.replica_sets()[0].checkpoint,
+        0,
+        "a checkpoint after Q said how far it holds moved it on"
+    );
     assert!(
         matches!(
             q.replica_held(id, gen + 1, 0),

@@ -122,6 +122,9 @@ impl peer::Sink for PeerService {
         self.cache.replica_drop(volume, gen).map_err(refusal)
     }
     fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<peer::Holding, Refusal> {
+        // The asker replays from what this answers: no later checkpoint may move this host
+        // past it.
+        self.cache.replica_hold(volume, gen);
         let upto = self
             .cache
             .replica_held(volume, gen, from)

@@ -42,6 +42,12 @@ pub(super) struct ReplicaSet {
     /// This host is replaying the volume ([`CacheHost::replica_seal`]): it takes no more of
     /// its writes, so no write of its owner can complete from then on.
     sealed: bool,
+    /// This host told a replaying host how far it holds the set ([`CacheHost::replica_hold`]):
+    /// the owner's checkpoints no longer release anything. A checkpoint still on its way
+    /// from the owner could otherwise move this host past where that replay started; if the
+    /// replay then stopped short of it, this host would continue from the later checkpoint
+    /// and skip writes the replay had set back on the datastore.
+    held: bool,
 }
 
 /// What `vesta host` and the daemon's replay watcher see of one volume's replicas.
@@ -417,14 +423,14 @@ impl CacheHost {
         let Some(set) = sets.get_mut(&volume) else {
             return Ok(());
         };
-        if set.gen != gen || ser <= set.checkpoint {
+        if set.gen != gen || ser <= set.checkpoint || set.held {
             return Ok(());
         }
         drop(sets);
         // The checkpoint goes into the log before the records it covers are released.
         self.append_meta_for(volume, ser, gen)?;
         let mut sets = lock(&self.replicas);
-        if let Some(set) = sets.get_mut(&volume).filter(|s| s.gen == gen) {
+        if let Some(set) = sets.get_mut(&volume).filter(|s| s.gen == gen && !s.held) {
             set.release(&self.shared.log, ser);
             set.checkpoint = set.checkpoint.max(ser);
         }
@@ -517,6 +523,20 @@ impl CacheHost {
         Err(ReplicaRefusal::Absent(format!(
             "this host holds nothing of volume {volume}"
         )))
+    }
+
+    /// Another host asks how far this one holds `volume`'s replicas of generation `gen`
+    /// because it is about to replay them (or its owner's hand-off found no taker): from now
+    /// on the owner's checkpoints of that generation release nothing here (see
+    /// `ReplicaSet::held`). Asked before [`CacheHost::replica_held`] measures, so no
+    /// checkpoint lands between the answer and this.
+    pub fn replica_hold(&self, volume: Uuid, gen: u64) {
+        if let Some(set) = lock(&self.replicas)
+            .get_mut(&volume)
+            .filter(|s| s.gen == gen)
+        {
+            set.held = true;
+        }
     }
 
     /// Online replay, before anything else: this host takes no more of `volume`'s writes
