@@ -1993,6 +1993,16 @@ impl VolCache {
         drop(done);
         // Complete in ser order: see the module doc.
         self.wait_until(|st| st.done_ser >= ser).await;
+        if mode == Mode::Wb && peers.is_none() && self.shared.log.is_failed() {
+            // A lower write's append may have failed as the cache device died while this one
+            // waited: recovery stops at the first missing ser, and nothing destages from a
+            // failed log, so this write is nowhere it could be kept. (With peers it is on
+            // theirs, and their replay finishes it.)
+            return Err(Error::Cache(format!(
+                "the cache device {} failed before this write could complete",
+                self.shared.log.device().describe()
+            )));
+        }
         // Destageable now: the host budget may count it as freeable.
         drop(charge);
         if through {
