@@ -751,6 +751,7 @@ impl Volume {
                 }
                 _ => route.clone(),
             };
+            let recorded = matches!((&route, &hook), (Route::Cached(_), Some(_)));
             if let (Route::Cached(c), Some(h)) = (&route, hook) {
                 let (gen, checkpoint) = c.switch_marks();
                 // Only peers the vault names can replay: without any, nothing to hold for.
@@ -779,7 +780,25 @@ impl Volume {
                 self.release_writes();
             }
             match (&route, mode_of(new)) {
-                (Route::Cached(c), Some(mode)) => c.switch_mode(mode, peers)?,
+                (Route::Cached(c), Some(mode)) => {
+                    if let Err(e) = c.switch_mode(mode, peers) {
+                        if !recorded {
+                            return Err(e);
+                        }
+                        // The hook recorded the new generation (and the peers it names), but
+                        // the cache still writes in the old one: writes completed now could
+                        // be dropped by a restart that finds the vault newer, or be missing
+                        // from those peers. As for a failed hook: held until the owner
+                        // records the vault again from what the volume runs in, in wt.
+                        self.writes_held.store(true, Ordering::SeqCst);
+                        c.switch_mode(Mode::Wt, None)?;
+                        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
+                        return Err(Error::Cache(format!(
+                            "{e}; the volume is in wt, its writes held until its vault is \
+                             recorded"
+                        )));
+                    }
+                }
                 (Route::Cached(c), None) => {
                     let r = host.detach(c).await;
                     self.set_route(Route::Uncached);

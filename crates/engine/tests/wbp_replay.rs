@@ -269,6 +269,62 @@ async fn a_failed_switch_hook_leaves_the_volume_in_wt() {
     );
 }
 
+/// The hook records the new generation, and then the cache cannot switch to it (here its
+/// device fails as the hook runs): the vault names a generation the volume does not write
+/// in, so its writes are held, as after a failed hook, until the owner records the vault
+/// again. Before, they went on in the old generation, which a restart that finds the vault
+/// newer drops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_that_fails_after_its_hook_recorded_it_holds_the_writes() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let host = CacheHost::open(dev.clone(), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wt,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    host.finish_recovery(&[id]).unwrap();
+    vol.write(0, Bytes::from(vec![1u8; 4096]), false)
+        .await
+        .unwrap();
+    let failing = dev.clone();
+    let hook: engine::SwitchHook = Box::new(move |_, _| {
+        Box::pin(async move {
+            failing.fail();
+            Ok(())
+        })
+    });
+    vol.set_policy_with(
+        Policy::Wbp {
+            peers: 1,
+            rule: PeerRule::Any,
+        },
+        Some(Arc::new(Direct { peer, volume: id })),
+        Some(hook),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        vol.writes_held(),
+        "writes go on in a generation the vault does not name"
+    );
+    let w = vol.write(8192, Bytes::from(vec![2u8; 4096]), false);
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(300), w)
+            .await
+            .is_err(),
+        "a write completed while the vault names another generation"
+    );
+}
+
 /// A peer takes only whole sectors, and only for a generation it was opened for.
 #[test]
 fn a_peer_refuses_malformed_and_stale_writes() {
