@@ -240,17 +240,7 @@ async fn a_failed_switch_hook_leaves_the_volume_in_wt() {
     };
     let hook: engine::SwitchHook =
         Box::new(|_, _| Box::pin(async { Err("vault write: no answer".to_string()) }));
-    let e = vol
-        .set_policy_with(
-            Policy::Wbp {
-                peers: 1,
-                rule: PeerRule::Any,
-            },
-            Some(Arc::new(Direct { peer, volume: id })),
-            Some(hook),
-        )
-        .await
-        .unwrap_err();
+    let e = to_wbp_1(&vol, peer, id, hook).await.unwrap_err();
     assert!(e.to_string().contains("in wt meanwhile"), "{e}");
     assert_eq!(vol.policy(), Policy::Wt);
     drive.abort();
@@ -267,6 +257,25 @@ async fn a_failed_switch_hook_leaves_the_volume_in_wt() {
         img[8192..12288].iter().all(|b| *b == 2),
         "wt writes reach the datastore"
     );
+}
+
+/// Switches `vol` (volume `id`) to `wbp:1` with `peer` as its peer, running `hook` as the
+/// daemon's vault record would run.
+async fn to_wbp_1(
+    vol: &Volume,
+    peer: Arc<CacheHost>,
+    id: Uuid,
+    hook: engine::SwitchHook,
+) -> Result<(), engine::Error> {
+    vol.set_policy_with(
+        Policy::Wbp {
+            peers: 1,
+            rule: PeerRule::Any,
+        },
+        Some(Arc::new(Direct { peer, volume: id })),
+        Some(hook),
+    )
+    .await
 }
 
 /// The hook records the new generation, and then the cache cannot switch to it (here its
@@ -302,16 +311,7 @@ async fn a_switch_that_fails_after_its_hook_recorded_it_holds_the_writes() {
             Ok(())
         })
     });
-    vol.set_policy_with(
-        Policy::Wbp {
-            peers: 1,
-            rule: PeerRule::Any,
-        },
-        Some(Arc::new(Direct { peer, volume: id })),
-        Some(hook),
-    )
-    .await
-    .unwrap_err();
+    to_wbp_1(&vol, peer, id, hook).await.unwrap_err();
     assert!(
         vol.writes_held(),
         "writes go on in a generation the vault does not name"
