@@ -316,11 +316,15 @@ impl Daemon {
                     rec.location()
                 ),
                 Some(rec) => {
-                    // Class and queue depth follow the config.
+                    // Class, queue depth and O_DIRECT follow the config.
                     let mut rec = rec.clone();
-                    if rec.class != spec.class || rec.queue_depth != spec.queue_depth {
+                    if rec.class != spec.class
+                        || rec.queue_depth != spec.queue_depth
+                        || rec.direct != spec.direct
+                    {
                         rec.class = spec.class;
                         rec.queue_depth = spec.queue_depth;
+                        rec.direct = spec.direct;
                         d.coord.update_datastore(rec).await?;
                     }
                 }

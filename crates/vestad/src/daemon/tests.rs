@@ -203,10 +203,12 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(tag: &str) -> TempDir {
+        // Unique even for two tests of one tag in one second (two used "alias", and shared
+        // a directory when they ran side by side).
         let p = std::env::temp_dir().join(format!(
             "vestad-{tag}-{}-{}",
             std::process::id(),
-            now_unix()
+            Uuid::new_v4()
         ));
         let _ = std::fs::remove_dir_all(&p);
         std::fs::create_dir_all(&p).unwrap();
@@ -1760,6 +1762,50 @@ async fn a_datastore_added_direct_keeps_none_of_it_in_the_page_cache() {
         .unwrap();
         assert_eq!(back, data);
         drop(v);
+        d.flush_all().await;
+    }
+    std::fs::remove_dir_all(&shared).unwrap();
+}
+
+/// `direct = true` in the config of a datastore added before without it takes effect at the
+/// next start, as its class and queue depth do: before, the stored spec won and the
+/// datastore went on through the page cache, the config saying otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_datastore_follows_the_configs_direct() {
+    let dir = TempDir::new("direct-config");
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-tmp")
+        .join(format!("vestad-direct-config-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&shared).unwrap();
+    let coord = coordinator(&dir);
+    let image = shared.join("v.raw");
+    let in_memory = |offset: u64| {
+        let f = std::fs::File::open(&image).unwrap();
+        datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
+    };
+    for direct in [false, true] {
+        let config = Config::parse(&format!(
+            "data_dir = \"{}\"\n[[datastore]]\nname = \"default\"\nkind = \"dir\"\n\
+             path = \"{}\"\ndirect = {direct}\n",
+            dir.0.display(),
+            shared.display()
+        ))
+        .unwrap();
+        let dev = cachelog::FileCache::open(&dir.0.join("cache.img"), 32 << 20).unwrap();
+        let cache = CacheHost::open(Arc::new(dev), engine::cache::SEGMENT_DEFAULT).unwrap();
+        let c: Arc<dyn Coordinator> = coord.clone();
+        let d = Daemon::start(config, c, Some(cache)).await.unwrap();
+        if !direct {
+            create_v(&d, "uncached").await;
+        }
+        let info = d.datastore_infos().await;
+        assert_eq!(info[0].direct, direct);
+        let at = if direct { 65536 } else { 0 };
+        volume(&d, "v")
+            .write(at, Bytes::from(vec![7u8; 4096]), false)
+            .await
+            .unwrap();
+        assert_eq!(in_memory(at), !direct, "direct = {direct}");
         d.flush_all().await;
     }
     std::fs::remove_dir_all(&shared).unwrap();
