@@ -450,6 +450,20 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         0,
         "a checkpoint after Q said how far it holds moved it on"
     );
+    // A new generation opened on Q is not held: its checkpoints release its writes.
+    let other = Uuid::new_v4();
+    q.replica_open("owner", other, 1, 0).unwrap();
+    q.replica_hold(other, 1);
+    q.replica_open("owner", other, 2, 0).unwrap();
+    q.replica_write(other, 2, 1, 0, 4096, Some(&[9u8; 4096]))
+        .unwrap();
+    q.replica_checkpoint(other, 2, 1).unwrap();
+    let set = q
+        .replica_sets()
+        .into_iter()
+        .find(|s| s.volume == other)
+        .unwrap();
+    assert_eq!((set.checkpoint, set.writes), (1, 0), "{set:?}");
     assert!(
         matches!(
             q.replica_held(id, gen + 1, 0),

@@ -227,6 +227,8 @@ impl CacheHost {
             set.release(log, u64::MAX);
             set.gen = gen;
             set.checkpoint = 0;
+            // What this host said it held was of the old generation.
+            set.held = false;
         }
         set.from = from.to_owned();
         set.release(log, checkpoint);
