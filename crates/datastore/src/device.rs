@@ -850,11 +850,7 @@ mod tests {
     /// Its data is whole either way.
     #[tokio::test]
     async fn a_read_waits_for_the_disk_on_the_pool_not_on_the_connection_thread() {
-        // On the disk the repository is on: a tmpfs temporary directory keeps every page.
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-tmp")
-            .join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::fileio::on_disk("dev");
         let path = dir.join("f.raw");
         let d = FileDevice::create(&path, 1 << 20).unwrap();
         let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();

@@ -207,24 +207,26 @@ impl Drop for Bounce {
     }
 }
 
+/// A new directory `vesta-TAG-…` on the disk the repository is on, for tests of what the
+/// page cache holds or of `O_DIRECT` (tmpfs is the page cache itself); the test removes it.
+#[cfg(test)]
+pub(crate) fn on_disk(tag: &str) -> std::path::PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-tmp")
+        .join(format!("vesta-{tag}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::device::read_cached;
     use std::os::unix::io::AsRawFd;
 
-    /// A directory on the disk the repository is on (tmpfs is the page cache itself).
-    fn dir() -> std::path::PathBuf {
-        let d = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-tmp")
-            .join(format!("vesta-fileio-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     #[test]
     fn direct_io_reads_back_what_it_wrote_and_leaves_nothing_in_the_page_cache() {
-        let d = dir();
+        let d = on_disk("fileio");
         let path = d.join("f.raw");
         let f = File::create(&path).unwrap();
         f.set_len(4 << 20).unwrap();

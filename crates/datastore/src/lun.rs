@@ -1361,10 +1361,7 @@ mod tests {
     }
 
     async fn a_volume_moved_by_another_host_opens_at_its_new_extent_with(direct: bool) {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../target/test-tmp")
-            .join(format!("vesta-lun-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::fileio::on_disk("lun");
         let img = dir.join("lun.img");
         let f = std::fs::File::create(&img).unwrap();
         f.set_len(64 << 20).unwrap();

@@ -1687,6 +1687,22 @@ async fn a_directory_under_two_datastore_names_keeps_its_images() {
     assert!(got.iter().all(|b| *b == 9));
 }
 
+/// A new directory on the disk the repository is on, for tests of what the page cache holds
+/// (tmpfs keeps every page in memory); the test removes it.
+fn on_disk(tag: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/test-tmp")
+        .join(format!("vestad-{tag}-{}", Uuid::new_v4()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Whether the page cache holds the 4 KiB of `file` at `offset`.
+fn in_page_cache(file: &Path, offset: u64) -> bool {
+    let f = std::fs::File::open(file).unwrap();
+    datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
+}
+
 /// `vesta datastore add --direct`: the datastore is read and written with `O_DIRECT`, so this
 /// host keeps no copy of it in its page cache that another host's writes would leave stale
 /// (and that could be written back past the fence), also once the daemon restarts; an NBD
@@ -1694,16 +1710,8 @@ async fn a_directory_under_two_datastore_names_keeps_its_images() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_datastore_added_direct_keeps_none_of_it_in_the_page_cache() {
     let dir = TempDir::new("direct");
-    // On the disk the repository is on: tmpfs keeps every page in memory.
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/test-tmp")
-        .join(format!("vestad-direct-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&shared).unwrap();
+    let shared = on_disk("direct");
     let coord = coordinator(&dir);
-    let in_memory = |file: &Path, offset: u64| {
-        let f = std::fs::File::open(file).unwrap();
-        datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
-    };
     let data = Bytes::from((0..8192u32).map(|i| (i % 241) as u8).collect::<Vec<_>>());
     for round in 0..2 {
         let d = start(&dir, &coord).await;
@@ -1749,7 +1757,7 @@ async fn a_datastore_added_direct_keeps_none_of_it_in_the_page_cache() {
         assert_eq!(v.read(at, 8192).await.unwrap(), data);
         let image = shared.join("v.raw");
         assert!(
-            !in_memory(&image, at),
+            !in_page_cache(&image, at),
             "round {round}: the write is in the page cache"
         );
         // What the next host reads from the file itself.
@@ -1773,16 +1781,9 @@ async fn a_datastore_added_direct_keeps_none_of_it_in_the_page_cache() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_configured_datastore_follows_the_configs_direct() {
     let dir = TempDir::new("direct-config");
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../target/test-tmp")
-        .join(format!("vestad-direct-config-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&shared).unwrap();
+    let shared = on_disk("direct-config");
     let coord = coordinator(&dir);
     let image = shared.join("v.raw");
-    let in_memory = |offset: u64| {
-        let f = std::fs::File::open(&image).unwrap();
-        datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
-    };
     for direct in [false, true] {
         let config = Config::parse(&format!(
             "data_dir = \"{}\"\n[[datastore]]\nname = \"default\"\nkind = \"dir\"\n\
@@ -1805,7 +1806,7 @@ async fn a_configured_datastore_follows_the_configs_direct() {
             .write(at, Bytes::from(vec![7u8; 4096]), false)
             .await
             .unwrap();
-        assert_eq!(in_memory(at), !direct, "direct = {direct}");
+        assert_eq!(in_page_cache(&image, at), !direct, "direct = {direct}");
         d.flush_all().await;
     }
     std::fs::remove_dir_all(&shared).unwrap();
