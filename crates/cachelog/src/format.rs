@@ -215,7 +215,9 @@ pub enum Kind {
     /// A volume write: the payload is the data written at `offset`. Dirty until a checkpoint
     /// at or above its `ser` (in `wt`, written clean: the datastore already has it).
     Data,
-    /// The volume's datastore holds every write up to and including `ser`.
+    /// The volume's datastore holds every write up to and including `ser`. A nonzero `arg` is
+    /// the end of a window being destaged: the datastore may also hold parts of the writes up
+    /// to it (see `OwnerMeta::window_end`). Older builds ignore it.
     Checkpoint,
     /// The volume's policy changed; `arg` holds the policy code (see `Policy` in `engine`).
     Policy,

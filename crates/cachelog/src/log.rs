@@ -85,6 +85,11 @@ pub struct Entry {
 pub struct OwnerMeta {
     /// (ser, gen) of the newest checkpoint: the highest gen, then the highest ser.
     pub checkpoint: Option<(u64, u64)>,
+    /// The window end the newest checkpoint record carries (its `arg`; 0 for none). A record
+    /// with the checkpoint unchanged and the end of the next window goes in (synced) before
+    /// that window's first datastore write: above the checkpoint, the datastore may hold parts
+    /// of every write up to this end, so a replay's first window must reach it.
+    pub window_end: u64,
     /// (arg, gen) of the newest policy record.
     pub policy: Option<(u64, u64)>,
     /// The highest gen of any record of the owner ever seen (kept after [`Log::forget`], so a
@@ -93,9 +98,16 @@ pub struct OwnerMeta {
 }
 
 impl OwnerMeta {
-    fn note_checkpoint(&mut self, ser: u64, gen: u64) {
-        if self.checkpoint.is_none_or(|(s, g)| (gen, ser) >= (g, s)) {
+    /// Takes in a checkpoint record (`ser`, and the window end in `arg`) if it is the newest:
+    /// the highest gen, then ser, then window end. Window ends only grow within a gen, and a
+    /// window's checkpoint is at least its end, so the newest record holds all there is.
+    fn note_checkpoint(&mut self, ser: u64, gen: u64, window_end: u64) {
+        let newest = self
+            .checkpoint
+            .is_none_or(|(s, g)| (gen, ser, window_end) >= (g, s, self.window_end));
+        if newest {
             self.checkpoint = Some((ser, gen));
+            self.window_end = window_end;
         }
     }
 }
@@ -330,9 +342,9 @@ impl Log {
                     let at = meta_at.entry(h.volume).or_default();
                     match h.kind {
                         Kind::Checkpoint => {
-                            let before = m.checkpoint;
-                            m.note_checkpoint(h.ser, h.gen);
-                            if m.checkpoint != before {
+                            let before = (m.checkpoint, m.window_end);
+                            m.note_checkpoint(h.ser, h.gen, h.arg);
+                            if (m.checkpoint, m.window_end) != before {
                                 at.0 = Some(s);
                             }
                         }
@@ -562,7 +574,7 @@ impl Log {
             .encode(self.key)
         };
         if let Some((ser, gen)) = meta.checkpoint {
-            buf.extend_from_slice(&copy(Kind::Checkpoint, ser, gen, 0));
+            buf.extend_from_slice(&copy(Kind::Checkpoint, ser, gen, meta.window_end));
         }
         if let Some((arg, gen)) = meta.policy {
             buf.extend_from_slice(&copy(Kind::Policy, 0, gen, arg));
@@ -696,7 +708,7 @@ impl Log {
                     let m = inner.meta.entry(e.volume).or_default();
                     m.max_gen = m.max_gen.max(e.gen);
                     match e.kind {
-                        Kind::Checkpoint => m.note_checkpoint(e.ser, e.gen),
+                        Kind::Checkpoint => m.note_checkpoint(e.ser, e.gen, e.arg),
                         Kind::Policy => m.policy = Some((e.arg, e.gen)),
                         _ => {}
                     }
@@ -1110,6 +1122,7 @@ impl Log {
         let mut inner = lock(&self.inner);
         if let Some(m) = inner.meta.get_mut(&owner) {
             m.checkpoint = None;
+            m.window_end = 0;
             m.policy = None;
         }
         if let Some(s) = inner.current.remove(&owner) {
@@ -1587,6 +1600,8 @@ mod tests {
         let a = Uuid::new_v4();
         add(&l, &meta_entry(Kind::Policy, a, 0, 2), &[]);
         add(&l, &meta_entry(Kind::Checkpoint, a, 9, 0), &[]);
+        // The end of a window going out above the checkpoint.
+        add(&l, &meta_entry(Kind::Checkpoint, a, 9, 14), &[]);
         // Rotate through segments; nothing holds the old ones, so they are freed.
         for ser in 10..16 {
             add(&l, &data(a, ser, 0, 40 << 10), &vec![0u8; 40 << 10]);
@@ -1609,8 +1624,40 @@ mod tests {
                 checkpoint: Some((9, 1)),
                 policy: Some((2, 1)),
                 max_gen: 1,
+                window_end: 14,
             }
         );
+    }
+
+    #[test]
+    fn the_newest_checkpoint_record_decides_whatever_the_order_they_are_found_in() {
+        // (ser, gen, window end) as a destager writes them: a checkpoint, the end of the window
+        // going out, the window's checkpoint, the next window's end; then a new generation.
+        let records = [(3, 1, 0), (3, 1, 9), (9, 1, 0), (9, 1, 12), (12, 2, 0)];
+        for n in 1..=records.len() {
+            let want = records[..n].iter().max_by_key(|(s, g, w)| (g, s, w)).unwrap();
+            // Every order a scan over rotated segments might meet them in.
+            let mut order: Vec<usize> = (0..n).collect();
+            for rot in 0..n {
+                order.rotate_left(1);
+                for rev in [false, true] {
+                    let mut m = OwnerMeta::default();
+                    let mut seq: Vec<usize> = order.clone();
+                    if rev {
+                        seq.reverse();
+                    }
+                    for i in seq {
+                        let (ser, gen, end) = records[i];
+                        m.note_checkpoint(ser, gen, end);
+                    }
+                    assert_eq!(
+                        (m.checkpoint, m.window_end),
+                        (Some((want.0, want.1)), want.2),
+                        "first {n} records, rotation {rot}, reversed {rev}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -249,6 +249,19 @@ struct VolState {
     after_replay: Option<Mode>,
     /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
     replay_window_bytes: u64,
+    /// Above the checkpoint, the datastore may hold parts of the writes up to this `ser`: the
+    /// end of a window that went out (or began to) and has not been checkpointed, recorded in
+    /// the log before its first datastore write, or found there by recovery. A window that
+    /// starts at or below it reaches at least to it, whatever else would close it, so that its
+    /// checkpoint is a prefix again: a shorter one would set some blocks back while blocks
+    /// written after its end kept newer data. (A crash, or a datastore error, can cut a window
+    /// midway; the window sent again may be composed differently, as a replay's first window
+    /// with its byte cap, or in batches after a held window.)
+    reach: u64,
+    /// The append ticket of the last checkpoint record the destager wrote: synced before the
+    /// next window's first datastore write, so that a recovery never finds more than one
+    /// window out above its checkpoint.
+    checkpoint_ticket: u64,
     /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
     void_upto: u64,
     /// The last `ser` recovered from the log at start-up (the end of the replayed prefix).
@@ -455,6 +468,9 @@ struct Recovered {
     replica: bool,
     /// Without replay, the volume starts at least this generation ([`CacheHost::raise_gen`]).
     min_gen: u64,
+    /// The window end the newest checkpoint record carries, if above the checkpoint
+    /// ([`VolState::reach`]).
+    window_end: u64,
 }
 
 impl Recovered {
@@ -471,6 +487,7 @@ impl Recovered {
             degraded: self.degraded.clone(),
             replica: self.replica,
             min_gen: self.min_gen,
+            window_end: self.window_end,
         }
     }
 }
@@ -1162,12 +1179,17 @@ fn recover(log: &Log, scanned: Vec<Scanned>) -> HashMap<Uuid, Recovered> {
     let mut out = HashMap::new();
     for id in owners {
         let meta = log.meta(id);
-        let checkpoint = match meta.checkpoint {
-            Some((ser, gen)) if gen == meta.max_gen => ser,
-            _ => 0,
+        let (checkpoint, window_end) = match meta.checkpoint {
+            Some((ser, gen)) if gen == meta.max_gen => (ser, meta.window_end),
+            _ => (0, 0),
         };
         let mut r = Recovered {
             checkpoint,
+            window_end: if window_end > checkpoint {
+                window_end
+            } else {
+                0
+            },
             gen: meta.max_gen,
             policy: meta.policy.and_then(|(arg, _)| Policy::from_code(arg)),
             ..Recovered::default()
@@ -1312,6 +1334,8 @@ impl VolCache {
                 replaying,
                 after_replay: None,
                 replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
+                reach: if replaying { rec.window_end } else { 0 },
+                checkpoint_ticket: 0,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
                 degraded: rec.degraded,
@@ -1360,13 +1384,13 @@ impl VolCache {
             Mode::Wt => Policy::Wt.code(),
             Mode::Wb => Policy::Wb.code(),
         };
-        let (gen, checkpoint) = {
+        let (gen, checkpoint, reach) = {
             let st = lock(&v.st);
-            (st.gen, st.checkpoint)
+            (st.gen, st.checkpoint, st.reach)
         };
         let recorded = v
             .append_meta(Kind::Policy, 0, gen, code)
-            .and_then(|_| v.append_meta(Kind::Checkpoint, checkpoint, gen, 0))
+            .and_then(|_| v.append_meta(Kind::Checkpoint, checkpoint, gen, reach))
             .and_then(|_| v.shared.log.sync())
             .map_err(log_err);
         if let Err(e) = recorded {
@@ -1377,6 +1401,17 @@ impl VolCache {
     }
 
     fn append_meta(&self, kind: Kind, ser: u64, gen: u64, arg: u64) -> Result<(), LogError> {
+        self.append_meta_ticket(kind, ser, gen, arg).map(|_| ())
+    }
+
+    /// [`VolCache::append_meta`], returning the append's ticket for [`Log::sync_through`].
+    fn append_meta_ticket(
+        &self,
+        kind: Kind,
+        ser: u64,
+        gen: u64,
+        arg: u64,
+    ) -> Result<u64, LogError> {
         let e = Entry {
             kind,
             volume: self.id,
@@ -1386,10 +1421,10 @@ impl VolCache {
             len: 0,
             arg,
         };
-        let (loc, _) = self.shared.log.append(&e, &[])?;
+        let (loc, ticket) = self.shared.log.append(&e, &[])?;
         // Metadata needs no reference: every new segment carries a copy.
         self.shared.log.unpin(&loc);
-        Ok(())
+        Ok(ticket)
     }
 
     pub fn id(&self) -> Uuid {
@@ -2490,7 +2525,26 @@ impl VolCache {
                 (win, read)
             }
         };
-        let (last, ticket) = (win.last, win.ticket);
+        let last = win.last;
+        // The window's end goes into the log with its records, before its first datastore
+        // write: a crash or an error can cut the window midway, and whatever sends it again
+        // must then reach as far ([`VolState::reach`]). The last window's checkpoint is synced
+        // with them, so at most one window is ever out above the checkpoint a recovery finds
+        // (two out, a replay from the checkpoint before them would put the first one's blocks
+        // back over the second's and record a checkpoint over that mix).
+        let ticket = match self.record_window_end(&win, gen) {
+            Ok(t) => win.ticket.max(t).max(lock(&self.st).checkpoint_ticket),
+            Err(LogError::NoSpace) => {
+                self.meta_found_no_space().await;
+                return false;
+            }
+            Err(e) => {
+                lock(&self.st).degraded.get_or_insert(format!(
+                    "cache device failed while recording a destage window ({e})"
+                ));
+                return false;
+            }
+        };
         // Only durable records are destaged. The datastore then never holds a write the log
         // could lose, so a replay after any crash re-applies whole windows in order, which
         // is idempotent; without this, a held window (which coalesces overlapping writes)
@@ -2569,17 +2623,14 @@ impl VolCache {
         } else {
             last
         };
-        match self.append_meta(Kind::Checkpoint, recorded, gen, 0) {
-            Ok(()) => {}
+        let reach = lock(&self.st).reach;
+        let window_end = if reach > recorded { reach } else { 0 };
+        match self.append_meta_ticket(Kind::Checkpoint, recorded, gen, window_end) {
+            Ok(t) => lock(&self.st).checkpoint_ticket = t,
             Err(LogError::NoSpace) => {
-                // The log is full even for metadata: make room and send the window again
-                // later (resending is harmless; nothing is released until a checkpoint lands).
-                // What eviction frees is reusable after a sync, which no one else may be about
-                // to make (every writer waiting for space, or none writing).
-                self.shared.evict_elsewhere(None);
-                let log = self.shared.log.clone();
-                let _ = on_pool(move || Ok(log.sync_freed())).await;
-                lock(&self.st).destage.retry_at = Some(Instant::now() + Duration::from_millis(100));
+                // Resending the window later is harmless: nothing is released until a
+                // checkpoint lands.
+                self.meta_found_no_space().await;
                 return false;
             }
             Err(_) => {
@@ -2592,7 +2643,7 @@ impl VolCache {
         // No sync here: the window's records (durable, see above) may be released at once,
         // because a segment they free is reused only after a later sync, which makes this
         // checkpoint durable first (cachelog::log's rules). Until then a crash just replays
-        // the window again.
+        // the window again, reaching its recorded end; the next window syncs it first.
         let mut st = lock(&self.st);
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");
@@ -2646,6 +2697,35 @@ impl VolCache {
         true
     }
 
+    /// Records the end of a window about to go out ([`VolState::reach`]), unless it is
+    /// recorded already or the window is a single write (any window sent again starts with
+    /// that whole write). Returns the append's ticket (0 for none), to sync through before the
+    /// window's first datastore write.
+    fn record_window_end(&self, win: &Window, gen: u64) -> Result<u64, LogError> {
+        let (checkpoint, reach) = {
+            let st = lock(&self.st);
+            (st.checkpoint, st.reach)
+        };
+        let one_write = win.writes.first().is_some_and(|w| w.ser == win.last);
+        if one_write || win.last <= reach {
+            return Ok(0);
+        }
+        let ticket = self.append_meta_ticket(Kind::Checkpoint, checkpoint, gen, win.last)?;
+        let mut st = lock(&self.st);
+        st.reach = st.reach.max(win.last);
+        Ok(ticket)
+    }
+
+    /// The log is full even for metadata: makes room, and has the destager try again later.
+    /// What eviction frees is reusable after a sync, which no one else may be about to make
+    /// (every writer waiting for space, or none writing).
+    async fn meta_found_no_space(&self) {
+        self.shared.evict_elsewhere(None);
+        let log = self.shared.log.clone();
+        let _ = on_pool(move || Ok(log.sync_freed())).await;
+        lock(&self.st).destage.retry_at = Some(Instant::now() + Duration::from_millis(100));
+    }
+
     /// The next window to destage: writes from the head of the staging queue (after `after`,
     /// the last ser of a window still being sent), none past the completion watermark (a lower
     /// ser still in flight is not staged yet, and a checkpoint past it would claim the
@@ -2673,18 +2753,31 @@ impl VolCache {
             None => 0,
             Some(ser) => st.staged.iter().position(|w| w.w.ser > ser)?,
         };
+        // A window that starts at or below the reach takes everything up to it, coalesced
+        // as a held window is, past every cap: it is no larger than the window that set the
+        // reach, which went out (or began to) as one.
+        let reach = st.reach;
+        let forced = st.staged.get(start).is_some_and(|w| w.w.ser <= reach);
         let mut bytes = 0u64;
-        let head: Vec<Staged<Loc>> = st
-            .staged
-            .range(start..)
-            .take_while(|w| w.w.ser <= st.done_ser)
-            .take(WINDOW_MAX)
-            .take_while(|w| {
-                bytes += w.w.len;
-                bytes == w.w.len || bytes <= cap
-            })
-            .map(|w| w.w)
-            .collect();
+        let head: Vec<Staged<Loc>> = if forced {
+            st.staged
+                .range(start..)
+                .take_while(|w| w.w.ser <= st.done_ser && w.w.ser <= reach)
+                .map(|w| w.w)
+                .collect()
+        } else {
+            st.staged
+                .range(start..)
+                .take_while(|w| w.w.ser <= st.done_ser)
+                .take(WINDOW_MAX)
+                .take_while(|w| {
+                    bytes += w.w.len;
+                    bytes == w.w.len || bytes <= cap
+                })
+                .map(|w| w.w)
+                .collect()
+        };
+        let closing = if forced { Closing::Held } else { closing };
         let mut n = window::window_len(&head, closing);
         if n == 0 {
             return None;
