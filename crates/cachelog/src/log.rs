@@ -1635,7 +1635,10 @@ mod tests {
         // going out, the window's checkpoint, the next window's end; then a new generation.
         let records = [(3, 1, 0), (3, 1, 9), (9, 1, 0), (9, 1, 12), (12, 2, 0)];
         for n in 1..=records.len() {
-            let want = records[..n].iter().max_by_key(|(s, g, w)| (g, s, w)).unwrap();
+            let want = records[..n]
+                .iter()
+                .max_by_key(|(s, g, w)| (g, s, w))
+                .unwrap();
             // Every order a scan over rotated segments might meet them in.
             let mut order: Vec<usize> = (0..n).collect();
             for rot in 0..n {

@@ -85,6 +85,10 @@ pub struct Volume {
     /// Set after a policy change whose switch hook failed: writes wait at the door (reads go
     /// on) until the owner has recorded the volume's new generation ([`Volume::release_writes`]).
     writes_held: AtomicBool,
+    /// The newest generation a switch hook was given: the vault may name it, whether the
+    /// hook said so or not. Held writes go on only while the cache writes in a generation at
+    /// least this new ([`Volume::release_writes`]).
+    hooked_gen: AtomicU64,
     /// Woken by a resume and by a release.
     resumed: Notify,
     /// IOs between [`Volume::enter`] and their end.
@@ -233,6 +237,7 @@ impl Volume {
             revoked: AtomicBool::new(false),
             paused: AtomicBool::new(false),
             writes_held: AtomicBool::new(false),
+            hooked_gen: AtomicU64::new(0),
             resumed: Notify::new(),
             in_flight: AtomicU64::new(0),
             drained: Notify::new(),
@@ -341,12 +346,67 @@ impl Volume {
         }
     }
 
-    /// Lets held writes go on: the owner has recorded the volume as it is now.
-    pub fn release_writes(&self) {
+    /// Lets held writes go on: the owner has recorded the volume as it is now. Refused (false)
+    /// while the cache writes in an older generation than a switch hook recorded: a restart
+    /// that found the vault newer would drop those writes, and the peers it names lack them
+    /// ([`Volume::catch_up_gen`] moves the cache on).
+    pub fn release_writes(&self) -> bool {
+        if let Some(behind) = self.gen_behind() {
+            warn!("volume {:?}: writes stay held: {behind}", self.name);
+            return false;
+        }
         if self.writes_held.swap(false, Ordering::SeqCst) {
             info!("volume {:?}: writes go on", self.name);
         }
         self.resumed.notify_waiters();
+        true
+    }
+
+    /// Why the cache writes in an older generation than the vault may name, if it does.
+    fn gen_behind(&self) -> Option<String> {
+        let Route::Cached(c) = self.route() else {
+            return None; // uncached: every write is on the datastore
+        };
+        let (gen, hooked) = (c.gen(), self.hooked_gen.load(Ordering::SeqCst));
+        (gen < hooked).then(|| {
+            format!(
+                "the cache writes in generation {gen}, the vault may name {hooked} (a switch                  was recorded that the cache log could not take)"
+            )
+        })
+    }
+
+    /// After a switch whose hook recorded a new generation and whose cache log then took
+    /// neither it nor the fall-back to `wt` (a log with no room even for metadata), the cache
+    /// still writes in the old generation, and the writes are held. This tries the fall-back
+    /// again (IO paused a moment), so that the owner can record the vault from what the
+    /// volume runs in and let them go. Nothing to do for a cache in step with the vault.
+    pub async fn catch_up_gen(&self) -> Result<()> {
+        let _one = self.transition.lock().await;
+        if self.gen_behind().is_none() {
+            return Ok(());
+        }
+        let Route::Cached(c) = self.route() else {
+            return Ok(());
+        };
+        // Drained before the switch that failed, and no write went in since: held.
+        let switched = self
+            .paused_for(|| {
+                if !c.clean() {
+                    return Err(Error::Cache(
+                        "the volume has dirty data; it stays as it is".into(),
+                    ));
+                }
+                c.switch_mode(Mode::Wt, None)
+            })
+            .await;
+        switched??;
+        *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
+        info!(
+            "volume {:?}: in wt at generation {}, as its vault records",
+            self.name,
+            c.gen()
+        );
+        Ok(())
     }
 
     /// Waits up to `limit` for the IOs in the volume to finish. True if none is left.
@@ -756,6 +816,7 @@ impl Volume {
                 let (gen, checkpoint) = c.switch_marks();
                 // Only peers the vault names can replay: without any, nothing to hold for.
                 let had_peers = c.has_peers();
+                self.hooked_gen.fetch_max(gen, Ordering::SeqCst);
                 if let Err(e) = h(gen, checkpoint).await {
                     // The hook may have recorded the new generation before it failed (a
                     // vault write whose answer was lost), or not: then the vault may still
@@ -767,7 +828,13 @@ impl Volume {
                         // Before anything that can fail: no write may pass unheld.
                         self.writes_held.store(true, Ordering::SeqCst);
                     }
-                    c.switch_mode(Mode::Wt, None)?;
+                    if let Err(e) = c.switch_mode(Mode::Wt, None) {
+                        // Still in the old generation, which the vault may no longer name:
+                        // held with or without peers (a restart would drop what it wrote),
+                        // until `catch_up_gen` moves the cache on.
+                        self.writes_held.store(true, Ordering::SeqCst);
+                        return Err(e);
+                    }
                     *self.policy.lock().unwrap_or_else(|e| e.into_inner()) = Policy::Wt;
                     if !had_peers {
                         return Err(Error::Cache(format!("{e}; the volume is in wt meanwhile")));
@@ -776,8 +843,6 @@ impl Volume {
                         "{e}; the volume is in wt, its writes held until its vault is recorded"
                     )));
                 }
-                // Recorded: whatever an earlier failure held may go.
-                self.release_writes();
             }
             match (&route, mode_of(new)) {
                 (Route::Cached(c), Some(mode)) => {
@@ -809,6 +874,10 @@ impl Volume {
                     }
                 }
                 (Route::Uncached, _) => {}
+            }
+            if recorded {
+                // Recorded, and the cache writes in it: whatever an earlier failure held may go.
+                self.release_writes();
             }
             Ok(())
         }

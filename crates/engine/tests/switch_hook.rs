@@ -75,7 +75,7 @@ async fn writes_wait_after_a_failed_switch_hook_until_released() {
     assert_eq!(store.image()[..BLOCK], [0x41; BLOCK]);
 
     // Recorded: the write goes on, through to the datastore.
-    vol.release_writes();
+    assert!(vol.release_writes());
     tokio::time::timeout(Duration::from_secs(5), write)
         .await
         .expect("the write went on once released")

@@ -325,6 +325,118 @@ async fn a_switch_that_fails_after_its_hook_recorded_it_holds_the_writes() {
     );
 }
 
+/// Fills `log` for the test below: another owner's data up to the metadata reserve, then
+/// the current segment of `id` with header-only records of a generation no recovery takes,
+/// then the reserve with the other owner's metadata. Every record stays pinned (in `pins`), so
+/// nothing is freed until the test lets them go.
+fn fill_log(log: &cachelog::Log, id: Uuid, pins: &mut Vec<cachelog::Loc>) {
+    use cachelog::format::Kind;
+    use cachelog::{Entry, LogError};
+    let other = Uuid::new_v4();
+    let entry = |kind, volume, len| Entry {
+        kind,
+        volume,
+        ser: 1,
+        gen: 0,
+        offset: 0,
+        len,
+        arg: 0,
+    };
+    let data = vec![0u8; 4096];
+    for (e, payload) in [
+        (entry(Kind::Data, other, 4096), &data[..]),
+        (entry(Kind::Zero, id, 4096), &[][..]),
+        (entry(Kind::Checkpoint, other, 0), &[][..]),
+    ] {
+        loop {
+            match log.append(&e, payload) {
+                Ok((loc, _)) => pins.push(loc),
+                Err(LogError::NoSpace) => break,
+                Err(err) => panic!("filling the log: {err}"),
+            }
+        }
+    }
+}
+
+/// The hook records the new generation, and then the cache log has no room for the switch,
+/// nor for the fall-back to wt: the cache still writes in the old generation, which the vault
+/// no longer names (a restart that found the vault newer would drop those writes, and its new
+/// peers lack them). The writes stay held, and cannot be let go until `catch_up_gen`, once
+/// there is room, has moved the cache on to the recorded generation. Before, the daemon let
+/// them go as soon as its own record of the vault went through, which for a volume with peers
+/// was at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_held_after_a_switch_the_log_had_no_room_for_go_on_only_in_its_generation() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let host = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Arc::new(
+        Volume::open(
+            id,
+            "v".into(),
+            Policy::Wt,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap(),
+    );
+    host.finish_recovery(&[id]).unwrap();
+    vol.write(0, Bytes::from(vec![1u8; 4096]), false)
+        .await
+        .unwrap();
+    let c = vol.cache().unwrap();
+    let before = c.gen();
+    let pins = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (log, filled) = (host.log().clone(), pins.clone());
+    let recorded = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let r = recorded.clone();
+    let hook: engine::SwitchHook = Box::new(move |gen, _| {
+        Box::pin(async move {
+            r.store(gen, std::sync::atomic::Ordering::SeqCst);
+            fill_log(&log, id, &mut filled.lock().unwrap());
+            Ok(())
+        })
+    });
+    let e = to_wbp_1(&vol, peer, id, hook).await.unwrap_err();
+    let recorded = recorded.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(recorded > before, "the hook recorded a newer generation");
+    assert_eq!(c.gen(), before, "the log took no switch: {e}");
+    assert!(vol.writes_held());
+    assert!(
+        !vol.release_writes(),
+        "writes let go in generation {before} while the vault names {recorded}"
+    );
+    let write = {
+        let v = vol.clone();
+        tokio::spawn(async move { v.write(8192, Bytes::from(vec![2u8; 4096]), false).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !write.is_finished(),
+        "a write completed in the old generation"
+    );
+    assert!(vol.catch_up_gen().await.is_err(), "no room yet");
+
+    // Room again: the cache moves on, in wt, and then the writes may go.
+    for loc in pins.lock().unwrap().drain(..) {
+        host.log().unpin(&loc);
+    }
+    host.log().sync_freed().unwrap();
+    vol.catch_up_gen().await.unwrap();
+    assert!(c.gen() >= recorded);
+    assert_eq!(vol.policy(), Policy::Wt);
+    assert!(vol.release_writes());
+    tokio::time::timeout(std::time::Duration::from_secs(5), write)
+        .await
+        .expect("the write went on once released")
+        .unwrap()
+        .unwrap();
+    assert!(store.image()[8192..12288].iter().all(|b| *b == 2));
+}
+
 /// A peer takes only whole sectors, and only for a generation it was opened for.
 #[test]
 fn a_peer_refuses_malformed_and_stale_writes() {

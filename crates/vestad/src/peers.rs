@@ -785,8 +785,21 @@ pub(crate) async fn release_held_writes(d: &Arc<Daemon>) {
         if !v.writes_held() {
             continue;
         }
+        // A switch the cache log could not take leaves it in an older generation than the
+        // vault may name: it moves on first, so that the record below is of what it runs in.
+        if let Err(why) = v.catch_up_gen().await {
+            d.peers.note(
+                &e.record.name,
+                Some(format!(
+                    "writes held: the cache cannot take the generation its vault names: {why}"
+                )),
+            );
+            continue;
+        }
         match d.try_record_vault(&e.record, v).await {
-            Ok(()) => v.release_writes(),
+            Ok(()) => {
+                v.release_writes();
+            }
             Err(why) => d.peers.note(
                 &e.record.name,
                 Some(format!("writes held until the vault is recorded: {why}")),
