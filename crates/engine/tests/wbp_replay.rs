@@ -613,6 +613,55 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     );
 }
 
+/// The owner's checkpoint is being appended on a peer (its device write under way) when a
+/// replaying host has the peer hold the set. The hold waits for it: once held, the log takes
+/// no checkpoint the set does not know, so the peer restarted says the same checkpoint as it
+/// did before. Before, the append went on after the hold and landed in the log only, and a
+/// restart took the set's checkpoint from there, past where the peer had said it would
+/// continue from.
+#[test]
+fn a_checkpoint_under_way_when_a_set_is_held_is_in_the_set_and_the_log_or_in_neither() {
+    let id = Uuid::new_v4();
+    let gen = 3;
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let peer = CacheHost::open(dev.clone(), SEG).unwrap();
+    peer.replica_open("owner", id, gen, 0).unwrap();
+    for ser in 1..=4u64 {
+        let data = vec![ser as u8; 4096];
+        peer.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data))
+            .unwrap();
+    }
+    peer.replica_sync().unwrap();
+    dev.pause_writes(true);
+    let checkpoint = {
+        let p = peer.clone();
+        std::thread::spawn(move || p.replica_checkpoint(id, gen, 3))
+    };
+    while dev.writes_waiting() == 0 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let hold = {
+        let p = peer.clone();
+        std::thread::spawn(move || p.replica_hold(id, gen))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    dev.pause_writes(false);
+    checkpoint.join().unwrap().unwrap();
+    hold.join().unwrap();
+    let said = peer.replica_sets()[0].checkpoint;
+    // Held: later checkpoints change nothing.
+    peer.replica_checkpoint(id, gen, 4).unwrap();
+    assert_eq!(peer.replica_sets()[0].checkpoint, said);
+    peer.replica_sync().unwrap();
+    drop(peer);
+    let back = CacheHost::open(dev, SEG).unwrap();
+    assert_eq!(
+        back.replica_sets()[0].checkpoint,
+        said,
+        "the log holds a checkpoint the held set did not know"
+    );
+}
+
 /// A peer replaying for a dead owner loses power after its replay put the owner's writes on
 /// the datastore, before anything of that replay was synced, and replays again from the
 /// same checkpoint (the vault's) once back. Its second replay may only put back what its

@@ -428,14 +428,14 @@ impl CacheHost {
         if set.gen != gen || ser <= set.checkpoint || set.held {
             return Ok(());
         }
-        drop(sets);
-        // The checkpoint goes into the log before the records it covers are released.
+        // The checkpoint goes into the log before the records it covers are released, and
+        // under the lock: a hold ([`CacheHost::replica_hold`]) that comes after the check
+        // above waits for it, so no checkpoint record lands in the log once the set is held
+        // (a restart would take the set's checkpoint from it, past what this host said it
+        // would continue from). An append is a device write or two, never a sync.
         self.append_meta_for(volume, ser, gen)?;
-        let mut sets = lock(&self.replicas);
-        if let Some(set) = sets.get_mut(&volume).filter(|s| s.gen == gen && !s.held) {
-            set.release(&self.shared.log, ser);
-            set.checkpoint = set.checkpoint.max(ser);
-        }
+        set.release(&self.shared.log, ser);
+        set.checkpoint = ser;
         Ok(())
     }
 
