@@ -247,6 +247,8 @@ struct VolState {
     /// The mode the volume switches to when its offline replay ends, before it takes a
     /// write ([`VolCache::after_replay`]).
     after_replay: Option<Mode>,
+    /// When to try again the switch that ends a replay, after it failed.
+    replay_end_retry: Option<Instant>,
     /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
     replay_window_bytes: u64,
     /// Above the checkpoint, the datastore may hold parts of the writes up to this `ser`: the
@@ -960,9 +962,10 @@ impl CacheHost {
             for i in 0..n {
                 let v = &vols[(turn + i) % n];
                 let ds = Arc::as_ptr(v.store.gate()) as usize;
-                if busy.values().any(|(b, _)| *b == ds)
+                // Readiness first: it also ends a replay that is done, whose writes wait.
+                if !v.window_ready(now)
+                    || busy.values().any(|(b, _)| *b == ds)
                     || resting.contains_key(&v.id)
-                    || !v.window_ready(now)
                 {
                     continue;
                 }
@@ -1333,6 +1336,7 @@ impl VolCache {
                 evictions: 0,
                 replaying,
                 after_replay: None,
+                replay_end_retry: None,
                 replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
                 reach: if replaying { rec.window_end } else { 0 },
                 checkpoint_ticket: 0,
@@ -2477,11 +2481,62 @@ impl VolCache {
         self.shared.wake.notify_one();
     }
 
-    /// Whether the destager should take a window from this volume now.
+    /// Ends an offline replay once nothing is staged: switches to the mode the volume runs in
+    /// after it, if it is not `wb` (`after_replay`), then lets writes in. Writes wait in
+    /// `admit` until `replaying` clears, so none runs in the mode the replay needed: if the
+    /// switch fails (a log with no room even for metadata), they wait on and the destager
+    /// tries again a second later. Only a failed cache device ends the replay without it: no
+    /// write completes in that cache, and the volume reports it (a `wb` write fails on it).
+    fn finish_replay(&self, now: Instant) {
+        let mode = {
+            let st = lock(&self.st);
+            if !st.replaying
+                || !st.staged.is_empty()
+                || st.replay_end_retry.is_some_and(|t| t > now)
+            {
+                return;
+            }
+            st.after_replay
+        };
+        if let Some(mode) = mode {
+            if let Err(e) = self.switch_mode(mode, None) {
+                let mut st = lock(&self.st);
+                if !self.shared.log.is_failed() {
+                    if st.replay_end_retry.is_none() {
+                        warn!(
+                            "volume {:?}: offline replay done, but the switch to {mode:?} it                              ends with failed ({e}); writes wait, retrying every second",
+                            self.name
+                        );
+                    }
+                    st.replay_end_retry = Some(now + Duration::from_secs(1));
+                    return;
+                }
+                warn!(
+                    "volume {:?}: switch to {mode:?} after replay: {e}",
+                    self.name
+                );
+            }
+        }
+        let mut st = lock(&self.st);
+        st.after_replay = None;
+        st.replay_end_retry = None;
+        st.replaying = false;
+        info!(
+            "volume {:?}: offline replay complete; taking writes in {}",
+            self.name,
+            if st.mode == Mode::Wt { "wt" } else { "wb" }
+        );
+        drop(st);
+        self.changed.notify_waiters();
+    }
+
+    /// Whether the destager should take a window from this volume now (and ends a replay
+    /// that is done, [`VolCache::finish_replay`]).
     fn window_ready(&self, now: Instant) -> bool {
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
         }
+        self.finish_replay(now);
         let st = lock(&self.st);
         if st.staged.is_empty() || st.destage.retry_at.is_some_and(|t| t > now) {
             return false;
@@ -2662,27 +2717,8 @@ impl VolCache {
             info!("volume {:?}: destaging recovered", self.name);
         }
         st.destage = DestageState::default();
-        if st.replaying && st.staged.is_empty() {
-            if let Some(mode) = st.after_replay.take() {
-                // Writes wait in `admit` until `replaying` clears, so none runs in the mode
-                // the replay needed.
-                drop(st);
-                if let Err(e) = self.switch_mode(mode, None) {
-                    warn!(
-                        "volume {:?}: switch to {mode:?} after replay: {e}",
-                        self.name
-                    );
-                }
-                st = lock(&self.st);
-            }
-            st.replaying = false;
-            info!(
-                "volume {:?}: offline replay complete; taking writes in {}",
-                self.name,
-                if st.mode == Mode::Wt { "wt" } else { "wb" }
-            );
-        }
         drop(st);
+        // A replay that is done ends at the destager's next visit (`window_ready`).
         let secs = started.elapsed().as_secs_f64().max(1e-6);
         lock(&self.destage_bps).add(bytes as f64 / secs);
         self.counters

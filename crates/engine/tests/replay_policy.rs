@@ -84,6 +84,66 @@ async fn a_replay_ends_in_wt_for_a_volume_that_is_not_wb() {
     }
 }
 
+/// The switch to `wt` that ends a `wt` volume's replay finds the log with no room (filled
+/// once the replay's write was on the datastore): writes wait on, the volume stays in the
+/// replay, and the destager tries again until the switch goes in. Before, the replay ended
+/// all the same and the volume took writes in `wb`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_closing_switch_finds_no_room_keeps_writes_waiting_until_it_goes_in() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let id = Uuid::new_v4();
+    dirty_then_crash(&cache, &store, id).await;
+    let (host, vol) = common::open(cache.clone(), &store, id, Policy::Wt);
+    let vol = Arc::new(vol);
+    let c = vol.cache().expect("cached while it replays");
+    for turn in 0..100 {
+        if store.image()[..BLOCK] == [0x11; BLOCK] {
+            break;
+        }
+        host.destage_turn(turn).await;
+    }
+    assert_eq!(store.image()[..BLOCK], [0x11; BLOCK], "the replay's write");
+    let mut pins = Vec::new();
+    common::fill_log(host.log(), id, &mut pins);
+    let w = {
+        let v = vol.clone();
+        tokio::spawn(async move {
+            v.write(BLOCK as u64, Bytes::from(vec![0x22; BLOCK]), false)
+                .await
+        })
+    };
+    for turn in 0..20 {
+        host.destage_turn(turn).await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(
+        !w.is_finished(),
+        "a write completed before the switch to wt"
+    );
+    assert!(c.report().replaying);
+    assert_eq!(c.report().mode, "wb");
+    // Room again: the switch goes in (at the next try, a second on), then the write.
+    for loc in pins.drain(..) {
+        host.log().unpin(&loc);
+    }
+    host.log().sync_freed().unwrap();
+    for turn in 0..400 {
+        if w.is_finished() {
+            break;
+        }
+        host.destage_turn(turn).await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    w.await.unwrap().unwrap();
+    assert_eq!(c.report().mode, "wt");
+    assert_eq!(
+        store.image()[BLOCK..2 * BLOCK],
+        [0x22; BLOCK],
+        "written through, in wt"
+    );
+}
+
 /// A volume detached with dirty data (an online replay that gave up, a forced delete) leaves
 /// its records on the device: they are only forgotten, never erased, so the next start
 /// replays them. A clean volume's are erased.

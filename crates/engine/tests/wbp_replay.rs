@@ -22,6 +22,8 @@ use engine::cache::{CacheHost, ReplicaRefusal};
 use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
 use engine::Volume;
 
+mod common;
+
 const SECTORS: u64 = 64;
 const VOL: u64 = SECTORS * 512;
 const SEG: u64 = 64 << 10;
@@ -325,39 +327,6 @@ async fn a_switch_that_fails_after_its_hook_recorded_it_holds_the_writes() {
     );
 }
 
-/// Fills `log` for the test below: another owner's data up to the metadata reserve, then
-/// the current segment of `id` with header-only records of a generation no recovery takes,
-/// then the reserve with the other owner's metadata. Every record stays pinned (in `pins`), so
-/// nothing is freed until the test lets them go.
-fn fill_log(log: &cachelog::Log, id: Uuid, pins: &mut Vec<cachelog::Loc>) {
-    use cachelog::format::Kind;
-    use cachelog::{Entry, LogError};
-    let other = Uuid::new_v4();
-    let entry = |kind, volume, len| Entry {
-        kind,
-        volume,
-        ser: 1,
-        gen: 0,
-        offset: 0,
-        len,
-        arg: 0,
-    };
-    let data = vec![0u8; 4096];
-    for (e, payload) in [
-        (entry(Kind::Data, other, 4096), &data[..]),
-        (entry(Kind::Zero, id, 4096), &[][..]),
-        (entry(Kind::Checkpoint, other, 0), &[][..]),
-    ] {
-        loop {
-            match log.append(&e, payload) {
-                Ok((loc, _)) => pins.push(loc),
-                Err(LogError::NoSpace) => break,
-                Err(err) => panic!("filling the log: {err}"),
-            }
-        }
-    }
-}
-
 /// The hook records the new generation, and then the cache log has no room for the switch,
 /// nor for the fall-back to wt: the cache still writes in the old generation, which the vault
 /// no longer names (a restart that found the vault newer would drop those writes, and its new
@@ -396,7 +365,7 @@ async fn writes_held_after_a_switch_the_log_had_no_room_for_go_on_only_in_its_ge
     let hook: engine::SwitchHook = Box::new(move |gen, _| {
         Box::pin(async move {
             r.store(gen, std::sync::atomic::Ordering::SeqCst);
-            fill_log(&log, id, &mut filled.lock().unwrap());
+            common::fill_log(&log, id, &mut filled.lock().unwrap());
             Ok(())
         })
     });

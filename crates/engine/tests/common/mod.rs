@@ -78,3 +78,36 @@ impl Replicator for Yes {
         Vec::new()
     }
 }
+
+/// Leaves `log` no room, even for volume `id`'s metadata: another owner's data up to the
+/// metadata reserve, then `id`'s current segment with header-only records of a generation no
+/// recovery takes, then the reserve with the other owner's metadata. Every record stays
+/// pinned (in `pins`), so nothing is freed until the test unpins them.
+pub fn fill_log(log: &cachelog::Log, id: Uuid, pins: &mut Vec<cachelog::Loc>) {
+    use cachelog::format::Kind;
+    use cachelog::{Entry, LogError};
+    let other = Uuid::new_v4();
+    let entry = |kind, volume, len| Entry {
+        kind,
+        volume,
+        ser: 1,
+        gen: 0,
+        offset: 0,
+        len,
+        arg: 0,
+    };
+    let data = vec![0u8; 4096];
+    for (e, payload) in [
+        (entry(Kind::Data, other, 4096), &data[..]),
+        (entry(Kind::Zero, id, 4096), &[][..]),
+        (entry(Kind::Checkpoint, other, 0), &[][..]),
+    ] {
+        loop {
+            match log.append(&e, payload) {
+                Ok((loc, _)) => pins.push(loc),
+                Err(LogError::NoSpace) => break,
+                Err(err) => panic!("filling the log: {err}"),
+            }
+        }
+    }
+}
