@@ -524,6 +524,9 @@ pub struct PeerState {
     /// volume: a lock it takes (adopting the owed one, same lease) must not be deleted by a
     /// retry that looked before.
     owed_gate: tokio::sync::Mutex<()>,
+    /// Replays that stopped here and could not be handed on ([`pass_on`]), by volume, with
+    /// its name: retried every round ([`retry_owed_passes`]).
+    pass_on_owed: Mutex<HashMap<Uuid, String>>,
 }
 
 /// A hand-off this host waits on ([`flash_failed`], [`handed_to_nobody`]).
@@ -760,6 +763,7 @@ pub async fn run(d: Arc<Daemon>, mut stop: nbd::Stop) {
             .await;
         }
         release_held_writes(&d).await;
+        retry_owed_passes(&d).await;
         retry_owed_unlocks(&d).await;
         go_on_uncached_with_nothing_lost(&d).await;
         keep_replicated(&d);
@@ -1416,25 +1420,98 @@ pub(crate) async fn replay_for_dead_owner(
 /// the vault naming this host as the volume's writer, and every other peer waits for a live
 /// writer to finish: none would, ever. So the volume is marked handed off, as an owner whose
 /// cache device failed marks it, and another listed peer continues from the vault's
-/// checkpoint. (A replay that stops because this host restarts is resumed by it.)
-async fn pass_on(d: &Daemon, rec: &VolumeRecord) {
-    let me = d.coord.host();
-    let Ok(Some(v)) = d.coord.vault(rec.id).await else {
-        return;
-    };
-    if v.owner != me || v.handoff {
-        return; // not named yet, or not any more
+/// checkpoint. (A replay that stops because this host restarts is resumed by it.) Called with
+/// the vault lock held. A hand-on that fails (the coordinator did not answer) is tried again
+/// every round until it lands ([`retry_owed_passes`]): until then no peer would continue.
+pub(crate) async fn pass_on(d: &Daemon, rec: &VolumeRecord) {
+    if let Err(e) = try_pass_on(d, rec.id, &rec.name).await {
+        warn!(
+            "volume {:?}: its replay stopped here, and handing it on failed: {e}; retried \
+             every {ROUND:?}",
+            rec.name
+        );
+        d.peers
+            .pass_on_owed
+            .lock()
+            .expect("lock")
+            .insert(rec.id, rec.name.clone());
     }
+}
+
+/// [`pass_on`], once, with the vault lock held.
+async fn try_pass_on(d: &Daemon, id: Uuid, name: &str) -> Result<(), String> {
+    let me = d.coord.host();
+    let v = d
+        .coord
+        .vault(id)
+        .await
+        .map_err(|e| format!("read the vault: {e}"))?;
+    let Some(v) = v.filter(|v| v.owner == me && !v.handoff) else {
+        return Ok(()); // not named yet, or not any more
+    };
     let peers = v.peers.clone();
-    match d.coord.put_vault(&Vault { handoff: true, ..v }).await {
-        Ok(()) => warn!(
-            "volume {:?}: its replay stopped here; handed on to its other peer(s) in {peers:?}",
-            rec.name
-        ),
-        Err(e) => warn!(
-            "volume {:?}: its replay stopped here, and handing it on failed: {e}",
-            rec.name
-        ),
+    d.coord
+        .put_vault(&Vault { handoff: true, ..v })
+        .await
+        .map_err(|e| format!("mark the vault handed off: {e}"))?;
+    warn!("volume {name:?}: its replay stopped here; handed on to its other peer(s) in {peers:?}");
+    Ok(())
+}
+
+/// Hands on the replays [`pass_on`] could not, each under the vault lock: the one this host
+/// still owes back ([`give_back`]) or taken again. A lock another host holds means another
+/// host acts on the volume now (a peer replays, or its owner came back and finds the vault
+/// naming this host): nothing is owed any more. A volume replayed here again meanwhile is
+/// left to that replay.
+pub(crate) async fn retry_owed_passes(d: &Daemon) {
+    let owed: Vec<(Uuid, String)> = d
+        .peers
+        .pass_on_owed
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|(id, name)| (*id, name.clone()))
+        .collect();
+    for (id, name) in owed {
+        let _gate = d.peers.owed_gate.lock().await;
+        if d.peers.replaying.lock().expect("lock").contains(&id) {
+            continue;
+        }
+        if d.entries().iter().any(|e| e.record.id == id) {
+            // Served here now: this host is its owner, nothing to hand on.
+            d.peers.pass_on_owed.lock().expect("lock").remove(&id);
+            continue;
+        }
+        let held = d.peers.unlock_owed.lock().expect("lock").contains(&id);
+        if !held {
+            match d.coord.lock_vault(id).await {
+                Ok(()) => {}
+                Err(cluster::Error::Locked(_)) => {
+                    d.peers.pass_on_owed.lock().expect("lock").remove(&id);
+                    continue;
+                }
+                Err(e) => {
+                    d.peers
+                        .note(&name, Some(format!("hand the stopped replay on: {e}")));
+                    continue;
+                }
+            }
+        }
+        let r = try_pass_on(d, id, &name).await;
+        if !held {
+            if let Err(e) = d.coord.unlock_vault(id).await {
+                warn!("volume {name:?}: give the vault lock back: {e}; retried every {ROUND:?}");
+                d.peers.unlock_owed.lock().expect("lock").insert(id);
+            }
+        }
+        match r {
+            Ok(()) => {
+                d.peers.pass_on_owed.lock().expect("lock").remove(&id);
+            }
+            Err(e) => d
+                .peers
+                .note(&name, Some(format!("hand the stopped replay on: {e}"))),
+        }
     }
 }
 

@@ -886,6 +886,74 @@ async fn storage_a_crashed_create_left_is_imported_at_the_next_start() {
     assert!(d.entry("cut").is_err());
 }
 
+/// A replay of a dead owner's volume that stopped here is handed on to the other peers by
+/// marking the vault. When that write fails (the coordinator did not answer), it is tried
+/// again every round, under the vault lock, until it lands. Before, it was tried once, and
+/// the vault went on naming this live host as the writer: no other peer would ever continue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replay_that_could_not_be_handed_on_is_handed_on_later() {
+    let (_dir, coord, d) = restarted_with_v("passon").await;
+    let mut rec = d.entry("v").unwrap().record.clone();
+    rec.id = Uuid::new_v4();
+    rec.name = "x".into();
+    let me = d.coord.host().to_owned();
+    // What a replay leaves in the vault once it has named this host the writer.
+    coord.lock_vault(rec.id).await.unwrap();
+    coord
+        .put_vault(&Vault {
+            owner: me.clone(),
+            previous_owner: Some("b".into()),
+            ..old_vault(rec.id, 3)
+        })
+        .await
+        .unwrap();
+    let handoff = || async { coord.vault(rec.id).await.unwrap().unwrap().handoff };
+    let unlocks = || {
+        coord
+            .unlocked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|v| **v == rec.id)
+            .count()
+    };
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    crate::peers::pass_on(&d, &rec).await;
+    crate::peers::give_back(&d, &rec).await;
+    assert!(!handoff().await);
+    assert_eq!(unlocks(), 1);
+    // A round while it still fails: the lock taken and given back, nothing marked.
+    crate::peers::retry_owed_passes(&d).await;
+    assert!(!handoff().await);
+    assert_eq!(unlocks(), 2);
+    // Another host holds the lock for a while: the round leaves it alone.
+    *coord.locked_by.lock().unwrap() = Some("c".into());
+    coord.fail_vault.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_passes(&d).await;
+    assert!(!handoff().await, "marked without the vault lock");
+    // It answers again.
+    *coord.locked_by.lock().unwrap() = None;
+    crate::peers::retry_owed_passes(&d).await;
+    assert!(
+        !handoff().await,
+        "another host took the volume on: nothing is owed"
+    );
+    // Owed again, and the coordinator answers: handed on, the lock given back.
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    coord.lock_vault(rec.id).await.unwrap();
+    crate::peers::pass_on(&d, &rec).await;
+    crate::peers::give_back(&d, &rec).await;
+    coord.fail_vault.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_passes(&d).await;
+    let v = coord.vault(rec.id).await.unwrap().unwrap();
+    assert!(v.handoff, "the stopped replay was never handed on");
+    assert_eq!(v.owner, me);
+    assert_eq!(unlocks(), 4, "the vault lock was not given back");
+    // Nothing more owed.
+    crate::peers::retry_owed_passes(&d).await;
+    assert_eq!(unlocks(), 4);
+}
+
 /// A host whose datastore writes stopped for good (it lost vault locks while its lease was
 /// gone) does not take a dead owner's vault lock to replay: it would hold it for as long as
 /// it runs, every write refused, and keep every other host from replaying.
