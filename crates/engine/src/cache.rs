@@ -962,7 +962,7 @@ impl CacheHost {
             for i in 0..n {
                 let v = &vols[(turn + i) % n];
                 let ds = Arc::as_ptr(v.store.gate()) as usize;
-                // Readiness first: it also ends a replay that is done, whose writes wait.
+                // Readiness first: it also tells of a replay that is done, whose writes wait.
                 if !v.window_ready(now)
                     || busy.values().any(|(b, _)| *b == ds)
                     || resting.contains_key(&v.id)
@@ -1338,7 +1338,13 @@ impl VolCache {
                 after_replay: None,
                 replay_end_retry: None,
                 replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
-                reach: if replaying { rec.window_end } else { 0 },
+                // No further than the recovered writes: past a damaged record nothing is
+                // replayed, and new writes take sers above it.
+                reach: if replaying {
+                    rec.window_end.min(last)
+                } else {
+                    0
+                },
                 checkpoint_ticket: 0,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
@@ -2481,35 +2487,42 @@ impl VolCache {
         self.shared.wake.notify_one();
     }
 
-    /// Ends an offline replay once nothing is staged: switches to the mode the volume runs in
-    /// after it, if it is not `wb` (`after_replay`), then lets writes in. Writes wait in
-    /// `admit` until `replaying` clears, so none runs in the mode the replay needed: if the
-    /// switch fails (a log with no room even for metadata), they wait on and the destager
-    /// tries again a second later. Only a failed cache device ends the replay without it: no
-    /// write completes in that cache, and the volume reports it (a `wb` write fails on it).
-    fn finish_replay(&self, now: Instant) {
+    /// Whether an offline replay is done destaging and due to end ([`VolCache::finish_replay`]).
+    fn replay_done(st: &VolState, now: Instant) -> bool {
+        st.replaying && st.staged.is_empty() && st.replay_end_retry.is_none_or(|t| t <= now)
+    }
+
+    /// Ends an offline replay once nothing is staged (a destager visit, as a window is):
+    /// switches to the mode the volume runs in after it, if it is not `wb` (`after_replay`),
+    /// then lets writes in. Writes wait in `admit` until `replaying` clears, so none runs in
+    /// the mode the replay needed: if the switch fails (a log with no room even for
+    /// metadata), room is made as for a checkpoint, they wait on, and the destager tries again
+    /// a second later. Only a failed cache device ends the replay without it: no write
+    /// completes in that cache, and the volume reports it (a `wb` write fails on it). True if
+    /// the replay ended.
+    async fn finish_replay(&self) -> bool {
+        let now = Instant::now();
         let mode = {
             let st = lock(&self.st);
-            if !st.replaying
-                || !st.staged.is_empty()
-                || st.replay_end_retry.is_some_and(|t| t > now)
-            {
-                return;
+            if !Self::replay_done(&st, now) {
+                return false;
             }
             st.after_replay
         };
         if let Some(mode) = mode {
             if let Err(e) = self.switch_mode(mode, None) {
-                let mut st = lock(&self.st);
                 if !self.shared.log.is_failed() {
-                    if st.replay_end_retry.is_none() {
+                    let first = lock(&self.st).replay_end_retry.is_none();
+                    if first {
                         warn!(
-                            "volume {:?}: offline replay done, but the switch to {mode:?} it                              ends with failed ({e}); writes wait, retrying every second",
+                            "volume {:?}: offline replay done, but the switch to {mode:?} it \
+                             ends with failed ({e}); writes wait, retrying every second",
                             self.name
                         );
                     }
-                    st.replay_end_retry = Some(now + Duration::from_secs(1));
-                    return;
+                    self.meta_found_no_space().await;
+                    lock(&self.st).replay_end_retry = Some(now + Duration::from_secs(1));
+                    return false;
                 }
                 warn!(
                     "volume {:?}: switch to {mode:?} after replay: {e}",
@@ -2518,6 +2531,10 @@ impl VolCache {
             }
         }
         let mut st = lock(&self.st);
+        if st.after_replay != mode {
+            // `after_replay` asked for another mode meanwhile: the next visit switches to it.
+            return false;
+        }
         st.after_replay = None;
         st.replay_end_retry = None;
         st.replaying = false;
@@ -2528,16 +2545,19 @@ impl VolCache {
         );
         drop(st);
         self.changed.notify_waiters();
+        true
     }
 
-    /// Whether the destager should take a window from this volume now (and ends a replay
-    /// that is done, [`VolCache::finish_replay`]).
+    /// Whether the destager should take a window from this volume now, or end its replay
+    /// ([`VolCache::finish_replay`]).
     fn window_ready(&self, now: Instant) -> bool {
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
         }
-        self.finish_replay(now);
         let st = lock(&self.st);
+        if Self::replay_done(&st, now) {
+            return true;
+        }
         if st.staged.is_empty() || st.destage.retry_at.is_some_and(|t| t > now) {
             return false;
         }
@@ -2560,6 +2580,9 @@ impl VolCache {
         let mut ahead = self.destaging.lock().await;
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
+        }
+        if Self::replay_done(&lock(&self.st), Instant::now()) {
+            return self.finish_replay().await;
         }
         // The window read ahead during the last turn, if it still starts the queue (the one
         // before it reached the datastore); else a window composed now.
@@ -2718,7 +2741,7 @@ impl VolCache {
         }
         st.destage = DestageState::default();
         drop(st);
-        // A replay that is done ends at the destager's next visit (`window_ready`).
+        // A replay that is done ends at the destager's next visit (`finish_replay`).
         let secs = started.elapsed().as_secs_f64().max(1e-6);
         lock(&self.destage_bps).add(bytes as f64 / secs);
         self.counters
@@ -3145,9 +3168,12 @@ impl VolCache {
 
     /// Waits until every dirty write has been destaged, or for `limit`; true if clean.
     pub async fn wait_clean(&self, limit: Duration) -> bool {
-        tokio::time::timeout(limit, self.wait_until(|st| st.staged.is_empty()))
-            .await
-            .is_ok()
+        tokio::time::timeout(
+            limit,
+            self.wait_until(|st| st.staged.is_empty() && !st.replaying),
+        )
+        .await
+        .is_ok()
     }
 
     /// The datastore's queue depth: how many writes a drain leaves for the pause.

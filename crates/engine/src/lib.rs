@@ -370,7 +370,8 @@ impl Volume {
         let (gen, hooked) = (c.gen(), self.hooked_gen.load(Ordering::SeqCst));
         (gen < hooked).then(|| {
             format!(
-                "the cache writes in generation {gen}, the vault may name {hooked} (a switch                  was recorded that the cache log could not take)"
+                "the cache writes in generation {gen}, the vault may name {hooked} (a switch \
+                 was recorded that the cache log could not take)"
             )
         })
     }

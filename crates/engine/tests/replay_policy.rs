@@ -123,11 +123,12 @@ async fn a_replay_whose_closing_switch_finds_no_room_keeps_writes_waiting_until_
     );
     assert!(c.report().replaying);
     assert_eq!(c.report().mode, "wb");
-    // Room again: the switch goes in (at the next try, a second on), then the write.
+    // Room again once the segments are unpinned; the destager makes them reusable itself
+    // (they wait for a sync, which no one else makes here), and the switch goes in at the
+    // next try, a second on; then the write.
     for loc in pins.drain(..) {
         host.log().unpin(&loc);
     }
-    host.log().sync_freed().unwrap();
     for turn in 0..400 {
         if w.is_finished() {
             break;
@@ -135,7 +136,11 @@ async fn a_replay_whose_closing_switch_finds_no_room_keeps_writes_waiting_until_
         host.destage_turn(turn).await;
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    w.await.unwrap().unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(5), w)
+        .await
+        .expect("the replay never ended: the switch found no room again and again")
+        .unwrap()
+        .unwrap();
     assert_eq!(c.report().mode, "wt");
     assert_eq!(
         store.image()[BLOCK..2 * BLOCK],

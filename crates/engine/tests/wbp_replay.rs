@@ -631,6 +631,89 @@ fn a_checkpoint_under_way_when_a_set_is_held_is_in_the_set_and_the_log_or_in_nei
     );
 }
 
+/// A peer replaying for a dead owner sends a held window (writes 1 to 4, write 3 over write
+/// 1's block) whole to the datastore, and loses power before its checkpoint. Back, it resumes
+/// the replay in batches, whose first window would close before write 3 (the overlap). It
+/// must reach the end of the window it had recorded first: checkpoint 2 over a datastore
+/// holding write 4 is a state no prefix gives. Before, the recovered replicas dropped that
+/// end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_resumed_replay_reaches_the_end_of_the_window_it_had_sent() {
+    let id = Uuid::new_v4();
+    let gen = 2;
+    let store = Arc::new(MemDevice::new(VOL));
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let p = CacheHost::open(dev.clone(), SEG).unwrap();
+    p.replica_open("owner", id, gen, 0).unwrap();
+    let writes = [(1u64, 0u64, 1u8), (2, 8, 2), (3, 0, 3), (4, 16, 4)];
+    let mut done: Vec<W> = Vec::new();
+    for (ser, sector, b) in writes {
+        let data = vec![b; 4096];
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+            .unwrap();
+        done.push((sector * 512, data));
+    }
+    assert_eq!(p.replica_seal(id, 0).unwrap(), Some((gen, 4)));
+    assert_eq!(p.promote_replicas(id, 0, 4).unwrap(), 4);
+    let open = |host: &Arc<CacheHost>, hold_s| {
+        let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+        let tuning = Tuning {
+            hold_s,
+            ..Tuning::default()
+        };
+        Volume::open(
+            id,
+            "v".into(),
+            Policy::Wb,
+            tuning,
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap()
+    };
+    {
+        let v = open(&p, Some(1e-9));
+        let d = dev.clone();
+        store.after_next_flush(move || {
+            d.power_loss(|_, _| Fate::Lost);
+            d.fail();
+        });
+        p.destage_turn(0).await;
+        assert_eq!(
+            store.image(),
+            image(&done, 4),
+            "the held window went out whole"
+        );
+        drop(v);
+    }
+    drop(p);
+    dev.power_loss(|_, _| Fate::Lost);
+    let back = CacheHost::open(dev.clone(), SEG).unwrap();
+    let (_, upto) = back
+        .replica_seal(id, 0)
+        .unwrap()
+        .expect("replicas found again");
+    assert_eq!(back.promote_replicas(id, 0, upto).unwrap(), 4);
+    let v = open(&back, None);
+    let c = v.cache().unwrap();
+    for turn in 0..1000 {
+        if c.clean() {
+            break;
+        }
+        let before = c.checkpoint();
+        back.destage_turn(turn).await;
+        let cp = c.checkpoint();
+        if cp != before {
+            assert!(
+                store.image() == image(&done, cp as usize),
+                "checkpoint {cp} recorded over a datastore that is not the volume as of it"
+            );
+        }
+    }
+    assert!(c.clean());
+    assert_eq!(store.image(), image(&done, 4));
+}
+
 /// A peer replaying for a dead owner loses power after its replay put the owner's writes on
 /// the datastore, before anything of that replay was synced, and replays again from the
 /// same checkpoint (the vault's) once back. Its second replay may only put back what its

@@ -1079,6 +1079,24 @@ fn transmission<X: ExportSet>(
     let waker = std::task::Waker::noop();
     let mut unflushed = false;
     let mut rejected: u64 = 0;
+    // Answers an invalid request with its error; logs the first few of a connection.
+    let reject = |e: &CmdError, req: &Request, rejected: &mut u64, budget: Option<Budget>| {
+        *rejected += 1;
+        if *rejected <= REJECTIONS_LOGGED {
+            warn!(
+                "nbd {peer} export {name:?}: {} rejected with {}: {}{}",
+                proto::command_name(req.kind),
+                e.errno,
+                e.msg,
+                if *rejected == REJECTIONS_LOGGED {
+                    "; further rejections on this connection are counted, not logged"
+                } else {
+                    ""
+                }
+            );
+        }
+        lock(&out).put(&Reply::error(e.errno, req.cookie, budget));
+    };
 
     let end = loop {
         // Replies written inline are flushed before this thread could block on the socket,
@@ -1108,6 +1126,17 @@ fn transmission<X: ExportSet>(
                 proto::BLOCK_SIZE_MAX,
                 req.cookie
             ));
+        }
+        // A request with no payload to read is checked before it takes budget: an invalid
+        // one is answered at once, not after a wait for budget that requests stalled on their
+        // datastore may hold for as long as it is down. (A WRITE's payload is read first,
+        // under budget, so the stream stays in step.)
+        if req.kind != proto::CMD_WRITE {
+            if let Err(e) = validate(&req, &info) {
+                reject(&e, &req, &mut rejected, None);
+                unflushed = true;
+                continue;
+            }
         }
         let payload_len = match req.kind {
             proto::CMD_READ | proto::CMD_WRITE => req.len.min(proto::BLOCK_SIZE_MAX) as usize,
@@ -1150,21 +1179,7 @@ fn transmission<X: ExportSet>(
             None
         };
         if let Err(e) = validate(&req, &info) {
-            rejected += 1;
-            if rejected <= REJECTIONS_LOGGED {
-                warn!(
-                    "nbd {peer} export {name:?}: {} rejected with {}: {}{}",
-                    proto::command_name(req.kind),
-                    e.errno,
-                    e.msg,
-                    if rejected == REJECTIONS_LOGGED {
-                        "; further rejections on this connection are counted, not logged"
-                    } else {
-                        ""
-                    }
-                );
-            }
-            lock(&out).put(&Reply::error(e.errno, req.cookie, Some(budget)));
+            reject(&e, &req, &mut rejected, Some(budget));
             unflushed = true;
             continue;
         }
@@ -1846,6 +1861,31 @@ mod budget_tests {
             n < 2 * (proto::SIMPLE_REPLY_LEN + proto::BLOCK_SIZE_MAX as usize),
             "both replies arrived whole ({n} bytes): the write never timed out"
         );
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A request that is invalid is answered at once, even while the connection's budget is
+    /// held by writes stalled on their datastore: it needs none. Before, a READ past the end
+    /// waited for budget first, for as long as the datastore was stuck.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_invalid_request_is_answered_without_waiting_for_budget() {
+        use tokio::io::AsyncWriteExt as _;
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("invalid", shared);
+        let mut s = raw_client(&uri("stuck")).await;
+        let max = proto::BLOCK_SIZE_MAX;
+        let unit = BUDGET_UNIT as u32;
+        // Two stalled writes hold all of the connection's budget but one unit; the READ, past
+        // the end of the export, would need two.
+        let mut reqs = request(proto::CMD_WRITE, 1, 0, max);
+        reqs.extend_from_slice(&request(proto::CMD_WRITE, 2, 0, max - unit));
+        reqs.extend_from_slice(&request(proto::CMD_READ, 3, 1 << 60, 2 * unit));
+        s.write_all(&reqs).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(10), reply_cookie(&mut s))
+            .await
+            .expect("the invalid READ waited for budget");
+        assert_eq!(answer, (3, proto::Errno::EINVAL.0));
         server.abort();
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -1407,6 +1407,9 @@ pub(crate) async fn replay_for_dead_owner(
         Err(cluster::Error::Locked(_)) => return Ok(()), // another host got there first
         Err(e) => return Err(e.to_string()),
     }
+    // A hand-on still owed from an earlier try is this try's to make now, if it stops too:
+    // retried after a replay that finished, it would mark the finished one's vault.
+    d.peers.pass_on_owed.lock().expect("lock").remove(&rec.id);
     let result = replay_locked(d, &cache, rec).await;
     if result.is_err() {
         pass_on(d, rec).await;
@@ -1446,8 +1449,10 @@ async fn try_pass_on(d: &Daemon, id: Uuid, name: &str) -> Result<(), String> {
         .vault(id)
         .await
         .map_err(|e| format!("read the vault: {e}"))?;
-    let Some(v) = v.filter(|v| v.owner == me && !v.handoff) else {
-        return Ok(()); // not named yet, or not any more
+    // Not named yet, or not any more; or a replay finished (its vault names no peers, and
+    // there is nobody to hand on to).
+    let Some(v) = v.filter(|v| v.owner == me && !v.handoff && !v.peers.is_empty()) else {
+        return Ok(());
     };
     let peers = v.peers.clone();
     d.coord

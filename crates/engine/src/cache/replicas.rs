@@ -36,6 +36,10 @@ pub(super) struct ReplicaSet {
     from: String,
     gen: u64,
     checkpoint: u64,
+    /// The end of a window this host's own replay of the volume recorded before it stopped
+    /// (found by the recovery scan; see `OwnerMeta::window_end`): a replay resumed from the
+    /// set must reach it.
+    window_end: u64,
     /// Writes above the checkpoint by `ser`, each with its records (parts), all pinned.
     writes: BTreeMap<u64, Vec<Scanned>>,
     bytes: u64,
@@ -122,6 +126,7 @@ pub(super) fn from_recovered(r: Recovered) -> ReplicaSet {
     let mut set = ReplicaSet {
         gen: r.gen,
         checkpoint: r.checkpoint,
+        window_end: r.window_end,
         ..ReplicaSet::default()
     };
     for parts in r.writes {
@@ -602,6 +607,11 @@ impl CacheHost {
         let mut r = Recovered {
             checkpoint: from,
             gen: set.gen,
+            window_end: if set.window_end > from {
+                set.window_end
+            } else {
+                0
+            },
             pinned_by_host: true,
             void_upto: set
                 .writes
