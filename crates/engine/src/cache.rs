@@ -260,6 +260,8 @@ struct VolState {
     /// midway; the window sent again may be composed differently, as a replay's first window
     /// with its byte cap, or in batches after a held window.)
     reach: u64,
+    /// The highest window end the volume's peers hold ([`Replicator::window_end`]).
+    peer_reach: u64,
     /// The append ticket of the last checkpoint record the destager wrote: synced before the
     /// next window's first datastore write, so that a recovery never finds more than one
     /// window out above its checkpoint.
@@ -1346,6 +1348,7 @@ impl VolCache {
                     0
                 },
                 checkpoint_ticket: 0,
+                peer_reach: 0,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
                 degraded: rec.degraded,
@@ -2636,10 +2639,33 @@ impl VolCache {
         // run of the sequence than the datastore, and replaying it from a lagging vault
         // checkpoint would put old data back over newer (a state no prefix of the writes
         // gives). One forwarded FLUSH usually covers several windows, as the local sync does.
-        let (peers, synced, done) = {
+        let (peers, synced, done, checkpoint, reach, peer_reach) = {
             let st = lock(&self.st);
-            (st.replicator.clone(), st.peer_synced, st.done_ser)
+            (
+                st.replicator.clone(),
+                st.peer_synced,
+                st.done_ser,
+                st.checkpoint,
+                st.reach,
+                st.peer_reach,
+            )
         };
+        // The peers learn the window's end too, durably, before it goes: a peer that replays
+        // after this host died must reach it, as this host's own replay would.
+        if let Some(p) = peers
+            .as_ref()
+            .filter(|_| reach > checkpoint && reach > peer_reach)
+        {
+            match p.window_end(gen, checkpoint, reach).await {
+                Ok(()) => {
+                    let mut st = lock(&self.st);
+                    st.peer_reach = st.peer_reach.max(reach);
+                }
+                // A peer out of the vault can never replay: the window may go.
+                Err(_) if p.exclude_failed().await.is_ok() => {}
+                Err(_) => return false,
+            }
+        }
         if let Some(p) = peers.filter(|_| last > synced) {
             match p.flush().await {
                 Ok(()) => {

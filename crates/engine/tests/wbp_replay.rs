@@ -58,6 +58,13 @@ impl Replicator for Direct {
             .replica_checkpoint(self.volume, gen, ser)
             .expect("checkpoint");
     }
+    fn window_end(&self, gen: u64, checkpoint: u64, end: u64) -> BoxFuture<Result<(), String>> {
+        let r = self
+            .peer
+            .replica_window(self.volume, gen, checkpoint, end)
+            .map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    }
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
         Box::pin(async { Ok(()) })
     }
@@ -629,6 +636,95 @@ fn a_checkpoint_under_way_when_a_set_is_held_is_in_the_set_and_the_log_or_in_nei
         said,
         "the log holds a checkpoint the held set did not know"
     );
+}
+
+/// The owner sends a held window (writes 1 to 4, write 3 over write 1's block) whole to the
+/// datastore and dies before its checkpoint. Its peer replays in batches, whose first window
+/// would close before write 3 (the overlap): it must reach the end of the owner's window
+/// first, which the owner sent it (durably) before the window went. Checkpoint 2 over a
+/// datastore holding write 4 is a state no prefix gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_replay_reaches_the_end_of_the_window_its_owner_died_in() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let owner = CacheHost::open(dev.clone(), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wt,
+        Tuning::default(),
+        extent,
+        Some(owner.clone()),
+    )
+    .unwrap();
+    owner.finish_recovery(&[id]).unwrap();
+    let p2 = peer.clone();
+    let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
+        let r = p2
+            .replica_open("owner", id, gen, ckpt)
+            .map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    });
+    to_wbp_1(&vol, peer.clone(), id, hook).await.unwrap();
+    vol.set_tuning(Tuning {
+        hold_s: Some(1e-9),
+        ..Tuning::default()
+    });
+    let gen = vol.cache().unwrap().gen();
+    let writes = [(0u64, 1u8), (8, 2), (0, 3), (16, 4)];
+    let mut done: Vec<W> = Vec::new();
+    for (sector, b) in writes {
+        let data = vec![b; 4096];
+        vol.write(sector * 512, Bytes::from(data.clone()), false)
+            .await
+            .unwrap();
+        done.push((sector * 512, data));
+    }
+    // The owner dies once its window is on the datastore, before its checkpoint.
+    let d = dev.clone();
+    store.after_next_flush(move || d.fail());
+    owner.destage_turn(0).await;
+    assert_eq!(
+        store.image(),
+        image(&done, 4),
+        "the held window went out whole"
+    );
+    assert_eq!(vol.cache().unwrap().checkpoint(), 0);
+    drop(vol);
+
+    let (g, upto) = peer.replica_seal(id, 0).unwrap().expect("replicas");
+    assert_eq!((g, upto), (gen, 4));
+    assert_eq!(peer.promote_replicas(id, 0, upto).unwrap(), 4);
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let v = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(peer.clone()),
+    )
+    .unwrap();
+    let c = v.cache().unwrap();
+    for turn in 0..1000 {
+        if c.clean() {
+            break;
+        }
+        let before = c.checkpoint();
+        peer.destage_turn(turn).await;
+        let cp = c.checkpoint();
+        if cp != before {
+            assert!(
+                store.image() == image(&done, cp as usize),
+                "checkpoint {cp} recorded over a datastore that is not the volume as of it"
+            );
+        }
+    }
+    assert!(c.clean());
+    assert_eq!(store.image(), image(&done, 4));
 }
 
 /// A peer replaying for a dead owner sends a held window (writes 1 to 4, write 3 over write

@@ -356,9 +356,39 @@ impl Link {
         gen: u64,
         ser: u64,
     ) -> Result<(), PeerError> {
-        self.request(Msg::Checkpoint { volume, gen, ser }, 0)
-            .await
-            .map(drop)
+        self.request(
+            Msg::Checkpoint {
+                volume,
+                gen,
+                ser,
+                window_end: 0,
+            },
+            0,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// The checkpoint `ser` and the end of the window about to go out (see the `Checkpoint`
+    /// frame); answered once the peer holds both durably.
+    pub async fn window_end(
+        &self,
+        volume: uuid::Uuid,
+        gen: u64,
+        ser: u64,
+        window_end: u64,
+    ) -> Result<(), PeerError> {
+        self.request(
+            Msg::Checkpoint {
+                volume,
+                gen,
+                ser,
+                window_end,
+            },
+            0,
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn drop_replicas(&self, volume: uuid::Uuid, gen: u64) -> Result<(), PeerError> {

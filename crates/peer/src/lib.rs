@@ -71,8 +71,12 @@ mod tests {
             self.log.lock().unwrap().push("flush".into());
             Ok(())
         }
-        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64) -> Result<(), Refusal> {
-            self.log.lock().unwrap().push(format!("ckpt {ser}"));
+        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64, end: u64) -> Result<(), Refusal> {
+            self.log.lock().unwrap().push(if end == 0 {
+                format!("ckpt {ser}")
+            } else {
+                format!("ckpt {ser} end {end}")
+            });
             Ok(())
         }
         fn drop_replicas(&self, _v: Uuid, gen: u64) -> Result<(), Refusal> {
@@ -95,7 +99,7 @@ mod tests {
                 .unwrap_or(0u64);
             let checkpoint = log
                 .iter()
-                .filter_map(|l| l.strip_prefix("ckpt ")?.parse().ok())
+                .filter_map(|l| l.strip_prefix("ckpt ")?.split(' ').next()?.parse().ok())
                 .max()
                 .unwrap_or(0u64);
             Ok(Holding {
@@ -259,7 +263,7 @@ mod tests {
         fn flush(&self) -> Result<(), Refusal> {
             Ok(())
         }
-        fn checkpoint(&self, _: Uuid, _: u64, _: u64) -> Result<(), Refusal> {
+        fn checkpoint(&self, _: Uuid, _: u64, _: u64, _: u64) -> Result<(), Refusal> {
             Ok(())
         }
         fn drop_replicas(&self, _: Uuid, _: u64) -> Result<(), Refusal> {
@@ -400,6 +404,7 @@ mod tests {
         }
         flush.await.unwrap();
         link.checkpoint(Uuid::nil(), 3, 150).await.unwrap();
+        link.window_end(Uuid::nil(), 3, 150, 180).await.unwrap();
         let log = sink.log.lock().unwrap().clone();
         assert_eq!(log[0], "open owner 3 0");
         for s in 1..=200u64 {
@@ -410,6 +415,7 @@ mod tests {
         }
         assert_eq!(log[201], "flush");
         assert_eq!(log[202], "ckpt 150");
+        assert_eq!(log[203], "ckpt 150 end 180");
     }
 
     /// A host about to replay asks another peer, on a link of its own, how far that peer's
@@ -874,7 +880,7 @@ mod tests {
         fn flush(&self) -> Result<(), Refusal> {
             Ok(())
         }
-        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64) -> Result<(), Refusal> {
+        fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64, _e: u64) -> Result<(), Refusal> {
             *self.room_upto.lock().unwrap() = ser + 1;
             Ok(())
         }

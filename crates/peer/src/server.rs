@@ -65,7 +65,9 @@ pub trait Sink: Send + Sync + 'static {
     fn write_at_once(&self, from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>>;
     /// Makes every write taken so far durable.
     fn flush(&self) -> Result<(), Refusal>;
-    fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64) -> Result<(), Refusal>;
+    /// The owner's checkpoint `ser`, with the end of the window it is about to send if
+    /// `window_end` is nonzero (then answered once durable).
+    fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64, window_end: u64) -> Result<(), Refusal>;
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal>;
     /// For a host about to replay `volume`: makes this host's replicas durable and says up to
     /// which `ser` it holds generation `gen` without a gap above `from` (`from` if it holds
@@ -520,8 +522,16 @@ fn read_frames(
             // Ahead of the frames queued before it. Every write it covers completed, and a
             // write completes only once every peer acknowledged it, which this one does only
             // after applying it: the writes still queued are all above it.
-            Msg::Checkpoint { volume, gen, ser } => {
-                let reply = reply_of(sink.checkpoint(volume, gen, ser).map(|_| String::new()));
+            Msg::Checkpoint {
+                volume,
+                gen,
+                ser,
+                window_end,
+            } => {
+                let reply = reply_of(
+                    sink.checkpoint(volume, gen, ser, window_end)
+                        .map(|_| String::new()),
+                );
                 send(w, h.seq, &reply)?;
                 unsent = false;
                 continue;

@@ -24,8 +24,12 @@
 //! - `Write`: volume (16), gen (8), ser (8), offset (8), length (8), then the data (absent for
 //!   zeroes).
 //! - `Flush`: empty. Answered once every write before it is on the peer's stable media.
-//! - `Checkpoint`: volume (16), gen (8), ser (8). The datastore holds the volume's writes up to
-//!   `ser`; the peer may drop its copies of them.
+//! - `Checkpoint`: volume (16), gen (8), ser (8), then, only if nonzero, a window end (8). The
+//!   datastore holds the volume's writes up to `ser`; the peer may drop its copies of them. A
+//!   window end says the owner is about to send a window up to it: the datastore may hold
+//!   parts of the writes up to it, and a replay must reach it before its first checkpoint. The
+//!   peer answers such a checkpoint once it is durable. (Added without a new version: a peer
+//!   of an earlier build reads the first 32 bytes and answers as for a plain checkpoint.)
 //! - `Drop`: volume (16), gen (8). The peer drops every copy of the volume of a gen ≤ this.
 //! - `Held`: volume (16), gen (8), from (8). Asked by a host about to replay the volume, or
 //!   by its owner waiting on a hand-off no peer has taken up: the peer makes its replicas durable and answers with the highest `ser`
@@ -168,6 +172,7 @@ pub enum Msg {
         volume: Uuid,
         gen: u64,
         ser: u64,
+        window_end: u64,
     },
     Drop {
         volume: Uuid,
@@ -264,10 +269,18 @@ impl Body {
                 Kind::Write
             }
             Msg::Flush => Kind::Flush,
-            Msg::Checkpoint { volume, gen, ser } => {
+            Msg::Checkpoint {
+                volume,
+                gen,
+                ser,
+                window_end,
+            } => {
                 b.put_slice(volume.as_bytes());
                 b.put_u64_le(*gen);
                 b.put_u64_le(*ser);
+                if *window_end != 0 {
+                    b.put_u64_le(*window_end);
+                }
                 Kind::Checkpoint
             }
             Msg::Drop { volume, gen } => {
@@ -446,6 +459,7 @@ pub fn decode_body(h: &Head, mut b: Bytes) -> Result<Msg, WireError> {
                 volume: uuid(&mut b),
                 gen: b.get_u64_le(),
                 ser: b.get_u64_le(),
+                window_end: if b.len() >= 8 { b.get_u64_le() } else { 0 },
             }
         }
         Kind::Drop => {
@@ -523,8 +537,18 @@ mod tests {
                     })
                 }),
             Just(Msg::Flush),
-            (id.clone(), any::<u64>(), any::<u64>())
-                .prop_map(|(volume, gen, ser)| Msg::Checkpoint { volume, gen, ser }),
+            (
+                id.clone(),
+                any::<u64>(),
+                any::<u64>(),
+                prop_oneof![Just(0u64), any::<u64>()]
+            )
+                .prop_map(|(volume, gen, ser, window_end)| Msg::Checkpoint {
+                    volume,
+                    gen,
+                    ser,
+                    window_end
+                }),
             (id.clone(), any::<u64>()).prop_map(|(volume, gen)| Msg::Drop { volume, gen }),
             (id, any::<u64>(), any::<u64>()).prop_map(|(volume, gen, from)| Msg::Held {
                 volume,
@@ -563,6 +587,35 @@ mod tests {
             });
             prop_assert!(r.is_err(), "decoded after a flip at byte {}: {:?}", at, r);
         }
+    }
+
+    /// A plain checkpoint keeps the body earlier builds wrote; one with a window end adds 8
+    /// bytes after it, which an earlier build (it reads 32) leaves unread.
+    #[test]
+    fn a_window_end_extends_the_checkpoint_body_and_leaves_the_rest_as_it_was() {
+        let volume = Uuid::new_v4();
+        let plain = encode(
+            7,
+            &Msg::Checkpoint {
+                volume,
+                gen: 3,
+                ser: 10,
+                window_end: 0,
+            },
+        );
+        let ended = encode(
+            7,
+            &Msg::Checkpoint {
+                volume,
+                gen: 3,
+                ser: 10,
+                window_end: 42,
+            },
+        );
+        assert_eq!(plain.len(), HEADER_LEN + 32);
+        assert_eq!(ended.len(), HEADER_LEN + 40);
+        assert_eq!(ended[HEADER_LEN..HEADER_LEN + 32], plain[HEADER_LEN..]);
+        assert_eq!(ended[HEADER_LEN + 32..], 42u64.to_le_bytes());
     }
 
     #[test]

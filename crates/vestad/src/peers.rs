@@ -113,9 +113,9 @@ impl peer::Sink for PeerService {
     fn flush(&self) -> Result<(), Refusal> {
         self.cache.replica_sync().map_err(refusal)
     }
-    fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64) -> Result<(), Refusal> {
+    fn checkpoint(&self, volume: Uuid, gen: u64, ser: u64, window_end: u64) -> Result<(), Refusal> {
         self.cache
-            .replica_checkpoint(volume, gen, ser)
+            .replica_window(volume, gen, ser, window_end)
             .map_err(refusal)
     }
     fn drop_replicas(&self, volume: Uuid, gen: u64) -> Result<(), Refusal> {
@@ -421,6 +421,29 @@ impl Replicator for PeerSet {
             }
         });
         self.vault_checkpoint(gen, ser);
+    }
+
+    fn window_end(&self, gen: u64, checkpoint: u64, end: u64) -> BoxFuture<Result<(), String>> {
+        let set = self.0.clone();
+        let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
+            .links
+            .iter()
+            .map(|l| {
+                let (l, v) = (l.clone(), set.volume);
+                Box::pin(async move { l.window_end(v, gen, checkpoint, end).await }) as BoxFuture<_>
+            })
+            .collect();
+        Box::pin(async move {
+            let r: Result<(), String> = join_all(futs)
+                .await
+                .into_iter()
+                .collect::<Result<(), PeerError>>()
+                .map_err(|e| e.to_string());
+            if r.is_err() {
+                set.note_failures();
+            }
+            r
+        })
     }
 
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {

@@ -186,7 +186,13 @@ impl CacheHost {
         }
     }
 
-    fn append_meta_for(&self, volume: Uuid, ser: u64, gen: u64) -> Result<(), ReplicaRefusal> {
+    fn append_meta_for(
+        &self,
+        volume: Uuid,
+        ser: u64,
+        gen: u64,
+        window_end: u64,
+    ) -> Result<(), ReplicaRefusal> {
         let e = Entry {
             kind: Kind::Checkpoint,
             volume,
@@ -194,7 +200,7 @@ impl CacheHost {
             gen,
             offset: 0,
             len: 0,
-            arg: 0,
+            arg: window_end,
         };
         let (loc, _) = self
             .shared
@@ -232,6 +238,7 @@ impl CacheHost {
             set.release(log, u64::MAX);
             set.gen = gen;
             set.checkpoint = 0;
+            set.window_end = 0;
             // What this host said it held was of the old generation.
             set.held = false;
         }
@@ -240,9 +247,14 @@ impl CacheHost {
         set.checkpoint = set.checkpoint.max(checkpoint);
         // Recorded so a scan knows the generation and where its replicas start.
         let ckpt = set.checkpoint;
+        let window_end = if set.window_end > ckpt {
+            set.window_end
+        } else {
+            0
+        };
         self.count_sets(&sets);
         drop(sets);
-        self.append_meta_for(volume, ckpt, gen)
+        self.append_meta_for(volume, ckpt, gen, window_end)
     }
 
     /// Appends one replicated write. Blocks while the log is full, up to [`SPACE_WAIT`].
@@ -426,11 +438,27 @@ impl CacheHost {
         gen: u64,
         ser: u64,
     ) -> Result<(), ReplicaRefusal> {
+        self.replica_window(volume, gen, ser, 0)
+    }
+
+    /// The owner's checkpoint `ser` and, if nonzero, the end of the window it is about to
+    /// send (`OwnerMeta::window_end`): a replay of these copies must reach that end before
+    /// its first checkpoint. With an end, durable when this returns (the owner sends the
+    /// window only then).
+    pub fn replica_window(
+        &self,
+        volume: Uuid,
+        gen: u64,
+        ser: u64,
+        window_end: u64,
+    ) -> Result<(), ReplicaRefusal> {
         let mut sets = lock(&self.replicas);
         let Some(set) = sets.get_mut(&volume) else {
             return Ok(());
         };
-        if set.gen != gen || ser <= set.checkpoint || set.held {
+        let ser = ser.max(set.checkpoint);
+        let news = ser > set.checkpoint || window_end > set.window_end.max(ser);
+        if set.gen != gen || !news || set.held {
             return Ok(());
         }
         // The checkpoint goes into the log before the records it covers are released, and
@@ -438,9 +466,15 @@ impl CacheHost {
         // above waits for it, so no checkpoint record lands in the log once the set is held
         // (a restart would take the set's checkpoint from it, past what this host said it
         // would continue from). An append is a device write or two, never a sync.
-        self.append_meta_for(volume, ser, gen)?;
+        let window_end = if window_end > ser { window_end } else { 0 };
+        self.append_meta_for(volume, ser, gen, window_end)?;
         set.release(&self.shared.log, ser);
         set.checkpoint = ser;
+        set.window_end = window_end;
+        drop(sets);
+        if window_end > 0 {
+            self.replica_sync()?;
+        }
         Ok(())
     }
 
@@ -459,7 +493,7 @@ impl CacheHost {
         drop(sets);
         let last = set.writes.keys().next_back().copied().unwrap_or(0);
         // A checkpoint above them all, so a scan does not bring them back.
-        let recorded = self.append_meta_for(volume, last.max(set.checkpoint), set.gen);
+        let recorded = self.append_meta_for(volume, last.max(set.checkpoint), set.gen, 0);
         set.release(&self.shared.log, u64::MAX);
         if !lock(&self.vols).iter().any(|v| v.id == volume) {
             self.shared.log.forget(volume);
