@@ -370,25 +370,35 @@ impl Link {
     }
 
     /// The checkpoint `ser` and the end of the window about to go out (see the `Checkpoint`
-    /// frame); answered once the peer holds both durably.
+    /// frame); answered once the peer holds both durably: `Ok(true)`. `Ok(false)`: a peer of
+    /// an earlier build took the checkpoint alone. A peer that refuses it (its cache device
+    /// failed, say) breaks the link, as a refused write or flush does: the owner then takes
+    /// it out of the vault before the window goes.
     pub async fn window_end(
         &self,
         volume: uuid::Uuid,
         gen: u64,
         ser: u64,
         window_end: u64,
-    ) -> Result<(), PeerError> {
-        self.request(
-            Msg::Checkpoint {
-                volume,
-                gen,
-                ser,
-                window_end,
-            },
-            0,
-        )
-        .await
-        .map(drop)
+    ) -> Result<bool, PeerError> {
+        let r = self
+            .request(
+                Msg::Checkpoint {
+                    volume,
+                    gen,
+                    ser,
+                    window_end,
+                },
+                0,
+            )
+            .await;
+        match r {
+            Ok(msg) => Ok(msg == wire::WINDOW_END_HELD),
+            Err(e) => {
+                self.close(&format!("window end not taken: {e}"));
+                Err(e)
+            }
+        }
     }
 
     pub async fn drop_replicas(&self, volume: uuid::Uuid, gen: u64) -> Result<(), PeerError> {

@@ -72,6 +72,9 @@ mod tests {
             Ok(())
         }
         fn checkpoint(&self, _v: Uuid, _g: u64, ser: u64, end: u64) -> Result<(), Refusal> {
+            if end == u64::MAX {
+                return Err(Refusal::Failed("no space".into()));
+            }
             self.log.lock().unwrap().push(if end == 0 {
                 format!("ckpt {ser}")
             } else {
@@ -404,7 +407,10 @@ mod tests {
         }
         flush.await.unwrap();
         link.checkpoint(Uuid::nil(), 3, 150).await.unwrap();
-        link.window_end(Uuid::nil(), 3, 150, 180).await.unwrap();
+        assert!(
+            link.window_end(Uuid::nil(), 3, 150, 180).await.unwrap(),
+            "a peer of this build says it holds the window end"
+        );
         let log = sink.log.lock().unwrap().clone();
         assert_eq!(log[0], "open owner 3 0");
         for s in 1..=200u64 {
@@ -416,6 +422,13 @@ mod tests {
         assert_eq!(log[201], "flush");
         assert_eq!(log[202], "ckpt 150");
         assert_eq!(log[203], "ckpt 150 end 180");
+        // A window end the peer cannot hold breaks the link, as a refused write does: the
+        // owner must take the peer out of the vault before its window goes.
+        assert!(link
+            .window_end(Uuid::nil(), 3, 150, u64::MAX)
+            .await
+            .is_err());
+        assert!(link.broken().is_some(), "the link stayed up");
     }
 
     /// A host about to replay asks another peer, on a link of its own, how far that peer's

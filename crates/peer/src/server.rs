@@ -528,10 +528,13 @@ fn read_frames(
                 ser,
                 window_end,
             } => {
-                let reply = reply_of(
-                    sink.checkpoint(volume, gen, ser, window_end)
-                        .map(|_| String::new()),
-                );
+                let reply = reply_of(sink.checkpoint(volume, gen, ser, window_end).map(|_| {
+                    if window_end != 0 {
+                        wire::WINDOW_END_HELD.to_owned()
+                    } else {
+                        String::new()
+                    }
+                }));
                 send(w, h.seq, &reply)?;
                 unsent = false;
                 continue;

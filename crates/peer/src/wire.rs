@@ -61,6 +61,9 @@ pub const HEADER_LEN: usize = 32;
 pub const BODY_MAX: u32 = (32 << 20) + 64;
 /// Largest body before the handshake is done: nothing big is read from a stranger.
 pub const HANDSHAKE_BODY_MAX: u32 = 1024;
+/// The `Ok` answer's message to a `Checkpoint` with a window end, from a peer that holds it
+/// durably. A peer of an earlier build answers with an empty one: it took only the checkpoint.
+pub const WINDOW_END_HELD: &str = "window end held";
 const FLAG_ZERO: u16 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -283,6 +283,8 @@ struct PeerSetInner {
     vault_busy: std::sync::atomic::AtomicBool,
     /// How long a link stays idle before its peer is pinged ([`PeerSet::keep_alive`]).
     keepalive: Duration,
+    /// Whether the log said that a peer of an earlier build cannot hold window ends.
+    told_old_peer: std::sync::atomic::AtomicBool,
 }
 
 impl PeerSetInner {
@@ -425,7 +427,7 @@ impl Replicator for PeerSet {
 
     fn window_end(&self, gen: u64, checkpoint: u64, end: u64) -> BoxFuture<Result<(), String>> {
         let set = self.0.clone();
-        let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
+        let futs: Vec<BoxFuture<Result<bool, PeerError>>> = set
             .links
             .iter()
             .map(|l| {
@@ -434,10 +436,25 @@ impl Replicator for PeerSet {
             })
             .collect();
         Box::pin(async move {
-            let r: Result<(), String> = join_all(futs)
-                .await
+            let answers = join_all(futs).await;
+            let old: Vec<&str> = answers
+                .iter()
+                .zip(&set.links)
+                .filter(|(a, _)| matches!(a, Ok(false)))
+                .map(|(_, l)| l.peer())
+                .collect();
+            if !old.is_empty() && !set.told_old_peer.swap(true, Ordering::Relaxed) {
+                warn!(
+                    "volume {}: peer(s) {old:?} run an earlier build and cannot hold the end of \
+                     a destage window: should this host die mid-window, their replay may record \
+                     its first checkpoints over a datastore no prefix of the writes gives, until \
+                     it passes that window (nothing is lost); upgrade them",
+                    set.volume
+                );
+            }
+            let r: Result<(), String> = answers
                 .into_iter()
-                .collect::<Result<(), PeerError>>()
+                .try_for_each(|a| a.map(drop))
                 .map_err(|e| e.to_string());
             if r.is_err() {
                 set.note_failures();
@@ -694,6 +711,7 @@ pub async fn establish(
         vault: writer.clone(),
         failed: d.peers.failed.clone(),
         keepalive: Duration::from_secs(d.config.cluster.peer_keepalive_s),
+        told_old_peer: Default::default(),
     }));
     let hook_writer = writer.clone();
     let joined = names.join(", ");

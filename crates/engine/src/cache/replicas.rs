@@ -454,11 +454,24 @@ impl CacheHost {
     ) -> Result<(), ReplicaRefusal> {
         let mut sets = lock(&self.replicas);
         let Some(set) = sets.get_mut(&volume) else {
+            if window_end > 0 {
+                // Said held, it would let the owner send a window no replay here could
+                // reach: this host holds nothing of the volume to replay.
+                return Err(ReplicaRefusal::Failed(format!(
+                    "this host holds no replicas of volume {volume}"
+                )));
+            }
             return Ok(());
         };
         let ser = ser.max(set.checkpoint);
         let news = ser > set.checkpoint || window_end > set.window_end.max(ser);
         if set.gen != gen || !news || set.held {
+            drop(sets);
+            // Asked to hold an end already recorded (a retry after a failed sync, say): it
+            // must be durable before the answer.
+            if window_end > ser {
+                self.replica_sync()?;
+            }
             return Ok(());
         }
         // The checkpoint goes into the log before the records it covers are released, and
@@ -466,6 +479,8 @@ impl CacheHost {
         // above waits for it, so no checkpoint record lands in the log once the set is held
         // (a restart would take the set's checkpoint from it, past what this host said it
         // would continue from). An append is a device write or two, never a sync.
+        // A known end above the new checkpoint stays (the owner's windows reach it anyway).
+        let window_end = window_end.max(set.window_end);
         let window_end = if window_end > ser { window_end } else { 0 };
         self.append_meta_for(volume, ser, gen, window_end)?;
         set.release(&self.shared.log, ser);
