@@ -451,6 +451,39 @@ fn a_peer_refuses_malformed_and_stale_writes() {
     assert_eq!((sets[0].gen, sets[0].writes), (4, 0));
 }
 
+/// [`replay_all`] in batch windows (the default hold), checking at every checkpoint it records
+/// that the datastore is the volume as of it: `done` are the writes in `ser` order, all of
+/// which the replay must put on the datastore.
+async fn replay_checking(host: &Arc<CacheHost>, id: Uuid, store: &Arc<MemDevice>, done: &[W]) {
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let v = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent,
+        Some(host.clone()),
+    )
+    .unwrap();
+    let c = v.cache().unwrap();
+    for turn in 0..1000 {
+        if c.clean() {
+            break;
+        }
+        let before = c.checkpoint();
+        host.destage_turn(turn).await;
+        let cp = c.checkpoint();
+        if cp != before {
+            assert!(
+                store.image() == image(done, cp as usize),
+                "checkpoint {cp} recorded over a datastore that is not the volume as of it"
+            );
+        }
+    }
+    assert!(c.clean(), "the replay made no progress");
+    assert_eq!(store.image(), image(done, done.len()));
+}
+
 /// Replays what `host` promoted for `id` onto `store` to the end, as the daemon's online
 /// replay does, then lets the volume go (the replaying host may die any time after).
 async fn replay_all(host: &Arc<CacheHost>, id: Uuid, store: &Arc<MemDevice>) {
@@ -698,33 +731,7 @@ async fn a_peers_replay_reaches_the_end_of_the_window_its_owner_died_in() {
     let (g, upto) = peer.replica_seal(id, 0).unwrap().expect("replicas");
     assert_eq!((g, upto), (gen, 4));
     assert_eq!(peer.promote_replicas(id, 0, upto).unwrap(), 4);
-    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
-    let v = Volume::open(
-        id,
-        "v".into(),
-        Policy::Wb,
-        Tuning::default(),
-        extent,
-        Some(peer.clone()),
-    )
-    .unwrap();
-    let c = v.cache().unwrap();
-    for turn in 0..1000 {
-        if c.clean() {
-            break;
-        }
-        let before = c.checkpoint();
-        peer.destage_turn(turn).await;
-        let cp = c.checkpoint();
-        if cp != before {
-            assert!(
-                store.image() == image(&done, cp as usize),
-                "checkpoint {cp} recorded over a datastore that is not the volume as of it"
-            );
-        }
-    }
-    assert!(c.clean());
-    assert_eq!(store.image(), image(&done, 4));
+    replay_checking(&peer, id, &store, &done).await;
 }
 
 /// A peer replaying for a dead owner sends a held window (writes 1 to 4, write 3 over write
@@ -790,24 +797,7 @@ async fn a_peers_resumed_replay_reaches_the_end_of_the_window_it_had_sent() {
         .unwrap()
         .expect("replicas found again");
     assert_eq!(back.promote_replicas(id, 0, upto).unwrap(), 4);
-    let v = open(&back, None);
-    let c = v.cache().unwrap();
-    for turn in 0..1000 {
-        if c.clean() {
-            break;
-        }
-        let before = c.checkpoint();
-        back.destage_turn(turn).await;
-        let cp = c.checkpoint();
-        if cp != before {
-            assert!(
-                store.image() == image(&done, cp as usize),
-                "checkpoint {cp} recorded over a datastore that is not the volume as of it"
-            );
-        }
-    }
-    assert!(c.clean());
-    assert_eq!(store.image(), image(&done, 4));
+    replay_checking(&back, id, &store, &done).await;
 }
 
 /// A peer replaying for a dead owner loses power after its replay put the owner's writes on
