@@ -1352,8 +1352,8 @@ fn an_accepted_loss_ends_a_hand_off_no_peer_can_finish() {
     one_writer_at_a_time(&lun);
 }
 
-/// A peer's replay that stops midway (its own cache device fails after it recorded some
-/// progress: the vault then names it owner, at the same generation, handed on) leaves the
+/// A peer's replay that stops midway (its own cache device fails after it wrote some of the
+/// datastore: the vault then names it owner, at the same generation, handed on) leaves the
 /// owner of a `wbp:1` volume waiting for a replay nothing will finish. The operator can
 /// accept the loss then too: the datastore keeps what the replay wrote, the owner serves it
 /// uncached.
@@ -1369,12 +1369,14 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
     qemu_io(&a.url("w"), &["write -P 8 0 40M"]);
     let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
     a.fail_cache_device();
+    // (A replay records its checkpoint once, at its end: its first writes show it began.)
     let v = wait_for(
         Duration::from_secs(60),
-        "b to record replay progress",
+        "b to begin writing the datastore",
         || {
             let v = vault(&etcd);
-            (v["owner"] == "b" && v["checkpoint"].as_u64() > Some(0)).then_some(v)
+            let began = on_datastore(&lun, 1 << 20).iter().all(|x| *x == 8);
+            (v["owner"] == "b" && began).then_some(v)
         },
     );
     b.fail_cache_device();
@@ -1389,14 +1391,14 @@ fn an_accepted_loss_ends_a_replay_that_stopped_midway() {
     assert_eq!(r["accepted"], true, "{r}");
     let s = show(&a, "w");
     assert_eq!(s["policy"], "uncached", "{s}");
-    // What b's first window wrote stays; the volume reads what the datastore holds, and the
-    // report and the vault say so (the owner's own checkpoint is older).
+    // What b's first pieces wrote stays; the volume reads what the datastore holds. b's
+    // replay recorded no checkpoint (only its end would have), so the report counts all
+    // that was dirty above the vault's checkpoint as lost: a had 40 MiB dirty.
     let upto = now["checkpoint"].as_u64().unwrap();
-    assert!(upto >= v["checkpoint"].as_u64().unwrap() && upto > 0);
+    assert_eq!(upto, v["checkpoint"].as_u64().unwrap(), "{now}");
     assert!(r["checkpoint"].as_u64() >= Some(upto), "{r}");
-    // Only what b had not destaged is reported lost (a had 40 MiB dirty).
     let lost = r["dirty_bytes"].as_u64().unwrap();
-    assert!(lost > 0 && lost < 40 << 20, "{r}");
+    assert!(lost > 0 && lost <= 40 << 20, "{r}");
     assert!(vault(&etcd)["checkpoint"].as_u64() >= Some(upto));
     qemu_io(&a.url("w"), &["read -P 8 0 1M", "write -P 9 0 4k", "flush"]);
     let img = on_datastore(&lun, 1 << 20);
@@ -1420,13 +1422,15 @@ fn a_replay_that_stops_on_a_live_peer_is_finished_by_the_next_peer() {
     wait_replicating(&a, "w", &["b", "c"]);
     qemu_io(&a.url("w"), &["write -P 8 0 40M"]);
     a.fail_cache_device();
+    // (A replay records its checkpoint once, at its end: its first writes show it began.)
     let first = wait_for(
         Duration::from_secs(60),
-        "a peer to record replay progress",
+        "a peer to begin writing the datastore",
         || {
             let v = vault(&etcd);
             let owner = v["owner"].as_str().unwrap_or("").to_owned();
-            (owner != "a" && v["checkpoint"].as_u64() > Some(0)).then_some(owner)
+            let began = on_datastore(&lun, 1 << 20).iter().all(|x| *x == 8);
+            (owner != "a" && began).then_some(owner)
         },
     );
     let (stopped, other) = if first == "b" { (&b, &c) } else { (&c, &b) };

@@ -259,7 +259,18 @@ struct VolState {
     /// written after its end kept newer data. (A crash, or a datastore error, can cut a window
     /// midway; the window sent again may be composed differently, as a replay's first window
     /// with its byte cap, or in batches after a held window.)
+    ///
+    /// An offline or online replay reaches everything it recovered: its writes go out as one
+    /// window, in pieces no larger than a window (`sent`), with a checkpoint only at the end.
+    /// A host that continues it after this one died (another peer, or this host restarted
+    /// with its log lost) may not know how far this one went; it reaches everything it holds
+    /// too, which is at least as far (a replay goes no further than every peer that could
+    /// continue it holds).
     reach: u64,
+    /// The end of the pieces of a window forced to the reach that are on the datastore, with
+    /// no checkpoint yet (one is recorded once the piece that reaches the reach is): the next
+    /// piece starts after it. Stale once the checkpoint is at or above it.
+    sent: u64,
     /// The highest window end the volume's peers hold ([`Replicator::window_end`]).
     peer_reach: u64,
     /// The append ticket of the last checkpoint record the destager wrote: synced before the
@@ -1340,13 +1351,10 @@ impl VolCache {
                 after_replay: None,
                 replay_end_retry: None,
                 replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
-                // No further than the recovered writes: past a damaged record nothing is
-                // replayed, and new writes take sers above it.
-                reach: if replaying {
-                    rec.window_end.min(last)
-                } else {
-                    0
-                },
+                // Everything recovered ([`VolState::reach`]), and no further: past a damaged
+                // record nothing is replayed, and new writes take sers above it.
+                reach: if replaying { last } else { 0 },
+                sent: 0,
                 checkpoint_ticket: 0,
                 peer_reach: 0,
                 void_upto: rec.void_upto,
@@ -2491,6 +2499,16 @@ impl VolCache {
     }
 
     /// Whether an offline replay is done destaging and due to end ([`VolCache::finish_replay`]).
+    /// Where the next window starts: after the pieces sent of a window forced to the reach
+    /// ([`VolState::sent`]), else at the head of the staging queue.
+    fn piece_start(st: &VolState) -> u64 {
+        if st.sent > st.checkpoint {
+            st.sent
+        } else {
+            0
+        }
+    }
+
     fn replay_done(st: &VolState, now: Instant) -> bool {
         st.replaying && st.staged.is_empty() && st.replay_end_retry.is_none_or(|t| t <= now)
     }
@@ -2591,7 +2609,11 @@ impl VolCache {
         // before it reached the datastore); else a window composed now.
         let (first, gen) = {
             let st = lock(&self.st);
-            (st.staged.front().map(|w| w.w.ser), st.gen)
+            let start = Self::piece_start(&st);
+            (
+                st.staged.iter().map(|w| w.w.ser).find(|&s| s > start),
+                st.gen,
+            )
         };
         let (win, read) = match ahead.take() {
             Some(a) if Some(a.window.writes[0].ser) == first => (a.window, a.read),
@@ -2715,6 +2737,25 @@ impl VolCache {
             };
             return false;
         }
+        let secs = started.elapsed().as_secs_f64().max(1e-6);
+        lock(&self.destage_bps).add(bytes as f64 / secs);
+        self.counters
+            .destaged_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.counters.destaged_writes.fetch_add(
+            writes_among(win.writes.iter().map(|w| w.ser)),
+            Ordering::Relaxed,
+        );
+        // A piece short of the reach: the datastore is no prefix yet, so no checkpoint, and
+        // every record stays (a crash sends all the pieces again).
+        {
+            let mut st = lock(&self.st);
+            if last < st.reach {
+                st.sent = st.sent.max(last);
+                st.destage = DestageState::default();
+                return true;
+            }
+        }
         // The datastore now holds the window durably: record the checkpoint, then release the
         // window's records. The window that ends a replay also covers the void range above it
         // (`Recovered::void_upto`).
@@ -2768,15 +2809,6 @@ impl VolCache {
         st.destage = DestageState::default();
         drop(st);
         // A replay that is done ends at the destager's next visit (`finish_replay`).
-        let secs = started.elapsed().as_secs_f64().max(1e-6);
-        lock(&self.destage_bps).add(bytes as f64 / secs);
-        self.counters
-            .destaged_bytes
-            .fetch_add(bytes, Ordering::Relaxed);
-        self.counters.destaged_writes.fetch_add(
-            writes_among(win.writes.iter().map(|w| w.ser)),
-            Ordering::Relaxed,
-        );
         self.changed.notify_waiters();
         self.shared.space.notify_waiters();
         true
@@ -2834,34 +2866,26 @@ impl VolCache {
         } else {
             Closing::Held
         };
-        let start = match after {
-            None => 0,
-            Some(ser) => st.staged.iter().position(|w| w.w.ser > ser)?,
-        };
+        let after = after.unwrap_or(0).max(Self::piece_start(&st));
+        let start = st.staged.iter().position(|w| w.w.ser > after)?;
         // A window that starts at or below the reach takes everything up to it, coalesced
-        // as a held window is, past every cap: it is no larger than the window that set the
-        // reach, which went out (or began to) as one.
+        // as a held window is, whatever else would close it; in pieces within the caps, with
+        // one checkpoint at the end (`VolState::sent`).
         let reach = st.reach;
         let forced = st.staged.get(start).is_some_and(|w| w.w.ser <= reach);
+        let upto = if forced { reach } else { u64::MAX };
         let mut bytes = 0u64;
-        let head: Vec<Staged<Loc>> = if forced {
-            st.staged
-                .range(start..)
-                .take_while(|w| w.w.ser <= st.done_ser && w.w.ser <= reach)
-                .map(|w| w.w)
-                .collect()
-        } else {
-            st.staged
-                .range(start..)
-                .take_while(|w| w.w.ser <= st.done_ser)
-                .take(WINDOW_MAX)
-                .take_while(|w| {
-                    bytes += w.w.len;
-                    bytes == w.w.len || bytes <= cap
-                })
-                .map(|w| w.w)
-                .collect()
-        };
+        let head: Vec<Staged<Loc>> = st
+            .staged
+            .range(start..)
+            .take_while(|w| w.w.ser <= st.done_ser && w.w.ser <= upto)
+            .take(WINDOW_MAX)
+            .take_while(|w| {
+                bytes += w.w.len;
+                bytes == w.w.len || bytes <= cap
+            })
+            .map(|w| w.w)
+            .collect();
         let closing = if forced { Closing::Held } else { closing };
         let mut n = window::window_len(&head, closing);
         if n == 0 {

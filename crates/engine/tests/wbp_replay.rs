@@ -622,6 +622,45 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     );
 }
 
+/// FVP Table 1's cascade, the replaying peer's part: P replays all four writes (its windows
+/// in batches would be writes 1–2, then 3–4: write 3 rewrites write 1's block) and dies
+/// before the vault's checkpoint (written at most once a second) moves. Q continues from the
+/// vault's checkpoint and does not know how far P went: its replay must reach everything it
+/// holds before it records a checkpoint. Before, Q's first batch window put write 1 back
+/// over write 3 and recorded checkpoint 2 beside write 4's block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_continues_a_dead_peers_replay_reaches_all_it_holds_before_a_checkpoint() {
+    let id = Uuid::new_v4();
+    let gen = 5;
+    let store = Arc::new(MemDevice::new(VOL));
+    let p = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let q = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let writes = [(1u64, 0u64, 1u8), (2, 8, 2), (3, 0, 3), (4, 16, 4)];
+    let mut done: Vec<W> = Vec::new();
+    for host in [&p, &q] {
+        host.replica_open("owner", id, gen, 0).unwrap();
+    }
+    for (ser, sector, b) in writes {
+        let data = vec![b; 4096];
+        for host in [&p, &q] {
+            host.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+                .unwrap();
+        }
+        done.push((sector * 512, data));
+    }
+    assert_eq!(p.replica_seal(id, 0).unwrap(), Some((gen, 4)));
+    q.replica_hold(id, gen);
+    assert_eq!(q.replica_held(id, gen, 0).unwrap(), 4);
+    assert_eq!(p.promote_replicas(id, 0, 4).unwrap(), 4);
+    replay_all(&p, id, &store).await;
+    assert_eq!(store.image(), image(&done, 4));
+    // P dies; the vault still says 0.
+    drop(p);
+    assert_eq!(q.replica_seal(id, 0).unwrap(), Some((gen, 4)));
+    assert_eq!(q.promote_replicas(id, 0, 4).unwrap(), 4);
+    replay_checking(&q, id, &store, &done).await;
+}
+
 /// The owner's checkpoint is being appended on a peer (its device write under way) when a
 /// replaying host has the peer hold the set. The hold waits for it: once held, the log takes
 /// no checkpoint the set does not know, so the peer restarted says the same checkpoint as it

@@ -1,5 +1,5 @@
 //! Destage windows at their limits: a held window larger than the destager's byte cap, a
-//! replay's windows growing from a small first one, many batch windows each read ahead while
+//! replay's pieces growing from a small first one (cut between two, too), many batch windows each read ahead while
 //! the one before is written, and a window with a corrupt record. At every checkpoint the datastore must equal the volume as of that checkpoint
 //! (DESIGN §2), and a window that cannot be read must leave the datastore untouched.
 
@@ -182,9 +182,11 @@ async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_starts_with_a_small_window_and_doubles_it() {
-    // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: the first
-    // window carries 16 MiB (ending at a whole write), the next 32, then the rest.
+async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the_end() {
+    // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: one window
+    // reaching every recovered write, in pieces. The first carries 16 MiB (ending at a
+    // whole write), the next 32, then the rest; the checkpoint moves only when the last is
+    // on the datastore (a replay cut between pieces starts again from where it started).
     let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
     let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
     for i in 0..n {
@@ -193,40 +195,95 @@ async fn a_replay_starts_with_a_small_window_and_doubles_it() {
     r.vol.flush().await.expect("flush");
     let r = r.restart(3600.0);
     let c = r.vol.cache().expect("cached");
-    let mut checkpoints = Vec::new();
+    let mut pieces = Vec::new();
     for turn in 0..10_000 {
         if c.clean() {
             break;
         }
-        let before = r.checkpoint();
+        let before = r.store.image();
         let progressed = r.host.destage_turn(turn).await;
+        let now = r.store.image();
         let cp = r.checkpoint();
-        // (The turn after the last window ends the replay, with the checkpoint where it is.)
-        if cp != before {
+        if now != before {
             assert!(
-                progressed && cp > before,
-                "a window moved the checkpoint back"
+                progressed,
+                "a turn that wrote the datastore said it made no progress"
             );
-            assert!(
-                r.store.image() == r.image(cp as usize),
-                "the datastore differs from the volume as of checkpoint {cp}"
-            );
-            checkpoints.push(cp);
+            // Pieces go in order, each coalesced on its own: a piece's end leaves the datastore
+            // the volume as of some write.
+            let k = (1..=n)
+                .find(|&k| now == r.image(k))
+                .expect("a piece left the datastore no prefix of the writes");
+            pieces.push(k as u64);
         }
+        // (The turn after the last piece ends the replay, with the checkpoint where it is.)
+        assert!(
+            cp == 0 || cp == n as u64,
+            "checkpoint {cp} recorded between the pieces of a replay"
+        );
     }
-    // Each window ends at the first whole write past its cap: 16 MiB is 21⅓ writes of its
+    // Each piece ends at the first whole write past its cap: 16 MiB is 21⅓ writes of its
     // bytes, 32 MiB 42⅔ more.
     let mib = |w: u64| w as f64 * len as f64 / (1 << 20) as f64;
-    assert_eq!(checkpoints.len(), 3, "windows ended at {checkpoints:?}");
+    assert_eq!(pieces.len(), 3, "pieces ended at {pieces:?}");
+    assert!(mib(pieces[0]) < 16.0 + 0.75, "first piece {pieces:?}");
     assert!(
-        mib(checkpoints[0]) < 16.0 + 0.75,
-        "first window {checkpoints:?}"
+        mib(pieces[1] - pieces[0]) < 32.0 + 0.75,
+        "second piece {pieces:?}"
     );
+    assert_eq!(*pieces.last().unwrap(), n as u64);
+    assert_eq!(r.checkpoint(), n as u64);
     assert!(
-        mib(checkpoints[1] - checkpoints[0]) < 32.0 + 0.75,
-        "second window {checkpoints:?}"
+        r.store.image() == r.image(n),
+        "the datastore holds every write"
     );
-    assert_eq!(*checkpoints.last().unwrap(), n as u64);
+}
+
+/// The replay above, cut by a crash once two of its pieces are on the datastore: the one
+/// after it starts again from the checkpoint the first one never moved, and reaches every
+/// write before it records one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_cut_between_its_pieces_is_sent_again_whole() {
+    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
+    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+    for i in 0..n {
+        r.write(i as u64 * stride, pattern(i, len)).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let r = r.restart(3600.0);
+    let mut pieces = 0;
+    for turn in 0..10_000 {
+        if pieces == 2 {
+            break;
+        }
+        let before = r.store.image();
+        r.host.destage_turn(turn).await;
+        if r.store.image() != before {
+            pieces += 1;
+        }
+    }
+    assert_eq!(pieces, 2);
+    assert_eq!(
+        r.checkpoint(),
+        0,
+        "a checkpoint between the pieces of a replay"
+    );
+    let r = r.restart(3600.0);
+    assert_eq!(r.checkpoint(), 0);
+    let c = r.vol.cache().expect("cached");
+    for turn in 0..10_000 {
+        if c.clean() {
+            break;
+        }
+        r.host.destage_turn(turn).await;
+        let cp = r.checkpoint();
+        assert!(
+            cp == 0 || cp == n as u64,
+            "checkpoint {cp} recorded between the pieces of a replay"
+        );
+    }
+    assert!(c.clean(), "the replay made no progress");
+    assert_eq!(r.checkpoint(), n as u64);
     assert!(
         r.store.image() == r.image(n),
         "the datastore holds every write"

@@ -1778,7 +1778,8 @@ impl Others {
 }
 
 /// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault
-/// lock this host holds: the volume attaches in wb, its destager replays in `ser` order with
+/// lock this host holds: the volume attaches in wb, its destager replays in `ser` order (one
+/// window in pieces, its checkpoint moved once at the end: `engine::cache`'s `VolState::reach`),
 /// the vault's checkpoint (`replaying`) following at most once a second, and at the end the
 /// vault says `wt` with a new generation, so every other copy is stale. Returns that record.
 ///
@@ -1976,8 +1977,9 @@ async fn surrogate_locked(
                 return Err(format!(
                     "{why}. Start one of those peers again to finish that replay; if none can \
                      come back, `--force` replays this file anyway: it loses nothing if that \
-                     replay got past write {checkpoint} (the vault records its progress about \
-                     once a second), and otherwise gives up what it set back below that"
+                     replay got past write {checkpoint} (a replay records its progress in the \
+                     vault only when it is done), and otherwise gives up what it set back below \
+                     that"
                 ))
             }
         }
