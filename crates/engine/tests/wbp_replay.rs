@@ -571,6 +571,14 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         0,
         "a checkpoint after Q said how far it holds moved it on"
     );
+    // So does the same generation opened again with it (an owner that reconnects), in the
+    // set and in the log a restart reads.
+    q.replica_open("owner", id, gen, 2).unwrap();
+    assert_eq!(
+        q.replica_sets()[0].checkpoint,
+        0,
+        "an open after Q said how far it holds moved it on"
+    );
     // A new generation opened on Q is not held: its checkpoints release its writes.
     let other = Uuid::new_v4();
     q.replica_open("owner", other, 1, 0).unwrap();

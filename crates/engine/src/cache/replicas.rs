@@ -241,11 +241,18 @@ impl CacheHost {
             set.window_end = 0;
             // What this host said it held was of the old generation.
             set.held = false;
+        } else if set.held {
+            // The same generation opened again (an owner that reconnects) after this host
+            // said how far it holds for a replay: its checkpoint stays where this host said,
+            // as for a checkpoint forwarded now ([`CacheHost::replica_window`]).
+            return Ok(());
         }
         set.from = from.to_owned();
         set.release(log, checkpoint);
         set.checkpoint = set.checkpoint.max(checkpoint);
-        // Recorded so a scan knows the generation and where its replicas start.
+        // Recorded so a scan knows the generation and where its replicas start; under the
+        // lock, so that no record lands in the log once a hold has come (a restart takes the
+        // set's checkpoint from the log).
         let ckpt = set.checkpoint;
         let window_end = if set.window_end > ckpt {
             set.window_end
@@ -253,7 +260,6 @@ impl CacheHost {
             0
         };
         self.count_sets(&sets);
-        drop(sets);
         self.append_meta_for(volume, ckpt, gen, window_end)
     }
 
