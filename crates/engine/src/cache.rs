@@ -271,12 +271,6 @@ struct VolState {
     /// no checkpoint yet (one is recorded once the piece that reaches the reach is): the next
     /// piece starts after it. Stale once the checkpoint is at or above it.
     sent: u64,
-    /// The highest window end the volume's peers hold ([`Replicator::window_end`]).
-    peer_reach: u64,
-    /// The append ticket of the last checkpoint record the destager wrote: synced before the
-    /// next window's first datastore write, so that a recovery never finds more than one
-    /// window out above its checkpoint.
-    checkpoint_ticket: u64,
     /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
     void_upto: u64,
     /// The last `ser` recovered from the log at start-up (the end of the replayed prefix).
@@ -483,8 +477,9 @@ struct Recovered {
     replica: bool,
     /// Without replay, the volume starts at least this generation ([`CacheHost::raise_gen`]).
     min_gen: u64,
-    /// The window end the newest checkpoint record carries, if above the checkpoint
-    /// ([`VolState::reach`]).
+    /// The window end the newest checkpoint record carries, if above the checkpoint (written
+    /// by the builds of 2026-11-27; a replay reaches every recovered write, at least as far:
+    /// [`VolState::reach`]).
     window_end: u64,
 }
 
@@ -1355,8 +1350,6 @@ impl VolCache {
                 // record nothing is replayed, and new writes take sers above it.
                 reach: if replaying { last } else { 0 },
                 sent: 0,
-                checkpoint_ticket: 0,
-                peer_reach: 0,
                 void_upto: rec.void_upto,
                 recovered_upto: last,
                 degraded: rec.degraded,
@@ -2498,7 +2491,6 @@ impl VolCache {
         self.shared.wake.notify_one();
     }
 
-    /// Whether an offline replay is done destaging and due to end ([`VolCache::finish_replay`]).
     /// Where the next window starts: after the pieces sent of a window forced to the reach
     /// ([`VolState::sent`]), else at the head of the staging queue.
     fn piece_start(st: &VolState) -> u64 {
@@ -2509,6 +2501,13 @@ impl VolCache {
         }
     }
 
+    /// The index of the first staged write after `ser` (the queue is in `ser` order; a
+    /// binary search, since a replay's pieces leave everything before them staged).
+    fn staged_after(st: &VolState, ser: u64) -> usize {
+        st.staged.partition_point(|w| w.w.ser <= ser)
+    }
+
+    /// Whether an offline replay is done destaging and due to end ([`VolCache::finish_replay`]).
     fn replay_done(st: &VolState, now: Instant) -> bool {
         st.replaying && st.staged.is_empty() && st.replay_end_retry.is_none_or(|t| t <= now)
     }
@@ -2611,7 +2610,9 @@ impl VolCache {
             let st = lock(&self.st);
             let start = Self::piece_start(&st);
             (
-                st.staged.iter().map(|w| w.w.ser).find(|&s| s > start),
+                st.staged
+                    .get(Self::staged_after(&st, start))
+                    .map(|w| w.w.ser),
                 st.gen,
             )
         };
@@ -2629,65 +2630,30 @@ impl VolCache {
             }
         };
         let last = win.last;
-        // The window's end goes into the log with its records, before its first datastore
-        // write: a crash or an error can cut the window midway, and whatever sends it again
-        // must then reach as far ([`VolState::reach`]). The last window's checkpoint is synced
-        // with them, so at most one window is ever out above the checkpoint a recovery finds
-        // (two out, a replay from the checkpoint before them would put the first one's blocks
-        // back over the second's and record a checkpoint over that mix).
-        let ticket = match self.record_window_end(&win, gen) {
-            Ok(t) => win.ticket.max(t).max(lock(&self.st).checkpoint_ticket),
-            Err(LogError::NoSpace) => {
-                self.meta_found_no_space().await;
-                return false;
-            }
-            Err(e) => {
-                lock(&self.st).degraded.get_or_insert(format!(
-                    "cache device failed while recording a destage window ({e})"
-                ));
-                return false;
-            }
-        };
+        // A datastore error can cut the window midway: whatever this volume sends next must
+        // reach as far ([`VolState::reach`]).
+        {
+            let mut st = lock(&self.st);
+            st.reach = st.reach.max(last);
+        }
         // Only durable records are destaged. The datastore then never holds a write the log
-        // could lose, so a replay after any crash re-applies whole windows in order, which
-        // is idempotent; without this, a held window (which coalesces overlapping writes)
-        // could be replayed in part over newer data. Free when a client FLUSH or FUA already
-        // synced the records (group commit); one sync usually covers several windows.
-        if let Err(e) = self.sync_through(ticket).await {
+        // could lose: a recovery finds every write of every window that went out, and its
+        // replay reaches them all before it records a checkpoint (a crash may cut a window,
+        // or leave several out above the checkpoint it finds). Free when a client FLUSH or FUA
+        // already synced the records (group commit); one sync usually covers several windows.
+        if let Err(e) = self.sync_through(win.ticket).await {
             lock(&self.st).degraded.get_or_insert(format!("{e}"));
             return false;
         }
         // The same for the peers in wbp: a peer that lost power could otherwise hold an older
         // run of the sequence than the datastore, and replaying it from a lagging vault
         // checkpoint would put old data back over newer (a state no prefix of the writes
-        // gives). One forwarded FLUSH usually covers several windows, as the local sync does.
-        let (peers, synced, done, checkpoint, reach, peer_reach) = {
+        // gives). So a peer's replay too reaches every write of a window that went out. One
+        // forwarded FLUSH usually covers several windows, as the local sync does.
+        let (peers, synced, done) = {
             let st = lock(&self.st);
-            (
-                st.replicator.clone(),
-                st.peer_synced,
-                st.done_ser,
-                st.checkpoint,
-                st.reach,
-                st.peer_reach,
-            )
+            (st.replicator.clone(), st.peer_synced, st.done_ser)
         };
-        // The peers learn the window's end too, durably, before it goes: a peer that replays
-        // after this host died must reach it, as this host's own replay would.
-        if let Some(p) = peers
-            .as_ref()
-            .filter(|_| reach > checkpoint && reach > peer_reach)
-        {
-            match p.window_end(gen, checkpoint, reach).await {
-                Ok(()) => {
-                    let mut st = lock(&self.st);
-                    st.peer_reach = st.peer_reach.max(reach);
-                }
-                // A peer out of the vault can never replay: the window may go.
-                Err(_) if p.exclude_failed().await.is_ok() => {}
-                Err(_) => return false,
-            }
-        }
         if let Some(p) = peers.filter(|_| last > synced) {
             match p.flush().await {
                 Ok(()) => {
@@ -2737,22 +2703,13 @@ impl VolCache {
             };
             return false;
         }
-        let secs = started.elapsed().as_secs_f64().max(1e-6);
-        lock(&self.destage_bps).add(bytes as f64 / secs);
-        self.counters
-            .destaged_bytes
-            .fetch_add(bytes, Ordering::Relaxed);
-        self.counters.destaged_writes.fetch_add(
-            writes_among(win.writes.iter().map(|w| w.ser)),
-            Ordering::Relaxed,
-        );
         // A piece short of the reach: the datastore is no prefix yet, so no checkpoint, and
         // every record stays (a crash sends all the pieces again).
         {
             let mut st = lock(&self.st);
             if last < st.reach {
                 st.sent = st.sent.max(last);
-                st.destage = DestageState::default();
+                self.went_out(&mut st, &win, bytes, started);
                 return true;
             }
         }
@@ -2768,10 +2725,8 @@ impl VolCache {
         } else {
             last
         };
-        let reach = lock(&self.st).reach;
-        let window_end = if reach > recorded { reach } else { 0 };
-        match self.append_meta_ticket(Kind::Checkpoint, recorded, gen, window_end) {
-            Ok(t) => lock(&self.st).checkpoint_ticket = t,
+        match self.append_meta(Kind::Checkpoint, recorded, gen, 0) {
+            Ok(()) => {}
             Err(LogError::NoSpace) => {
                 // Resending the window later is harmless: nothing is released until a
                 // checkpoint lands.
@@ -2803,10 +2758,7 @@ impl VolCache {
         if let Some(p) = &st.replicator {
             p.checkpoint(gen, recorded);
         }
-        if st.destage.error.is_some() {
-            info!("volume {:?}: destaging recovered", self.name);
-        }
-        st.destage = DestageState::default();
+        self.went_out(&mut st, &win, bytes, started);
         drop(st);
         // A replay that is done ends at the destager's next visit (`finish_replay`).
         self.changed.notify_waiters();
@@ -2814,23 +2766,22 @@ impl VolCache {
         true
     }
 
-    /// Records the end of a window about to go out ([`VolState::reach`]), unless it is
-    /// recorded already or the window is a single write (any window sent again starts with
-    /// that whole write). Returns the append's ticket (0 for none), to sync through before the
-    /// window's first datastore write.
-    fn record_window_end(&self, win: &Window, gen: u64) -> Result<u64, LogError> {
-        let (checkpoint, reach) = {
-            let st = lock(&self.st);
-            (st.checkpoint, st.reach)
-        };
-        let one_write = win.writes.first().is_some_and(|w| w.ser == win.last);
-        if one_write || win.last <= reach {
-            return Ok(0);
+    /// Counts a window (or a piece of one) that is on the datastore, `bytes` of it since
+    /// `started`, and clears a destage error.
+    fn went_out(&self, st: &mut VolState, win: &Window, bytes: u64, started: Instant) {
+        let secs = started.elapsed().as_secs_f64().max(1e-6);
+        lock(&self.destage_bps).add(bytes as f64 / secs);
+        self.counters
+            .destaged_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        self.counters.destaged_writes.fetch_add(
+            writes_among(win.writes.iter().map(|w| w.ser)),
+            Ordering::Relaxed,
+        );
+        if st.destage.error.is_some() {
+            info!("volume {:?}: destaging recovered", self.name);
         }
-        let ticket = self.append_meta_ticket(Kind::Checkpoint, checkpoint, gen, win.last)?;
-        let mut st = lock(&self.st);
-        st.reach = st.reach.max(win.last);
-        Ok(ticket)
+        st.destage = DestageState::default();
     }
 
     /// The log is full even for metadata: makes room, and has the destager try again later.
@@ -2867,7 +2818,7 @@ impl VolCache {
             Closing::Held
         };
         let after = after.unwrap_or(0).max(Self::piece_start(&st));
-        let start = st.staged.iter().position(|w| w.w.ser > after)?;
+        let start = Self::staged_after(&st, after);
         // A window that starts at or below the reach takes everything up to it, coalesced
         // as a held window is, whatever else would close it; in pieces within the caps, with
         // one checkpoint at the end (`VolState::sent`).

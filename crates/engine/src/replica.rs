@@ -43,14 +43,6 @@ pub trait Replicator: Send + Sync + 'static {
     fn flush(&self) -> BoxFuture<Result<(), String>>;
     /// The datastore holds every write up to `ser`: peers may drop their copies.
     fn checkpoint(&self, gen: u64, ser: u64);
-    /// The owner is about to send a window ending at `end` to the datastore, its checkpoint
-    /// at `checkpoint`: every peer holds both durably when this succeeds, so that a peer that
-    /// replays after the owner died reaches `end` before its first checkpoint (a window cut
-    /// midway leaves parts of writes up to it on the datastore). A failure is handled as a
-    /// failed flush. Default: nothing to tell.
-    fn window_end(&self, _gen: u64, _checkpoint: u64, _end: u64) -> BoxFuture<Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
     /// Takes the failed peers out of the volume's vault record (see the trait doc).
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>>;
     /// Marks the vault for a peer to replay the volume (the owner's cache device failed);

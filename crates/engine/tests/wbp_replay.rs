@@ -58,13 +58,6 @@ impl Replicator for Direct {
             .replica_checkpoint(self.volume, gen, ser)
             .expect("checkpoint");
     }
-    fn window_end(&self, gen: u64, checkpoint: u64, end: u64) -> BoxFuture<Result<(), String>> {
-        let r = self
-            .peer
-            .replica_window(self.volume, gen, checkpoint, end)
-            .map_err(|e| format!("{e:?}"));
-        Box::pin(async move { r })
-    }
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
         Box::pin(async { Ok(()) })
     }

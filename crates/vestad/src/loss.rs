@@ -119,8 +119,8 @@ async fn accept_open(
         .await;
         match checked {
             Ok(vault) => {
-                // A replay that stopped midway moved the vault's checkpoint past this cache's:
-                // the datastore holds that much.
+                // A replay that stopped midway started from the newest checkpoint any peer
+                // knew, maybe past this cache's: the datastore holds that much.
                 floor = vault.checkpoint;
                 if !ours(&vault) {
                     report.peers = vault.peers;

@@ -283,8 +283,6 @@ struct PeerSetInner {
     vault_busy: std::sync::atomic::AtomicBool,
     /// How long a link stays idle before its peer is pinged ([`PeerSet::keep_alive`]).
     keepalive: Duration,
-    /// Whether the log said that a peer of an earlier build cannot hold window ends.
-    told_old_peer: std::sync::atomic::AtomicBool,
 }
 
 impl PeerSetInner {
@@ -423,44 +421,6 @@ impl Replicator for PeerSet {
             }
         });
         self.vault_checkpoint(gen, ser);
-    }
-
-    fn window_end(&self, gen: u64, checkpoint: u64, end: u64) -> BoxFuture<Result<(), String>> {
-        let set = self.0.clone();
-        let futs: Vec<BoxFuture<Result<bool, PeerError>>> = set
-            .links
-            .iter()
-            .map(|l| {
-                let (l, v) = (l.clone(), set.volume);
-                Box::pin(async move { l.window_end(v, gen, checkpoint, end).await }) as BoxFuture<_>
-            })
-            .collect();
-        Box::pin(async move {
-            let answers = join_all(futs).await;
-            let old: Vec<&str> = answers
-                .iter()
-                .zip(&set.links)
-                .filter(|(a, _)| matches!(a, Ok(false)))
-                .map(|(_, l)| l.peer())
-                .collect();
-            if !old.is_empty() && !set.told_old_peer.swap(true, Ordering::Relaxed) {
-                warn!(
-                    "volume {}: peer(s) {old:?} run an earlier build and cannot hold the end of \
-                     a destage window: should this host die mid-window, their replay may record \
-                     its first checkpoints over a datastore no prefix of the writes gives, until \
-                     it passes that window (nothing is lost); upgrade them",
-                    set.volume
-                );
-            }
-            let r: Result<(), String> = answers
-                .into_iter()
-                .try_for_each(|a| a.map(drop))
-                .map_err(|e| e.to_string());
-            if r.is_err() {
-                set.note_failures();
-            }
-            r
-        })
     }
 
     fn exclude_failed(&self) -> BoxFuture<Result<(), String>> {
@@ -711,7 +671,6 @@ pub async fn establish(
         vault: writer.clone(),
         failed: d.peers.failed.clone(),
         keepalive: Duration::from_secs(d.config.cluster.peer_keepalive_s),
-        told_old_peer: Default::default(),
     }));
     let hook_writer = writer.clone();
     let joined = names.join(", ");
@@ -1779,8 +1738,9 @@ impl Others {
 
 /// Replays what `cache` recovered (or promoted) for `rec` onto its datastore, under the vault
 /// lock this host holds: the volume attaches in wb, its destager replays in `ser` order (one
-/// window in pieces, its checkpoint moved once at the end: `engine::cache`'s `VolState::reach`),
-/// the vault's checkpoint (`replaying`) following at most once a second, and at the end the
+/// window in pieces, its checkpoint moved once at the end: `engine::cache`'s `VolState::reach`;
+/// a host that continues after this one died starts again from the vault's checkpoint), and at
+/// the end the
 /// vault says `wt` with a new generation, so every other copy is stale. Returns that record.
 ///
 /// It runs to its end: giving the lock up with the volume still destaging here would let

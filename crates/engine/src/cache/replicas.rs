@@ -36,9 +36,9 @@ pub(super) struct ReplicaSet {
     from: String,
     gen: u64,
     checkpoint: u64,
-    /// The end of a window this host's own replay of the volume recorded before it stopped
-    /// (found by the recovery scan; see `OwnerMeta::window_end`): a replay resumed from the
-    /// set must reach it.
+    /// The end of a window the owner sent, or this host's own replay of the volume recorded
+    /// before it stopped (found by the recovery scan; see `OwnerMeta::window_end`), by the
+    /// builds of 2026-11-27. A replay of the set reaches every write it holds, at least as far.
     window_end: u64,
     /// Writes above the checkpoint by `ser`, each with its records (parts), all pinned.
     writes: BTreeMap<u64, Vec<Scanned>>,
