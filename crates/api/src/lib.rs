@@ -193,6 +193,12 @@ pub struct CacheInfo {
     #[serde(default)]
     pub space_waits: u64,
     pub replaying: bool,
+    /// While replaying: the writes up to this sequence number are on the datastore, of the
+    /// ones up to `replay_end` (a replay records its checkpoint once, at its end).
+    #[serde(default)]
+    pub replay_sent: u64,
+    #[serde(default)]
+    pub replay_end: u64,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,
     /// The volume's peers in `wbp`, with how far each lags the owner.

@@ -449,6 +449,10 @@ pub struct CacheReport {
     /// another volume to free some.
     pub space_waits: u64,
     pub replaying: bool,
+    /// While replaying: the writes up to this `ser` are on the datastore (the pieces sent),
+    /// of the ones up to `replay_end`; the checkpoint moves once, at the end.
+    pub replay_sent: u64,
+    pub replay_end: u64,
     pub degraded: Option<String>,
     pub destage_error: Option<String>,
     /// The volume's peers in `wbp`.
@@ -2939,11 +2943,12 @@ impl VolCache {
         }
     }
 
-    /// Writes a window to the datastore, then flushes it. Its records were all read and
-    /// verified before (`read_window`): if the cache device fails or a record is corrupt, the
-    /// datastore stays exactly at the last checkpoint (a prefix), never holding part of a
-    /// window that can no longer be completed. At most the datastore's queue depth of writes
-    /// is in flight.
+    /// Writes a window (or a piece of one) to the datastore, then flushes it. Its records were
+    /// all read and verified before (`read_window`): if the cache device fails or a record is
+    /// corrupt, the datastore stays at the last checkpoint, or in a replay at the end of the
+    /// last piece sent (the volume as of it, if the datastore was at the checkpoint when the
+    /// replay began), never holding part of a window or piece. At most the datastore's queue
+    /// depth of writes is in flight.
     async fn send_window(
         &self,
         win: &Window,
@@ -2962,6 +2967,13 @@ impl VolCache {
             self.shared.bufs.put(b);
         }
         sent?;
+        // A piece short of the reach is not flushed: no checkpoint follows it, and the next
+        // piece's writes go out only once its own have completed, so none of them can land
+        // under an older version. The piece that reaches the reach flushes them all before the
+        // checkpoint; a crash before it sends every piece again.
+        if win.last < lock(&self.st).reach {
+            return Ok(());
+        }
         self.flush_window(win, started, read).await
     }
 
@@ -3323,6 +3335,12 @@ impl VolCache {
             eviction_scans: self.counters.eviction_scans.load(Ordering::Relaxed),
             space_waits: self.counters.space_waits.load(Ordering::Relaxed),
             replaying: st.replaying,
+            replay_sent: if st.replaying {
+                Self::piece_start(&st).max(st.checkpoint)
+            } else {
+                0
+            },
+            replay_end: if st.replaying { st.reach } else { 0 },
             degraded: st.degraded.clone().or_else(|| {
                 self.shared.log.is_failed().then(|| match st.mode {
                     Mode::Wt => {

@@ -186,7 +186,8 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
     // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: one window
     // reaching every recovered write, in pieces. The first carries 16 MiB (ending at a
     // whole write), the next 32, then the rest; the checkpoint moves only when the last is
-    // on the datastore (a replay cut between pieces starts again from where it started).
+    // on the datastore (a replay cut between pieces starts again from where it started), and
+    // only that one is flushed, before it.
     let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
     let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
     for i in 0..n {
@@ -196,6 +197,7 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
     let r = r.restart(3600.0);
     let c = r.vol.cache().expect("cached");
     let mut pieces = Vec::new();
+    let flushes = r.store.flushes();
     for turn in 0..10_000 {
         if c.clean() {
             break;
@@ -215,11 +217,22 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
                 .find(|&k| now == r.image(k))
                 .expect("a piece left the datastore no prefix of the writes");
             pieces.push(k as u64);
+            // What `vesta volume show` says of the replay meanwhile.
+            let rep = c.report();
+            if rep.replaying && cp == 0 {
+                assert_eq!((rep.replay_sent, rep.replay_end), (k as u64, n as u64));
+            }
         }
         // (The turn after the last piece ends the replay, with the checkpoint where it is.)
         assert!(
             cp == 0 || cp == n as u64,
             "checkpoint {cp} recorded between the pieces of a replay"
+        );
+        let flushed = r.store.flushes() - flushes;
+        assert_eq!(
+            flushed,
+            u64::from(cp == n as u64),
+            "{flushed} datastore flush(es) with the checkpoint at {cp}"
         );
     }
     // Each piece ends at the first whole write past its cap: 16 MiB is 21⅓ writes of its

@@ -800,7 +800,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     );
                 }
                 if c.replaying {
-                    println!("  replaying  dirty data from before a crash; writes wait");
+                    println!(
+                        "  replaying  dirty data from before a crash; writes wait; on the datastore \
+                         up to write {} of {} (checkpoint at the end)",
+                        c.replay_sent, c.replay_end
+                    );
                 }
                 if let Some(d) = &c.degraded {
                     println!("  DEGRADED   {d}");

@@ -2661,6 +2661,8 @@ fn cache_info(r: CacheReport) -> api::CacheInfo {
         evicted_segments: r.evicted_segments,
         space_waits: r.space_waits,
         replaying: r.replaying,
+        replay_sent: r.replay_sent,
+        replay_end: r.replay_end,
         degraded: r.degraded,
         destage_error: r.destage_error,
         peers: r
