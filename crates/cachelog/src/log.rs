@@ -85,10 +85,10 @@ pub struct Entry {
 pub struct OwnerMeta {
     /// (ser, gen) of the newest checkpoint: the highest gen, then the highest ser.
     pub checkpoint: Option<(u64, u64)>,
-    /// The window end the newest checkpoint record carries (its `arg`; 0 for none). A record
-    /// with the checkpoint unchanged and the end of the next window goes in (synced) before
-    /// that window's first datastore write: above the checkpoint, the datastore may hold parts
-    /// of every write up to this end, so a replay's first window must reach it.
+    /// The window end the newest checkpoint record carries (its `arg`; 0 for none): above the
+    /// checkpoint, the datastore may hold parts of every write up to this end. The builds of
+    /// 2026-11-27 recorded each window's end this way before it went; a replay now reaches
+    /// every write it recovers, which is at least as far.
     pub window_end: u64,
     /// (arg, gen) of the newest policy record.
     pub policy: Option<(u64, u64)>,

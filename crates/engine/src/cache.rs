@@ -252,24 +252,23 @@ struct VolState {
     /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
     replay_window_bytes: u64,
     /// Above the checkpoint, the datastore may hold parts of the writes up to this `ser`: the
-    /// end of a window that went out (or began to) and has not been checkpointed, recorded in
-    /// the log before its first datastore write, or found there by recovery. A window that
-    /// starts at or below it reaches at least to it, whatever else would close it, so that its
-    /// checkpoint is a prefix again: a shorter one would set some blocks back while blocks
-    /// written after its end kept newer data. (A crash, or a datastore error, can cut a window
-    /// midway; the window sent again may be composed differently, as a replay's first window
-    /// with its byte cap, or in batches after a held window.)
+    /// end of the last window that went out (or began to). A window that starts at or below
+    /// it reaches at least to it, whatever else would close it, so that its checkpoint is a
+    /// prefix again: a shorter one would set some blocks back while blocks written after its
+    /// end kept newer data. (A datastore error can cut a window midway; the window sent again
+    /// may be composed differently, in batches after a held window, say.)
     ///
-    /// An offline or online replay reaches everything it recovered: its writes go out as one
-    /// window, in pieces no larger than a window (`sent`), with a checkpoint only at the end.
-    /// A host that continues it after this one died (another peer, or this host restarted
-    /// with its log lost) may not know how far this one went; it reaches everything it holds
-    /// too, which is at least as far (a replay goes no further than every peer that could
-    /// continue it holds).
+    /// After a crash, an offline or online replay reaches everything it recovered: its writes
+    /// go out as one window, in pieces no larger than a window (`sent`), with one datastore
+    /// flush and one checkpoint, at the end. Only durable records are destaged (in `wbp`,
+    /// only writes every listed peer synced), so whatever replays holds every write of any
+    /// window that went out; and a host that continues a replay after another died (a peer,
+    /// or this host restarted) need not know how far that one went.
     reach: u64,
-    /// The end of the pieces of a window forced to the reach that are on the datastore, with
-    /// no checkpoint yet (one is recorded once the piece that reaches the reach is): the next
-    /// piece starts after it. Stale once the checkpoint is at or above it.
+    /// The end of the pieces of a window forced to the reach that are written to the datastore
+    /// (not flushed; no checkpoint yet: both come with the piece that reaches the reach): the
+    /// next piece starts after it. Stale once the checkpoint is at or above it; cleared by a
+    /// datastore error, after which the window starts over.
     sent: u64,
     /// See `Recovered::void_upto`: the checkpoint jumps here when replay ends.
     void_upto: u64,
@@ -2688,6 +2687,10 @@ impl VolCache {
         };
         if let Err(e) = result {
             let mut st = lock(&self.st);
+            // The pieces sent before were not flushed: a datastore that lost them (an NBD
+            // server restarted, a writeback error a failed flush reported once) must get them
+            // again. The retry starts the window over.
+            st.sent = 0;
             let backoff = if st.destage.backoff.is_zero() {
                 Duration::from_millis(500)
             } else {
@@ -2729,8 +2732,8 @@ impl VolCache {
         } else {
             last
         };
-        match self.append_meta(Kind::Checkpoint, recorded, gen, 0) {
-            Ok(()) => {}
+        let ticket = match self.append_meta_ticket(Kind::Checkpoint, recorded, gen, 0) {
+            Ok(t) => t,
             Err(LogError::NoSpace) => {
                 // Resending the window later is harmless: nothing is released until a
                 // checkpoint lands.
@@ -2743,11 +2746,21 @@ impl VolCache {
                     .get_or_insert("cache device failed while recording a checkpoint".into());
                 return false;
             }
+        };
+        // In wbp the peers (and through them the vault) learn the checkpoint only once this
+        // log holds it durably: they drop their copies up to it, and a replay that started
+        // lower here after a power cut (this host back with an older checkpoint) would set
+        // blocks back that no peer could put forward again, should this host die midway.
+        if lock(&self.st).replicator.is_some() {
+            if let Err(e) = self.sync_through(ticket).await {
+                lock(&self.st).degraded.get_or_insert(format!("{e}"));
+                return false;
+            }
         }
-        // No sync here: the window's records (durable, see above) may be released at once,
-        // because a segment they free is reused only after a later sync, which makes this
-        // checkpoint durable first (cachelog::log's rules). Until then a crash just replays
-        // the window again, reaching its recorded end; the next window syncs it first.
+        // Otherwise no sync here: the window's records (durable, see above) may be released at
+        // once, because a segment they free is reused only after a later sync, which makes
+        // this checkpoint durable first (cachelog::log's rules). Until then a crash just
+        // replays from the checkpoint before, reaching every write it recovers.
         let mut st = lock(&self.st);
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");

@@ -564,8 +564,8 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         0,
         "a checkpoint after Q said how far it holds moved it on"
     );
-    // So does the same generation opened again with it (an owner that reconnects), in the
-    // set and in the log a restart reads.
+    // So does the same generation opened again with it (an owner that reconnects): a held set
+    // takes nothing from an open either (nor appends its record).
     q.replica_open("owner", id, gen, 2).unwrap();
     assert_eq!(
         q.replica_sets()[0].checkpoint,
@@ -772,6 +772,73 @@ async fn a_peers_replay_reaches_the_end_of_the_window_its_owner_died_in() {
     assert_eq!((g, upto), (gen, 4));
     assert_eq!(peer.promote_replicas(id, 0, upto).unwrap(), 4);
     replay_checking(&peer, id, &store, &done).await;
+}
+
+/// A `wbp` owner's checkpoint reaches its peer only once the owner's log holds it durably.
+/// Before, it was forwarded as soon as it was appended: an owner back from a power cut then
+/// found an older checkpoint than its peer held, replayed from it (setting blocks back), and
+/// had it died midway, the peer, continuing from its newer checkpoint without the writes
+/// below it, would never have put those blocks forward again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wbp_owner_tells_its_peers_only_a_checkpoint_its_log_holds_durably() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let owner = CacheHost::open(dev.clone(), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = || Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wt,
+        Tuning::default(),
+        extent(),
+        Some(owner.clone()),
+    )
+    .unwrap();
+    owner.finish_recovery(&[id]).unwrap();
+    let p2 = peer.clone();
+    let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
+        let r = p2
+            .replica_open("owner", id, gen, ckpt)
+            .map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    });
+    to_wbp_1(&vol, peer.clone(), id, hook).await.unwrap();
+    for (sector, b) in [(0u64, 1u8), (8, 2), (16, 3)] {
+        vol.write(sector * 512, Bytes::from(vec![b; 4096]), false)
+            .await
+            .unwrap();
+    }
+    for turn in 0..100 {
+        if vol.cache().unwrap().clean() {
+            break;
+        }
+        owner.destage_turn(turn).await;
+    }
+    let told = peer
+        .replica_sets()
+        .into_iter()
+        .find(|s| s.volume == id)
+        .expect("the peer holds the volume")
+        .checkpoint;
+    assert_eq!(told, 3, "the peer was told the window's checkpoint");
+    // The owner's power fails now: what its log holds durably.
+    let back = CacheHost::open(Arc::new(dev.crash_copy()), SEG).unwrap();
+    let v = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wb,
+        Tuning::default(),
+        extent(),
+        Some(back.clone()),
+    )
+    .unwrap();
+    let own = v.cache().unwrap().checkpoint();
+    assert!(
+        own >= told,
+        "the owner's log holds checkpoint {own}, older than the {told} its peer was told"
+    );
 }
 
 /// A peer replaying for a dead owner sends a held window (writes 1 to 4, write 3 over write

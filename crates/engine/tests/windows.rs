@@ -309,6 +309,55 @@ async fn a_replay_cut_between_its_pieces_is_sent_again_whole() {
     );
 }
 
+/// The replay above, its first two pieces written (not flushed), then the datastore loses
+/// them (an NBD server that restarted; here the first write's blocks) and fails the third
+/// piece. The retry must send the pieces before it again: resumed after them, it would flush
+/// and record a checkpoint over a datastore missing writes it had lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datastore_error_during_a_replay_sends_its_unflushed_pieces_again() {
+    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
+    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+    for i in 0..n {
+        r.write(i as u64 * stride, pattern(i, len)).await;
+    }
+    r.vol.flush().await.expect("flush");
+    let r = r.restart(3600.0);
+    let c = r.vol.cache().expect("cached");
+    let mut pieces = 0;
+    for turn in 0..10_000 {
+        if pieces == 2 {
+            break;
+        }
+        let before = r.store.image();
+        r.host.destage_turn(turn).await;
+        if r.store.image() != before {
+            pieces += 1;
+        }
+    }
+    assert_eq!(pieces, 2);
+    r.store
+        .write_at(0, Bytes::from(vec![0u8; len as usize]), false)
+        .await
+        .expect("lose");
+    r.store.fail_writes(true);
+    r.host.destage_turn(0).await;
+    assert!(c.report().destage_error.is_some(), "the third piece failed");
+    r.store.fail_writes(false);
+    for turn in 0..400 {
+        if c.clean() {
+            break;
+        }
+        r.host.destage_turn(turn).await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(c.clean(), "the replay did not finish after the error");
+    assert_eq!(r.checkpoint(), n as u64);
+    assert!(
+        r.store.image() == r.image(n),
+        "checkpoint {n} recorded over a datastore missing writes it had lost"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_windows_read_ahead_and_stay_prefixes() {
     // A queue depth of 2 makes each batch window 8 IOs: 300 writes need dozens of windows,
