@@ -2956,12 +2956,12 @@ impl VolCache {
         }
     }
 
-    /// Writes a window (or a piece of one) to the datastore, then flushes it. Its records were
-    /// all read and verified before (`read_window`): if the cache device fails or a record is
-    /// corrupt, the datastore stays at the last checkpoint, or in a replay at the end of the
-    /// last piece sent (the volume as of it, if the datastore was at the checkpoint when the
-    /// replay began), never holding part of a window or piece. At most the datastore's queue
-    /// depth of writes is in flight.
+    /// Writes a window (or a piece of one) to the datastore, then flushes it (a piece short of
+    /// the reach is not flushed: see below). Its records were all read and verified before
+    /// (`read_window`): if the cache device fails or a record is corrupt, the datastore stays
+    /// at the last checkpoint, or in a replay at the end of the last piece written (the volume
+    /// as of it, if the datastore was at the checkpoint when the replay began), never holding
+    /// part of a window or piece. At most the datastore's queue depth of writes is in flight.
     async fn send_window(
         &self,
         win: &Window,

@@ -565,7 +565,7 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
         "a checkpoint after Q said how far it holds moved it on"
     );
     // So does the same generation opened again with it (an owner that reconnects): a held set
-    // takes nothing from an open either (nor appends its record).
+    // takes nothing from an open either.
     q.replica_open("owner", id, gen, 2).unwrap();
     assert_eq!(
         q.replica_sets()[0].checkpoint,
