@@ -51,9 +51,9 @@ pub trait Device: Send + Sync + 'static {
     /// a loss concerns it ([`Extent::flush`](crate::Extent::flush), [`flush_since`]).
     async fn flush(&self) -> io::Result<()>;
     /// How many times written data the device answered for may have been lost so far (a
-    /// connection to an NBD datastore that died with acknowledged, unflushed writes); it
-    /// only grows, and is counted before any later [`Device::flush`] answers. Devices that
-    /// never lose answered writes say 0.
+    /// connection to an NBD datastore that died with acknowledged, unflushed writes; a file's
+    /// failed `fsync`, which the kernel reports once); it only grows, and is counted before
+    /// any later [`Device::flush`] answers. Devices that never lose answered writes say 0.
     fn losses(&self) -> u64 {
         0
     }
@@ -217,9 +217,22 @@ pub struct FileDevice {
     /// Set once [`read_cached`] turned out unsupported here: reads then run inline whole, as
     /// they did before it.
     no_cached_reads: std::sync::atomic::AtomicBool,
+    /// Flushes that failed ([`Device::losses`]): the kernel reports a write-back error to one
+    /// `fsync` of the file only, and every user of the device must hear of it.
+    failed_flushes: std::sync::atomic::AtomicU64,
 }
 
 impl FileDevice {
+    /// Counts a flush that failed (see [`Device::losses`] for this device), before its
+    /// caller hears of it.
+    fn flushed(&self, r: io::Result<()>) -> io::Result<()> {
+        if r.is_err() {
+            self.failed_flushes
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        r
+    }
+
     /// Opens an existing file or block device for reading and writing, through the page
     /// cache.
     pub fn open(path: &Path) -> io::Result<FileDevice> {
@@ -258,6 +271,7 @@ impl FileDevice {
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
             no_cached_reads: Default::default(),
+            failed_flushes: Default::default(),
             regular,
         })
     }
@@ -306,6 +320,7 @@ impl FileDevice {
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
             no_cached_reads: Default::default(),
+            failed_flushes: Default::default(),
             regular: true,
         })
     }
@@ -426,7 +441,17 @@ impl Device for FileDevice {
 
     async fn flush(&self) -> io::Result<()> {
         let f = self.file.clone();
-        on_pool(move || f.sync_data()).await
+        let r = on_pool(move || f.sync_data()).await;
+        self.flushed(r)
+    }
+
+    /// A failed `fsync` may mean written pages were lost (a write-back error), and Linux
+    /// tells only the first `fsync` after it, which may be another volume's on the same LUN:
+    /// counted as a loss, so every user whose writes it may have taken hears of it at its
+    /// next flush ([`crate::Extent::flush`]), and a destager sends its window again.
+    fn losses(&self) -> u64 {
+        self.failed_flushes
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
@@ -819,6 +844,39 @@ mod tests {
             at += u64::from(*n);
         }
         assert_eq!(pieces(0, 0).count(), 0);
+    }
+
+    /// A write-back error is reported to one `fsync` only; the file device counts the failed
+    /// flush as a loss, so a volume whose flush did not see it (another on the same LUN) is
+    /// told at its next flush. (A real write-back error needs a failing disk; the failed
+    /// flush is given to the device's own accounting here.)
+    #[tokio::test]
+    async fn a_failed_flush_of_a_file_is_a_loss_every_extent_hears_of() {
+        let dir = std::env::temp_dir().join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = Arc::new(FileDevice::create(&dir.join("lun.raw"), 1 << 20).unwrap());
+        let gate = || Arc::new(crate::Gate::new(4));
+        let a = crate::Extent::new(d.clone(), 0, 1 << 19, gate());
+        let b = crate::Extent::new(d.clone(), 1 << 19, 1 << 19, gate());
+        a.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        b.write(0, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        assert_eq!(d.losses(), 0);
+        // a's flush is the one the kernel told.
+        let told = d.flushed(Err(io::Error::from_raw_os_error(libc::EIO)));
+        assert!(told.is_err());
+        assert_eq!(d.losses(), 1);
+        let e = b.flush().await.expect_err("b's writes may be lost too");
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        // Told once; a write after the loss flushes as usual.
+        b.write(4096, Bytes::from(vec![3u8; 4096]), false)
+            .await
+            .unwrap();
+        b.flush().await.expect("nothing lost since");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
