@@ -280,6 +280,38 @@ async fn to_wbp_1(
     .await
 }
 
+/// Volume `id` on `store` owned by a host on its own cache device, recovered, in `wbp:1` with
+/// the peer called in process (its hook opens the replica set on it): the cache device, the
+/// owner, the peer and the volume.
+async fn owner_in_wbp_1(
+    id: Uuid,
+    store: &Arc<MemDevice>,
+) -> (Arc<SimDevice>, Arc<CacheHost>, Arc<CacheHost>, Volume) {
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let owner = CacheHost::open(dev.clone(), SEG).unwrap();
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
+    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
+    let vol = Volume::open(
+        id,
+        "v".into(),
+        Policy::Wt,
+        Tuning::default(),
+        extent,
+        Some(owner.clone()),
+    )
+    .unwrap();
+    owner.finish_recovery(&[id]).unwrap();
+    let p2 = peer.clone();
+    let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
+        let r = p2
+            .replica_open("owner", id, gen, ckpt)
+            .map_err(|e| format!("{e:?}"));
+        Box::pin(async move { r })
+    });
+    to_wbp_1(&vol, peer.clone(), id, hook).await.unwrap();
+    (dev, owner, peer, vol)
+}
+
 /// The hook records the new generation, and then the cache cannot switch to it (here its
 /// device fails as the hook runs): the vault names a generation the volume does not write
 /// in, so its writes are held, as after a failed hook, until the owner records the vault
@@ -720,28 +752,7 @@ fn a_checkpoint_under_way_when_a_set_is_held_is_in_the_set_and_the_log_or_in_nei
 async fn a_peers_replay_reaches_the_end_of_the_window_its_owner_died_in() {
     let id = Uuid::new_v4();
     let store = Arc::new(MemDevice::new(VOL));
-    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
-    let owner = CacheHost::open(dev.clone(), SEG).unwrap();
-    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
-    let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
-    let vol = Volume::open(
-        id,
-        "v".into(),
-        Policy::Wt,
-        Tuning::default(),
-        extent,
-        Some(owner.clone()),
-    )
-    .unwrap();
-    owner.finish_recovery(&[id]).unwrap();
-    let p2 = peer.clone();
-    let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
-        let r = p2
-            .replica_open("owner", id, gen, ckpt)
-            .map_err(|e| format!("{e:?}"));
-        Box::pin(async move { r })
-    });
-    to_wbp_1(&vol, peer.clone(), id, hook).await.unwrap();
+    let (dev, owner, peer, vol) = owner_in_wbp_1(id, &store).await;
     vol.set_tuning(Tuning {
         hold_s: Some(1e-9),
         ..Tuning::default()
@@ -783,28 +794,7 @@ async fn a_peers_replay_reaches_the_end_of_the_window_its_owner_died_in() {
 async fn a_wbp_owner_tells_its_peers_only_a_checkpoint_its_log_holds_durably() {
     let id = Uuid::new_v4();
     let store = Arc::new(MemDevice::new(VOL));
-    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
-    let owner = CacheHost::open(dev.clone(), SEG).unwrap();
-    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 64 * SEG)), SEG).unwrap();
-    let extent = || Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8)));
-    let vol = Volume::open(
-        id,
-        "v".into(),
-        Policy::Wt,
-        Tuning::default(),
-        extent(),
-        Some(owner.clone()),
-    )
-    .unwrap();
-    owner.finish_recovery(&[id]).unwrap();
-    let p2 = peer.clone();
-    let hook: engine::SwitchHook = Box::new(move |gen, ckpt| {
-        let r = p2
-            .replica_open("owner", id, gen, ckpt)
-            .map_err(|e| format!("{e:?}"));
-        Box::pin(async move { r })
-    });
-    to_wbp_1(&vol, peer.clone(), id, hook).await.unwrap();
+    let (dev, owner, peer, vol) = owner_in_wbp_1(id, &store).await;
     for (sector, b) in [(0u64, 1u8), (8, 2), (16, 3)] {
         vol.write(sector * 512, Bytes::from(vec![b; 4096]), false)
             .await
@@ -830,7 +820,7 @@ async fn a_wbp_owner_tells_its_peers_only_a_checkpoint_its_log_holds_durably() {
         "v".into(),
         Policy::Wb,
         Tuning::default(),
-        extent(),
+        Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(8))),
         Some(back.clone()),
     )
     .unwrap();

@@ -181,6 +181,22 @@ async fn a_held_window_over_the_byte_cap_goes_out_in_whole_writes() {
     }
 }
 
+/// The writes of [`replaying_rig`]: 768 KiB each, 640 KiB apart (60 MiB in all).
+const REPLAY_WRITES: usize = 80;
+const REPLAY_LEN: u64 = 768 << 10;
+
+/// A rig whose volume took [`REPLAY_WRITES`] writes with destaging held, flushed, and
+/// restarted: its replay is about to begin.
+async fn replaying_rig() -> Rig {
+    let (n, len, stride) = (REPLAY_WRITES, REPLAY_LEN, 640u64 << 10);
+    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
+    for i in 0..n {
+        r.write(i as u64 * stride, pattern(i, len)).await;
+    }
+    r.vol.flush().await.expect("flush");
+    r.restart(3600.0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the_end() {
     // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: one window
@@ -188,13 +204,8 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
     // whole write), the next 32, then the rest; the checkpoint moves only when the last is
     // on the datastore (a replay cut between pieces starts again from where it started), and
     // only that one is flushed, before it.
-    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
-    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
-    for i in 0..n {
-        r.write(i as u64 * stride, pattern(i, len)).await;
-    }
-    r.vol.flush().await.expect("flush");
-    let r = r.restart(3600.0);
+    let (n, len) = (REPLAY_WRITES, REPLAY_LEN);
+    let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");
     let mut pieces = Vec::new();
     let flushes = r.store.flushes();
@@ -257,13 +268,8 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
 /// write before it records one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_cut_between_its_pieces_is_sent_again_whole() {
-    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
-    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
-    for i in 0..n {
-        r.write(i as u64 * stride, pattern(i, len)).await;
-    }
-    r.vol.flush().await.expect("flush");
-    let r = r.restart(3600.0);
+    let (n, len) = (REPLAY_WRITES, REPLAY_LEN);
+    let r = replaying_rig().await;
     let mut pieces = 0;
     for turn in 0..10_000 {
         if pieces == 2 {
@@ -315,13 +321,8 @@ async fn a_replay_cut_between_its_pieces_is_sent_again_whole() {
 /// and record a checkpoint over a datastore missing writes it had lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_datastore_error_during_a_replay_sends_its_unflushed_pieces_again() {
-    let (n, len, stride) = (80usize, 768u64 << 10, 640u64 << 10);
-    let mut r = Rig::open((256 << 20) + 64 * SEG, stride * n as u64 + len, 4, 3600.0);
-    for i in 0..n {
-        r.write(i as u64 * stride, pattern(i, len)).await;
-    }
-    r.vol.flush().await.expect("flush");
-    let r = r.restart(3600.0);
+    let (n, len) = (REPLAY_WRITES, REPLAY_LEN);
+    let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");
     let mut pieces = 0;
     for turn in 0..10_000 {
