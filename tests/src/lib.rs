@@ -706,17 +706,54 @@ impl Nbdkit {
         (k, ErrorSwitch { _dir: dir, file })
     }
 
+    /// A server whose FLUSH fails with EIO while the switch is on, as a file's `fsync` does
+    /// after a write-back error (nbdkit's error filter cannot fail a flush): nbdkit's `eval`
+    /// plugin over an image of `size` bytes, its reads and writes done by `dd`. Once the
+    /// switch is off, a FLUSH answers OK again, as the next `fsync` of the file would: Linux
+    /// reports a write-back error once.
+    pub fn start_failing_flushes(size: u64) -> (Nbdkit, ErrorSwitch) {
+        let dir = Scratch::new("flusherr");
+        let file = dir.join("on");
+        let k = Nbdkit::serve(size, |image| {
+            let img = image.display();
+            vec![
+                "eval".into(),
+                format!("get_size=echo {size}"),
+                "can_write=exit 0".into(),
+                "can_flush=exit 0".into(),
+                format!(
+                    "pread=dd if='{img}' skip=$4 count=$3 iflag=skip_bytes,count_bytes status=none"
+                ),
+                format!("pwrite=dd of='{img}' seek=$4 oflag=seek_bytes conv=notrunc status=none"),
+                format!(
+                    "flush=if [ -e '{}' ]; then echo 'EIO write-back error' >&2; exit 1; fi",
+                    file.display()
+                ),
+            ]
+        });
+        (k, ErrorSwitch { _dir: dir, file })
+    }
+
     /// Serves a new sparse image of `size` bytes. `filter_args` go before the plugin (e.g.
     /// `["--filter=delay"]`), `plugin_params` after the image (e.g. `["delay-write=2ms"]`).
     pub fn start(size: u64, filter_args: &[&str], plugin_params: &[&str]) -> Nbdkit {
+        Nbdkit::serve(size, |image| {
+            let mut args: Vec<String> = filter_args.iter().map(|s| s.to_string()).collect();
+            args.push("file".into());
+            args.push(image.display().to_string());
+            args.extend(plugin_params.iter().map(|s| s.to_string()));
+            args
+        })
+    }
+
+    /// Serves a new sparse image of `size` bytes with the arguments `args` gives for it
+    /// (filters, plugin, parameters).
+    fn serve(size: u64, args: impl FnOnce(&Path) -> Vec<String>) -> Nbdkit {
         let scratch = Scratch::new("nbdkit");
         let image = scratch.join("lun.img");
         let f = fs::File::create(&image).expect("create image");
         f.set_len(size).expect("size image");
-        let mut args: Vec<String> = filter_args.iter().map(|s| s.to_string()).collect();
-        args.push("file".into());
-        args.push(image.display().to_string());
-        args.extend(plugin_params.iter().map(|s| s.to_string()));
+        let args = args(&image);
         let mut k = Nbdkit {
             child: None,
             socket: scratch.join("nbdkit.sock"),

@@ -440,6 +440,70 @@ fn a_lost_write_reaches_the_volumes_clients_and_spares_a_volume_with_none_unflus
     });
 }
 
+/// A FLUSH the server fails may have lost acknowledged writes (a write-back error), and a
+/// server backed by a file hears of that in one `fsync` only: its next FLUSH answers OK. So
+/// the failure is counted as a loss. Every volume on the LUN with writes the failed FLUSH
+/// may have taken hears of it at its next flush (a destager would otherwise record a
+/// checkpoint over them); one whose writes were all flushed before hears nothing.
+#[test]
+fn a_failed_flush_is_a_loss_every_volume_with_unflushed_writes_hears_of() {
+    use datastore::device::NbdDevice;
+    use datastore::{Extent, Gate};
+    use std::sync::Arc;
+    let (k, errors) = Nbdkit::start_failing_flushes(4 << 20);
+    rt().block_on(async {
+        let uri = NbdUri::parse(&k.uri()).unwrap();
+        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
+        let gate = Arc::new(Gate::new(4));
+        let a = Extent::new(dev.clone(), 0, 1 << 20, gate.clone());
+        let b = Extent::new(dev.clone(), 1 << 20, 1 << 20, gate.clone());
+        let idle = Extent::new(dev.clone(), 2 << 20, 1 << 20, gate.clone());
+        idle.write(0, Bytes::from(vec![9u8; 4096]), false)
+            .await
+            .unwrap();
+        idle.flush().await.unwrap();
+        idle.flush_internal().await.unwrap();
+        a.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        b.write(0, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        errors.on();
+        let e = a.flush_internal().await.expect_err("the server fails it");
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        errors.off();
+        let eio = |r: std::io::Result<()>| r.is_err_and(|e| e.raw_os_error() == Some(libc::EIO));
+        assert!(
+            eio(b.flush_internal().await),
+            "b's write may be gone though the server now answers OK"
+        );
+        assert!(eio(b.flush().await), "and b's clients hear of it too");
+        b.flush_internal().await.unwrap();
+        idle.flush_internal().await.unwrap();
+        idle.flush().await.unwrap();
+        // The client alone: a failed FLUSH is followed by one EIO, then none.
+        let c = Client::connect(&uri, 1).await.unwrap();
+        c.write(0, Bytes::from(vec![3u8; 4096]), false)
+            .await
+            .unwrap();
+        errors.on();
+        assert!(c.flush().await.is_err());
+        errors.off();
+        match c.flush().await {
+            Err(ClientError::Server(nbd::Errno::EIO)) => {}
+            other => panic!("the flush after a failed one must report the loss: {other:?}"),
+        }
+        c.flush().await.unwrap();
+        // A FLUSH with no write to cover that fails took nothing.
+        let before = c.losses();
+        errors.on();
+        assert!(c.flush().await.is_err());
+        errors.off();
+        assert_eq!(c.losses(), before);
+    });
+}
+
 #[test]
 fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
     let mut k = Nbdkit::start(16 << 20, &[], &[]);

@@ -51,9 +51,10 @@ pub trait Device: Send + Sync + 'static {
     /// a loss concerns it ([`Extent::flush`](crate::Extent::flush), [`flush_since`]).
     async fn flush(&self) -> io::Result<()>;
     /// How many times written data the device answered for may have been lost so far (a
-    /// connection to an NBD datastore that died with acknowledged, unflushed writes; a file's
-    /// failed `fsync`, which the kernel reports once); it only grows, and is counted before
-    /// any later [`Device::flush`] answers. Devices that never lose answered writes say 0.
+    /// connection to an NBD datastore that died, or whose FLUSH failed, with acknowledged,
+    /// unflushed writes; a file's failed `fsync`, which the kernel reports once); it only
+    /// grows, and is counted before any later [`Device::flush`] answers. Devices that never
+    /// lose answered writes say 0.
     fn losses(&self) -> u64 {
         0
     }

@@ -96,9 +96,9 @@ pub struct Client {
 #[derive(Default)]
 struct Durability {
     write_seq: AtomicU64,
-    /// How many times a connection died holding acknowledged, unflushed writes. Each user of
-    /// the client (every volume on a LUN shares it) must learn of each loss that may have
-    /// taken one of its writes, not just the first to flush.
+    /// How many times a connection died, or a sync on it failed, holding acknowledged,
+    /// unflushed writes. Each user of the client (every volume on a LUN shares it) must
+    /// learn of each loss that may have taken one of its writes, not just the first to flush.
     losses: AtomicU64,
 }
 
@@ -110,6 +110,9 @@ struct Pending {
     /// For a FLUSH: the newest write number acknowledged when it was sent, which its
     /// answer covers on this connection.
     covers: u64,
+    /// A FLUSH, or a write with FUA: the server syncs for it, and a sync that fails may
+    /// have lost writes it acknowledged before ([`Live::sync_failed`]).
+    syncs: bool,
     tx: oneshot::Sender<Result<Bytes, ClientError>>,
 }
 
@@ -140,6 +143,21 @@ impl Live {
     fn note_loss(&self, acked: u64) {
         if acked > self.flushed.load(Ordering::SeqCst) {
             self.dur.losses.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A sync the server ran failed (a FLUSH, or a write with FUA, answered with an error
+    /// other than a refusal): its write-back error may have taken writes acknowledged on this
+    /// connection and not yet flushed, and a server backed by a file (nbdkit's `file`) hears
+    /// of it in one `fsync` only, so a later FLUSH may answer OK. Counted as a loss, as a
+    /// connection that died is, so every user whose writes it may have taken hears of it.
+    fn sync_failed(&self, errno: Errno) {
+        let refused = matches!(
+            errno,
+            Errno::EINVAL | Errno::EPERM | Errno::EOVERFLOW | Errno::ENOTSUP | Errno::ESHUTDOWN
+        );
+        if !refused {
+            self.note_loss(self.max_acked.load(Ordering::SeqCst));
         }
     }
 
@@ -405,7 +423,8 @@ impl Client {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// How many times acknowledged, unflushed writes were lost with a connection so far.
+    /// How many times acknowledged, unflushed writes may have been lost so far: with a
+    /// connection that died, or in a sync that failed on one.
     pub fn losses(&self) -> u64 {
         self.dur.losses.load(Ordering::SeqCst)
     }
@@ -520,12 +539,14 @@ fn send_on(
             kind,
             proto::CMD_WRITE | proto::CMD_TRIM | proto::CMD_WRITE_ZEROES
         ) && flags & proto::CMD_FLAG_FUA == 0;
+        let syncs = kind == proto::CMD_FLUSH || flags & proto::CMD_FLAG_FUA != 0;
         p.insert(
             cookie,
             Pending {
                 read_len,
                 numbered,
                 covers,
+                syncs,
                 tx,
             },
         );
@@ -667,6 +688,11 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
             break format!("reply for unknown cookie {cookie:#x}");
         };
         if errno.0 != 0 {
+            // Counted before the answer goes out, so the failed flusher's caller and every
+            // later flush see it.
+            if p.syncs {
+                live.sync_failed(errno);
+            }
             let _ = p.tx.send(Err(ClientError::Server(errno)));
             continue;
         }
