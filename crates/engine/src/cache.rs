@@ -2820,9 +2820,7 @@ impl VolCache {
     fn compose(&self, after: Option<u64>) -> Option<Window> {
         let mut st = lock(&self.st);
         let cap = if st.replaying {
-            let cap = st.replay_window_bytes;
-            st.replay_window_bytes = (cap * 2).min(WINDOW_BYTES_MAX);
-            cap
+            st.replay_window_bytes
         } else {
             WINDOW_BYTES_MAX
         };
@@ -2896,6 +2894,11 @@ impl VolCache {
         // the volume's records are released meanwhile (a delete).
         for l in &locs {
             self.shared.log.pin(l);
+        }
+        if st.replaying {
+            // The next piece may be twice as large (a compose that found nothing does not
+            // count).
+            st.replay_window_bytes = (cap * 2).min(WINDOW_BYTES_MAX);
         }
         Some(Window {
             last: tail,
