@@ -520,9 +520,9 @@ pub struct PeerState {
     /// Vault locks this host took to replay another host's volume and could not give back
     /// ([`give_back`]): retried every round.
     unlock_owed: Mutex<std::collections::HashSet<Uuid>>,
-    /// Held while an owed unlock is retried, and by a surrogate replay while it claims its
-    /// volume: a lock it takes (adopting the owed one, same lease) must not be deleted by a
-    /// retry that looked before.
+    /// Held while an owed unlock or hand-on is retried, and by a replay while it claims its
+    /// volume ([`claim_replay`]): a lock it takes (adopting the owed one, same lease) must not
+    /// be deleted, or its volume handed on, by a retry that looked before.
     owed_gate: tokio::sync::Mutex<()>,
     /// Replays that stopped here and could not be handed on ([`pass_on`]), by volume, with
     /// its name: retried every round ([`retry_owed_passes`]).
@@ -1375,7 +1375,9 @@ async fn look_after_replicas(d: &Arc<Daemon>) {
         }
         // The vault's holder is gone (or handed the volume off): replay, if this host gets
         // the lock first.
-        d.peers.replaying.lock().expect("lock").insert(set.volume);
+        if !claim_replay(d, set.volume).await {
+            continue;
+        }
         let d2 = d.clone();
         tokio::spawn(async move {
             match replay_for_dead_owner(&d2, &rec).await {
@@ -1385,7 +1387,7 @@ async fn look_after_replicas(d: &Arc<Daemon>) {
                     .note(&rec.name, Some(format!("online replay: {e}"))),
                 Ok(()) => d2.peers.note(&rec.name, None),
             }
-            d2.peers.replaying.lock().expect("lock").remove(&rec.id);
+            replay_ended(&d2, rec.id);
         });
     }
 }
@@ -1531,6 +1533,23 @@ pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
         );
         d.peers.unlock_owed.lock().expect("lock").insert(rec.id);
     }
+}
+
+/// Marks a replay of volume `id` as running here (false if one runs already). Under the
+/// gate an owed unlock or hand-on is retried under: the lock this replay takes (this host's
+/// lease, so it adopts one still owed) is its own, and a retry that looked before the replay
+/// began (and saw none) must not give it back or hand the volume on meanwhile. An unlock
+/// owed from an earlier replay is the new one's to give back.
+pub(crate) async fn claim_replay(d: &Daemon, id: Uuid) -> bool {
+    let _gate = d.peers.owed_gate.lock().await;
+    let new = d.peers.replaying.lock().expect("lock").insert(id);
+    d.peers.unlock_owed.lock().expect("lock").remove(&id);
+    new
+}
+
+/// A replay [`claim_replay`] marked ended.
+pub(crate) fn replay_ended(d: &Daemon, id: Uuid) {
+    d.peers.replaying.lock().expect("lock").remove(&id);
 }
 
 /// Gives back the vault locks [`give_back`] could not, unless this host took the volume's
@@ -1896,14 +1915,9 @@ async fn surrogate_one(
     n: usize,
     force: bool,
 ) -> Result<String, String> {
-    // Its lock is this replay's: an unlock owed from an earlier one must not take it.
-    {
-        let _gate = d.peers.owed_gate.lock().await;
-        d.peers.replaying.lock().expect("lock").insert(rec.id);
-        d.peers.unlock_owed.lock().expect("lock").remove(&rec.id);
-    }
+    claim_replay(d, rec.id).await;
     let r = surrogate_locked(d, host, rec, n, force).await;
-    d.peers.replaying.lock().expect("lock").remove(&rec.id);
+    replay_ended(d, rec.id);
     r
 }
 

@@ -30,6 +30,10 @@ struct FailingVault {
     /// Vault unlocks fail; those that went through are listed in `unlocked`.
     fail_unlocks: AtomicBool,
     unlocked: std::sync::Mutex<Vec<Uuid>>,
+    /// Unlocks asked for so far; each then waits for this gate (a test holds it to keep one
+    /// in flight).
+    unlock_calls: std::sync::atomic::AtomicU64,
+    unlock_gate: tokio::sync::Mutex<()>,
     /// The lease is lost, and the host registered again, while a datastore lock is waited
     /// for (the grant, under the old lease, comes back after both).
     lease_lost_in_lock_wait: AtomicBool,
@@ -134,6 +138,8 @@ impl Coordinator for FailingVault {
         self.inner.lock_vault(volume).await
     }
     async fn unlock_vault(&self, volume: Uuid) -> cluster::Result<()> {
+        self.unlock_calls.fetch_add(1, Ordering::SeqCst);
+        let _gate = self.unlock_gate.lock().await;
         if self.fail_unlocks.load(Ordering::SeqCst) {
             return Err(cluster::Error::Unavailable(
                 "etcd: no answer (injected)".into(),
@@ -243,6 +249,8 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_updates: AtomicBool::new(false),
         fail_unlocks: AtomicBool::new(false),
         unlocked: Default::default(),
+        unlock_calls: Default::default(),
+        unlock_gate: Default::default(),
         lease_lost_in_lock_wait: AtomicBool::new(false),
         lease_renewed_before_lock: AtomicBool::new(false),
         fail_vault_reads: AtomicBool::new(false),
@@ -1356,6 +1364,60 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     crate::peers::give_back(&d, &own).await;
     coord.fail_unlocks.store(false, Ordering::SeqCst);
     crate::peers::retry_owed_unlocks(&d).await;
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
+}
+
+/// A replay that begins while an unlock of its volume owed from an earlier replay is being
+/// retried must wait for that retry: the retry looked before the replay began (no replay
+/// ran), and would otherwise delete the lock the replay takes meanwhile (this host's lease,
+/// so the replay adopts the owed lock), leaving another host free to write the datastore
+/// beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() {
+    let (_dir, coord, d) = restarted_with_v("owed-race").await;
+    let other = VolumeRecord {
+        id: Uuid::new_v4(),
+        name: "other-hosts".into(),
+        ..d.entry("v").unwrap().record.clone()
+    };
+    coord.lock_vault(other.id).await.unwrap();
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &other).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    let held = coord.unlock_gate.lock().await;
+    let before = coord.unlock_calls.load(Ordering::SeqCst);
+    let retry = {
+        let d = d.clone();
+        tokio::spawn(async move { crate::peers::retry_owed_unlocks(&d).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while coord.unlock_calls.load(Ordering::SeqCst) == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retry never unlocks"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The retry's unlock is in flight; a replay of the volume begins.
+    let claim = {
+        let d = d.clone();
+        tokio::spawn(async move { crate::peers::claim_replay(&d, other.id).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !claim.is_finished(),
+        "a replay began while an unlock that looked before it was in flight"
+    );
+    drop(held);
+    retry.await.unwrap();
+    assert!(claim.await.unwrap(), "the replay is the only one");
+    assert_eq!(*coord.unlocked.lock().unwrap(), vec![other.id]);
+    // The replay takes the lock; no retry gives it back, while it runs or after it ends
+    // (its own end gives it back).
+    coord.lock_vault(other.id).await.unwrap();
+    crate::peers::retry_owed_unlocks(&d).await;
+    crate::peers::replay_ended(&d, other.id);
     crate::peers::retry_owed_unlocks(&d).await;
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
