@@ -663,6 +663,32 @@ impl ErrorSwitch {
     }
 }
 
+/// When the FLUSHes of [`Nbdkit::start_failing_flushes`] fail.
+pub struct FlushErrors {
+    _dir: Scratch,
+    on: PathBuf,
+    once: PathBuf,
+}
+
+impl FlushErrors {
+    /// Every FLUSH fails from now on, at once. Once off, a FLUSH answers OK again, as the
+    /// next `fsync` of a file does: Linux reports a write-back error once.
+    pub fn on(&self) {
+        fs::write(&self.on, b"").expect("switch the flush errors on");
+    }
+
+    pub fn off(&self) {
+        fs::remove_file(&self.on).expect("switch the flush errors off");
+    }
+
+    /// The next FLUSH to run takes one error, and answers it half a second later; FLUSHes
+    /// that run beside it or after it answer OK (one `fsync` of a file hears of a write-back
+    /// error, whichever runs first).
+    pub fn once(&self) {
+        fs::write(&self.once, b"").expect("arm the flush error");
+    }
+}
+
 /// A host's own way onto the LUN: another nbdkit on the same image with the same filters,
 /// and nbdkit's log filter outermost, so its log says what that host wrote and when
 /// ([`writers`]).
@@ -706,18 +732,23 @@ impl Nbdkit {
         (k, ErrorSwitch { _dir: dir, file })
     }
 
-    /// A server whose FLUSH fails with EIO while the switch is on, as a file's `fsync` does
-    /// after a write-back error (nbdkit's error filter cannot fail a flush): nbdkit's `eval`
-    /// plugin over an image of `size` bytes, its reads and writes done by `dd`. Once the
-    /// switch is off, a FLUSH answers OK again, as the next `fsync` of the file would: Linux
-    /// reports a write-back error once.
-    pub fn start_failing_flushes(size: u64) -> (Nbdkit, ErrorSwitch) {
+    /// A server whose FLUSH fails with EIO as a file's `fsync` does after a write-back error
+    /// (nbdkit's error filter cannot fail a flush): nbdkit's `eval` plugin over an image of
+    /// `size` bytes, its reads and writes done by `dd`, requests run in parallel. See
+    /// [`FlushErrors`] for when a FLUSH fails.
+    pub fn start_failing_flushes(size: u64) -> (Nbdkit, FlushErrors) {
         let dir = Scratch::new("flusherr");
-        let file = dir.join("on");
+        let errors = FlushErrors {
+            on: dir.join("on"),
+            once: dir.join("once"),
+            _dir: dir,
+        };
+        let (on, once) = (errors.on.display(), errors.once.display());
         let k = Nbdkit::serve(size, |image| {
             let img = image.display();
             vec![
                 "eval".into(),
+                "thread_model=echo parallel".into(),
                 format!("get_size=echo {size}"),
                 "can_write=exit 0".into(),
                 "can_flush=exit 0".into(),
@@ -726,12 +757,13 @@ impl Nbdkit {
                 ),
                 format!("pwrite=dd of='{img}' seek=$4 oflag=seek_bytes conv=notrunc status=none"),
                 format!(
-                    "flush=if [ -e '{}' ]; then echo 'EIO write-back error' >&2; exit 1; fi",
-                    file.display()
+                    "flush=if rm '{once}' 2>/dev/null; then sleep 0.5; \
+                     echo 'EIO write-back error' >&2; exit 1; fi; \
+                     if [ -e '{on}' ]; then echo 'EIO write-back error' >&2; exit 1; fi"
                 ),
             ]
         });
-        (k, ErrorSwitch { _dir: dir, file })
+        (k, errors)
     }
 
     /// Serves a new sparse image of `size` bytes. `filter_args` go before the plugin (e.g.

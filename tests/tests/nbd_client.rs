@@ -495,12 +495,67 @@ fn a_failed_flush_is_a_loss_every_volume_with_unflushed_writes_hears_of() {
             other => panic!("the flush after a failed one must report the loss: {other:?}"),
         }
         c.flush().await.unwrap();
-        // A FLUSH with no write to cover that fails took nothing.
+        // A failed FLUSH counts even when a FLUSH covered every write answered before it:
+        // a write not yet answered may have been in the pages its error took, and another
+        // FLUSH may have taken the error meant for it.
         let before = c.losses();
         errors.on();
         assert!(c.flush().await.is_err());
         errors.off();
-        assert_eq!(c.losses(), before);
+        assert_eq!(c.losses(), before + 1);
+    });
+}
+
+/// Two FLUSHes run side by side on one connection (two volumes flush at once). The server's
+/// write-back error goes to one of them, which answers late; the other answers OK first,
+/// though the error it would have reported was taken: its OK waits for the other's answer
+/// and becomes EIO. Without that the second volume's destager would record a checkpoint
+/// over writes the server lost.
+#[test]
+fn a_flush_that_answers_ok_beside_a_failing_one_reports_the_loss() {
+    use datastore::device::NbdDevice;
+    use datastore::{Extent, Gate};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let (k, errors) = Nbdkit::start_failing_flushes(4 << 20);
+    rt().block_on(async {
+        let uri = NbdUri::parse(&k.uri()).unwrap();
+        let dev = Arc::new(NbdDevice::connect(&uri, 1).await.unwrap());
+        let a = Extent::new(dev.clone(), 0, 1 << 20, Arc::new(Gate::new(4)));
+        let b = Extent::new(dev.clone(), 1 << 20, 1 << 20, Arc::new(Gate::new(4)));
+        a.write(0, Bytes::from(vec![1u8; 4096]), false)
+            .await
+            .unwrap();
+        b.write(0, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        errors.once();
+        let started = std::time::Instant::now();
+        let (ra, rb) = tokio::join!(a.flush_internal(), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let r = b.flush_internal().await;
+            (r, started.elapsed())
+        });
+        let (rb, b_took) = rb;
+        assert!(ra.is_err(), "a's FLUSH took the error");
+        let eio = |r: &std::io::Result<()>| {
+            r.as_ref()
+                .is_err_and(|e| e.raw_os_error() == Some(libc::EIO))
+        };
+        assert!(
+            eio(&rb),
+            "b's FLUSH answered OK beside the one that took the error: {rb:?}"
+        );
+        assert!(
+            b_took >= Duration::from_millis(450),
+            "b's answer did not wait for a's ({b_took:?})"
+        );
+        // A failed flush answers for none of its writes, so each hears of the loss once
+        // more at its next flush (as after any failed flush), and then no more.
+        for x in [&a, &b] {
+            assert!(eio(&x.flush_internal().await));
+            x.flush_internal().await.unwrap();
+        }
     });
 }
 

@@ -113,6 +113,8 @@ struct Pending {
     /// A FLUSH, or a write with FUA: the server syncs for it, and a sync that fails may
     /// have lost writes it acknowledged before ([`Live::sync_failed`]).
     syncs: bool,
+    /// For a sync: the connection's failed syncs when it was sent ([`Live::sync_fails`]).
+    fails_before: u64,
     tx: oneshot::Sender<Result<Bytes, ClientError>>,
 }
 
@@ -135,6 +137,28 @@ struct Live {
     /// on the connection itself counts: another connection of the pool may reach a server
     /// that restarted (its cache gone) while this one has not noticed yet.
     flushed: AtomicU64,
+    /// Syncs on this connection that failed so far ([`Live::sync_failed`]).
+    sync_fails: AtomicU64,
+    /// Syncs answered OK while other syncs sent before the answer were still in flight:
+    /// held until those answer ([`Live::sync_ok`]).
+    held: StdMutex<Vec<Held>>,
+}
+
+/// A sync answered OK, waiting for the syncs that may have run beside it on the server.
+struct Held {
+    waits: Vec<u64>,
+    /// One of them failed: the OK may hide a write-back error that one took.
+    failed: bool,
+    covers: u64,
+    tx: oneshot::Sender<Result<Bytes, ClientError>>,
+}
+
+/// Errors a server answers for a request it refused without running it: no sync ran.
+fn refusal(errno: Errno) -> bool {
+    matches!(
+        errno,
+        Errno::EINVAL | Errno::EPERM | Errno::EOVERFLOW | Errno::ENOTSUP | Errno::ESHUTDOWN
+    )
 }
 
 impl Live {
@@ -146,18 +170,89 @@ impl Live {
         }
     }
 
-    /// A sync the server ran failed (a FLUSH, or a write with FUA, answered with an error
-    /// other than a refusal): its write-back error may have taken writes acknowledged on this
-    /// connection and not yet flushed, and a server backed by a file (nbdkit's `file`) hears
-    /// of it in one `fsync` only, so a later FLUSH may answer OK. Counted as a loss, as a
-    /// connection that died is, so every user whose writes it may have taken hears of it.
-    fn sync_failed(&self, errno: Errno) {
-        let refused = matches!(
-            errno,
-            Errno::EINVAL | Errno::EPERM | Errno::EOVERFLOW | Errno::ENOTSUP | Errno::ESHUTDOWN
-        );
-        if !refused {
-            self.note_loss(self.max_acked.load(Ordering::SeqCst));
+    /// A sync (a FLUSH, or a write with FUA) answered with an error, `cookie` its request.
+    ///
+    /// Unless the server refused it, its write-back error may have taken any write sent on
+    /// the connection before the error was answered, and a server backed by a file
+    /// (nbdkit's `file`, one descriptor per connection) reports such an error to one `fsync`
+    /// of it only: a later FLUSH answers OK, and so may one that ran beside it. So it counts
+    /// as a loss, as a connection that died does (every user with writes sent before it
+    /// hears of it at its next flush; whether a FLUSH on the connection covered them does not
+    /// matter, since another sync may have taken the error meant for it), and the syncs that
+    /// answered OK while it was in flight are answered EIO ([`Live::sync_ok`]). Counted
+    /// before the answer goes out.
+    fn sync_failed(&self, cookie: u64, errno: Errno) {
+        let ran = !refusal(errno);
+        if ran {
+            self.sync_fails.fetch_add(1, Ordering::SeqCst);
+            self.dur.losses.fetch_add(1, Ordering::SeqCst);
+        }
+        self.sync_answered(cookie, ran);
+    }
+
+    /// A sync answered OK. Its OK holds only if no sync that may have run beside it on the
+    /// server failed: one that failed while it was in flight makes it EIO at once; one still
+    /// in flight when it answered (sent before the answer, so maybe run beside it) holds it
+    /// until that one answers. A sync sent after the answer ran after it.
+    fn sync_ok(&self, cookie: u64, p: Pending) {
+        self.sync_answered(cookie, false);
+        if self.sync_fails.load(Ordering::SeqCst) != p.fails_before {
+            let _ = p.tx.send(Err(ClientError::Server(Errno::EIO)));
+            return;
+        }
+        let waits: Vec<u64> = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, q)| q.syncs)
+            .map(|(c, _)| *c)
+            .collect();
+        if waits.is_empty() {
+            self.flushed.fetch_max(p.covers, Ordering::SeqCst);
+            let _ = p.tx.send(Ok(Bytes::new()));
+            return;
+        }
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        // `fail` marks the connection dead before it empties `held`: one that has not yet
+        // will find this entry.
+        if self.dead.load(Ordering::SeqCst) {
+            let _ =
+                p.tx.send(Err(ClientError::Disconnected("connection failed".into())));
+            return;
+        }
+        held.push(Held {
+            waits,
+            failed: false,
+            covers: p.covers,
+            tx: p.tx,
+        });
+    }
+
+    /// The sync `cookie` answered (`failed`: it ran and failed): held OKs that waited for it
+    /// go out once nothing else holds them, EIO if one they waited for failed.
+    fn sync_answered(&self, cookie: u64, failed: bool) {
+        let ready: Vec<Held> = {
+            let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+            for h in held.iter_mut() {
+                if let Some(i) = h.waits.iter().position(|c| *c == cookie) {
+                    h.waits.swap_remove(i);
+                    h.failed |= failed;
+                }
+            }
+            let (ready, waiting) = std::mem::take(&mut *held)
+                .into_iter()
+                .partition(|h| h.waits.is_empty());
+            *held = waiting;
+            ready
+        };
+        for h in ready {
+            if h.failed {
+                let _ = h.tx.send(Err(ClientError::Server(Errno::EIO)));
+            } else {
+                self.flushed.fetch_max(h.covers, Ordering::SeqCst);
+                let _ = h.tx.send(Ok(Bytes::new()));
+            }
         }
     }
 
@@ -179,6 +274,10 @@ impl Live {
         };
         for p in drained {
             let _ = p.tx.send(Err(ClientError::Disconnected(why.to_owned())));
+        }
+        let held = std::mem::take(&mut *self.held.lock().unwrap_or_else(|e| e.into_inner()));
+        for h in held {
+            let _ = h.tx.send(Err(ClientError::Disconnected(why.to_owned())));
         }
         for t in self
             .tasks
@@ -540,6 +639,7 @@ fn send_on(
             proto::CMD_WRITE | proto::CMD_TRIM | proto::CMD_WRITE_ZEROES
         ) && flags & proto::CMD_FLAG_FUA == 0;
         let syncs = kind == proto::CMD_FLUSH || flags & proto::CMD_FLAG_FUA != 0;
+        let fails_before = live.sync_fails.load(Ordering::SeqCst);
         p.insert(
             cookie,
             Pending {
@@ -547,6 +647,7 @@ fn send_on(
                 numbered,
                 covers,
                 syncs,
+                fails_before,
                 tx,
             },
         );
@@ -634,6 +735,8 @@ async fn open_live(
         dur: dur.clone(),
         max_acked: AtomicU64::new(0),
         flushed: AtomicU64::new(0),
+        sync_fails: AtomicU64::new(0),
+        held: StdMutex::new(Vec::new()),
     });
     {
         // Registered before either task can call `fail`, which takes this lock to abort them.
@@ -691,7 +794,7 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
             // Counted before the answer goes out, so the failed flusher's caller and every
             // later flush see it.
             if p.syncs {
-                live.sync_failed(errno);
+                live.sync_failed(cookie, errno);
             }
             let _ = p.tx.send(Err(ClientError::Server(errno)));
             continue;
@@ -712,8 +815,11 @@ async fn reader<R: AsyncRead + Unpin>(mut rd: BufReader<R>, live: Arc<Live>) {
                     live.note_loss(n);
                 }
             }
-            live.flushed.fetch_max(p.covers, Ordering::SeqCst);
-            let _ = p.tx.send(Ok(Bytes::new()));
+            if p.syncs {
+                live.sync_ok(cookie, p);
+            } else {
+                let _ = p.tx.send(Ok(Bytes::new()));
+            }
             continue;
         }
         let mut buf = BytesMut::with_capacity(p.read_len as usize);
