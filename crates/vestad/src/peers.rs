@@ -1409,6 +1409,7 @@ pub(crate) async fn replay_for_dead_owner(
         Err(cluster::Error::Locked(_)) => return Ok(()), // another host got there first
         Err(e) => return Err(e.to_string()),
     }
+    holds_lock(d, rec.id);
     // A hand-on still owed from an earlier try is this try's to make now, if it stops too:
     // retried after a replay that finished, it would mark the finished one's vault.
     d.peers.pass_on_owed.lock().expect("lock").remove(&rec.id);
@@ -1538,13 +1539,19 @@ pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
 /// Marks a replay of volume `id` as running here (false if one runs already). Under the
 /// gate an owed unlock or hand-on is retried under: the lock this replay takes (this host's
 /// lease, so it adopts one still owed) is its own, and a retry that looked before the replay
-/// began (and saw none) must not give it back or hand the volume on meanwhile. An unlock
-/// owed from an earlier replay is the new one's to give back.
+/// began (and saw none) must not give it back or hand the volume on meanwhile. Retries
+/// leave a replaying volume alone; an unlock still owed from an earlier replay becomes the
+/// new one's to give back once it holds the lock ([`holds_lock`]), and stays owed if it
+/// never gets there.
 pub(crate) async fn claim_replay(d: &Daemon, id: Uuid) -> bool {
     let _gate = d.peers.owed_gate.lock().await;
-    let new = d.peers.replaying.lock().expect("lock").insert(id);
+    d.peers.replaying.lock().expect("lock").insert(id)
+}
+
+/// A replay [`claim_replay`] marked took its volume's vault lock: it gives it back when it
+/// ends ([`give_back`]), an unlock owed from an earlier replay included.
+fn holds_lock(d: &Daemon, id: Uuid) {
     d.peers.unlock_owed.lock().expect("lock").remove(&id);
-    new
 }
 
 /// A replay [`claim_replay`] marked ended.
@@ -1565,8 +1572,11 @@ pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
         .copied()
         .collect();
     for id in owed {
-        let again = d.peers.replaying.lock().expect("lock").contains(&id)
-            || d.entries().iter().any(|e| e.record.id == id);
+        if d.peers.replaying.lock().expect("lock").contains(&id) {
+            // Its replay gives it back, or leaves it owed if it never took it.
+            continue;
+        }
+        let again = d.entries().iter().any(|e| e.record.id == id);
         if again || d.coord.unlock_vault(id).await.is_ok() {
             d.peers.unlock_owed.lock().expect("lock").remove(&id);
             if !again {
@@ -1915,7 +1925,9 @@ async fn surrogate_one(
     n: usize,
     force: bool,
 ) -> Result<String, String> {
-    claim_replay(d, rec.id).await;
+    if !claim_replay(d, rec.id).await {
+        return Err("a replay of it runs on this host already".into());
+    }
     let r = surrogate_locked(d, host, rec, n, force).await;
     replay_ended(d, rec.id);
     r
@@ -1932,6 +1944,7 @@ async fn surrogate_locked(
         .lock_vault(rec.id)
         .await
         .map_err(|e| e.to_string())?;
+    holds_lock(d, rec.id);
     let r = async {
         let vault = d.coord.vault(rec.id).await.map_err(|e| e.to_string())?;
         let gen = host.recovered_gen(rec.id).unwrap_or(0);

@@ -1413,13 +1413,28 @@ async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() 
     retry.await.unwrap();
     assert!(claim.await.unwrap(), "the replay is the only one");
     assert_eq!(*coord.unlocked.lock().unwrap(), vec![other.id]);
-    // The replay takes the lock; no retry gives it back, while it runs or after it ends
-    // (its own end gives it back).
-    coord.lock_vault(other.id).await.unwrap();
+    crate::peers::replay_ended(&d, other.id);
+
+    // Owed again, and a replay begins that ends before it takes the lock (its host's writes
+    // were revoked, the coordinator did not answer): the unlock stays owed, untouched while
+    // the replay runs, and is given back after it.
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &other).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    assert!(crate::peers::claim_replay(&d, other.id).await);
     crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(
+        coord.unlocked.lock().unwrap().len(),
+        1,
+        "a replay's lock given back while it runs"
+    );
     crate::peers::replay_ended(&d, other.id);
     crate::peers::retry_owed_unlocks(&d).await;
-    assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
+    assert_eq!(
+        *coord.unlocked.lock().unwrap(),
+        vec![other.id, other.id],
+        "the owed unlock was forgotten"
+    );
 }
 
 /// A `dir` datastore's free space is not free for placement where sparse images already in
