@@ -2638,6 +2638,11 @@ impl VolCache {
         {
             let mut st = lock(&self.st);
             st.reach = st.reach.max(last);
+            if st.replaying {
+                // The next piece may be twice as large: counted for a piece that goes out,
+                // not for one composed and thrown away (a read-ahead still open).
+                st.replay_window_bytes = (st.replay_window_bytes * 2).min(WINDOW_BYTES_MAX);
+            }
         }
         // Only durable records are destaged. The datastore then never holds a write the log
         // could lose: a recovery finds every write of every window that went out, and its
@@ -2818,7 +2823,7 @@ impl VolCache {
     /// or [`WINDOW_BYTES_MAX`] bytes, and always at a whole write. Its records are pinned
     /// until read (`read_window`).
     fn compose(&self, after: Option<u64>) -> Option<Window> {
-        let mut st = lock(&self.st);
+        let st = lock(&self.st);
         let cap = if st.replaying {
             st.replay_window_bytes
         } else {
@@ -2894,11 +2899,6 @@ impl VolCache {
         // the volume's records are released meanwhile (a delete).
         for l in &locs {
             self.shared.log.pin(l);
-        }
-        if st.replaying {
-            // The next piece may be twice as large (a compose that found nothing does not
-            // count).
-            st.replay_window_bytes = (cap * 2).min(WINDOW_BYTES_MAX);
         }
         Some(Window {
             last: tail,
