@@ -41,6 +41,60 @@ h.flush()
     assert!(img[12288..16384].iter().all(|b| *b == 0xab));
 }
 
+/// Where the first hole at or after `offset` starts in `file` (its size if none).
+fn hole_at(file: &std::path::Path, offset: u64) -> u64 {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(file).unwrap();
+    let r = unsafe { libc::lseek(f.as_raw_fd(), offset as libc::off_t, libc::SEEK_HOLE) };
+    assert!(r >= 0, "SEEK_HOLE: {}", std::io::Error::last_os_error());
+    r as u64
+}
+
+/// WRITE_ZEROES with NO_HOLE must leave the range allocated on the datastore, whatever the
+/// policy: a `wt` or `wb` volume keeps the flag through its cache log (and `wb` through the
+/// destager) to the datastore. Without NO_HOLE the datastore may deallocate, and a `dir`
+/// datastore does: the test checks both, so it sees the flag make the difference.
+#[test]
+fn write_zeroes_with_no_hole_stays_allocated_on_the_datastore_in_every_policy() {
+    let v = Vestad::start();
+    for policy in ["uncached", "wt", "wb"] {
+        let name = format!("nh-{policy}");
+        v.vesta_ok(&[
+            "volume", "create", &name, "--size", "16M", "--policy", policy,
+        ]);
+        let file = v.data_dir.join(format!("datastores/default/{name}.raw"));
+        nbdsh(
+            &v.url(&name),
+            r#"
+h.pwrite(b'\x5a' * (8 << 20), 0)
+h.flush()
+h.zero(4 << 20, 0)
+h.zero(4 << 20, 4 << 20, nbd.CMD_FLAG_NO_HOLE)
+h.flush()
+assert h.pread(8 << 20, 0) == bytes(8 << 20)
+"#,
+        );
+        if policy == "wb" {
+            v.wait_clean(&name);
+        }
+        let img = read_file(&file);
+        assert!(
+            img[..8 << 20].iter().all(|b| *b == 0),
+            "{policy}: the datastore must read zeroes"
+        );
+        assert!(
+            hole_at(&file, 4 << 20) >= 8 << 20,
+            "{policy}: a NO_HOLE zeroing was deallocated on the datastore"
+        );
+        assert_eq!(
+            hole_at(&file, 0),
+            0,
+            "{policy}: a zeroing without NO_HOLE was not deallocated (the test would not see \
+             the flag make a difference)"
+        );
+    }
+}
+
 #[test]
 fn trim_deallocates_space_on_the_datastore() {
     let v = Vestad::start();

@@ -225,11 +225,21 @@ pub enum Kind {
     Replica,
     /// A peer's copy of another host's WRITE_ZEROES or TRIM (`wbp`); like `Zero`.
     ReplicaZero,
-    /// `len` bytes at `offset` read as zeroes (WRITE_ZEROES, TRIM); no payload.
+    /// `len` bytes at `offset` read as zeroes (WRITE_ZEROES, TRIM); no payload. The
+    /// datastore may deallocate them.
     Zero,
+    /// Like `Zero`, but the datastore must keep the zeroes allocated (WRITE_ZEROES with
+    /// NO_HOLE). Kind 5 with bit 0 of the flags byte set: a build before the flag reads it
+    /// as `Zero`.
+    ZeroAlloc,
+    /// A peer's copy of another host's `ZeroAlloc` (kind 7 with the same flag).
+    ReplicaZeroAlloc,
     /// Clean data read from the datastore into the cache (a read miss). Never replayed.
     Fill,
 }
+
+/// Bit 0 of a record's flags byte: its zeroes stay allocated ([`Kind::ZeroAlloc`]).
+const FLAG_ALLOC: u8 = 1;
 
 impl Kind {
     fn code(self) -> u8 {
@@ -238,23 +248,48 @@ impl Kind {
             Kind::Checkpoint => 2,
             Kind::Policy => 3,
             Kind::Replica => 4,
-            Kind::Zero => 5,
+            Kind::Zero | Kind::ZeroAlloc => 5,
             Kind::Fill => 6,
-            Kind::ReplicaZero => 7,
+            Kind::ReplicaZero | Kind::ReplicaZeroAlloc => 7,
         }
     }
 
-    fn from_code(c: u8) -> Option<Kind> {
+    /// The flags byte (offset 5), which builds before it ignore.
+    fn flags(self) -> u8 {
+        if self.allocates() {
+            FLAG_ALLOC
+        } else {
+            0
+        }
+    }
+
+    fn from_code(c: u8, flags: u8) -> Option<Kind> {
+        let alloc = flags & FLAG_ALLOC != 0;
         Some(match c {
             1 => Kind::Data,
             2 => Kind::Checkpoint,
             3 => Kind::Policy,
             4 => Kind::Replica,
+            5 if alloc => Kind::ZeroAlloc,
             5 => Kind::Zero,
             6 => Kind::Fill,
+            7 if alloc => Kind::ReplicaZeroAlloc,
             7 => Kind::ReplicaZero,
             _ => return None,
         })
+    }
+
+    /// Whether the record is a zeroing (of the host's own volume or a peer's copy).
+    pub fn is_zero(self) -> bool {
+        matches!(
+            self,
+            Kind::Zero | Kind::ZeroAlloc | Kind::ReplicaZero | Kind::ReplicaZeroAlloc
+        )
+    }
+
+    /// Whether the record is a zeroing the datastore must keep allocated (NO_HOLE).
+    pub fn allocates(self) -> bool {
+        matches!(self, Kind::ZeroAlloc | Kind::ReplicaZeroAlloc)
     }
 
     /// Whether the record carries `len` bytes of payload after its header.
@@ -264,15 +299,15 @@ impl Kind {
 
     /// Whether the record is a write of the volume, numbered by `ser` in its sequence.
     pub fn is_write(self) -> bool {
-        matches!(
-            self,
-            Kind::Data | Kind::Replica | Kind::Zero | Kind::ReplicaZero
-        )
+        matches!(self, Kind::Data | Kind::Replica) || self.is_zero()
     }
 
     /// Whether the record is a peer's copy of another host's write.
     pub fn is_replica(self) -> bool {
-        matches!(self, Kind::Replica | Kind::ReplicaZero)
+        matches!(
+            self,
+            Kind::Replica | Kind::ReplicaZero | Kind::ReplicaZeroAlloc
+        )
     }
 }
 
@@ -392,6 +427,7 @@ impl Header {
         }
         b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
         b[4] = self.kind.code();
+        b[5] = self.kind.flags();
         b[12..16].copy_from_slice(&self.payload_crc.to_le_bytes());
         b[16..32].copy_from_slice(self.volume.as_bytes());
         b[32..40].copy_from_slice(&self.ser.to_le_bytes());
@@ -418,7 +454,7 @@ impl Header {
         if crc32c::crc32c_append(key, &copy) != le32(&b[8..12]) {
             return Err(BadHeader::Checksum);
         }
-        let kind = Kind::from_code(b[4]).ok_or(BadHeader::Checksum)?;
+        let kind = Kind::from_code(b[4], b[5]).ok_or(BadHeader::Checksum)?;
         let h = Header {
             kind,
             payload_crc: le32(&b[12..16]),
@@ -609,6 +645,33 @@ mod tests {
             Header::decode(&[0u8; 512], 7, KEY),
             Err(BadHeader::NoRecord)
         );
+    }
+
+    /// A zeroing that must stay allocated is kind 5 (or 7) with a flag a build before the
+    /// flag ignores: it reads the record as a plain zeroing, which is still the same zeroes.
+    #[test]
+    fn an_allocated_zeroing_is_a_zeroing_with_a_flag_older_builds_ignore() {
+        for (plain, alloc, code) in [
+            (Kind::Zero, Kind::ZeroAlloc, 5),
+            (Kind::ReplicaZero, Kind::ReplicaZeroAlloc, 7),
+        ] {
+            let h = header(alloc, 1 << 20);
+            let b = h.encode(KEY);
+            assert_eq!((b[4], b[5]), (code, 1));
+            assert_eq!(Header::decode(&b, 7, KEY), Ok(h));
+            let p = header(plain, 1 << 20);
+            let b = p.encode(KEY);
+            assert_eq!((b[4], b[5]), (code, 0));
+            assert_eq!(Header::decode(&b, 7, KEY), Ok(p));
+            // What a build before the flag did with the byte: nothing.
+            assert_eq!(Kind::from_code(code, 0), Some(plain));
+            assert!(alloc.is_zero() && alloc.is_write() && !alloc.has_payload());
+            assert_eq!(alloc.is_replica(), plain.is_replica());
+            assert!(alloc.allocates() && !plain.allocates());
+        }
+        // Other kinds carry no flag.
+        let d = header(Kind::Data, 4096).encode(KEY);
+        assert_eq!(d[5], 0);
     }
 
     #[test]

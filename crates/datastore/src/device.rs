@@ -93,7 +93,7 @@ pub trait Device: Send + Sync + 'static {
             check_fence(&fence)?;
             match w.data {
                 Some(d) => self.write_at(w.offset, d, false).await?,
-                None => self.write_zeroes(w.offset, w.len, true).await?,
+                None => self.write_zeroes(w.offset, w.len, w.may_trim).await?,
             }
         }
         Ok(())
@@ -108,12 +108,13 @@ fn check_fence(fence: &Option<Arc<Fence>>) -> io::Result<()> {
 }
 
 /// One write of a [`Device::write_batch`]: `len` bytes at `offset`, of `data`, or zeroes
-/// that may deallocate (`None`).
+/// (`None`), which may deallocate if `may_trim`.
 #[derive(Clone, Debug)]
 pub struct BatchWrite {
     pub offset: u64,
     pub len: u64,
     pub data: Option<Bytes>,
+    pub may_trim: bool,
 }
 
 /// What blocking IO the current thread may run inline ([`may_block_here`]).
@@ -508,7 +509,7 @@ impl Device for FileDevice {
                 check_fence(&fence)?;
                 match &w.data {
                     Some(d) => f.write_all_at(d, w.offset)?,
-                    None => zero_range(&f, regular, w.offset, w.len, true, &fence)?,
+                    None => zero_range(&f, regular, w.offset, w.len, w.may_trim, &fence)?,
                 }
             }
             Ok(())
@@ -694,6 +695,8 @@ pub struct MemDevice {
     flush_hook: FlushHook,
     /// Whether it asks for batches ([`Device::prefers_batches`]), as a file does.
     batches: std::sync::atomic::AtomicBool,
+    /// Every zeroing made: (offset, len, may_trim).
+    zeroings: std::sync::Mutex<Vec<(u64, u64, bool)>>,
 }
 
 type FlushHook = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
@@ -707,7 +710,16 @@ impl MemDevice {
             delay: std::sync::Mutex::new(None),
             flush_hook: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(false),
+            zeroings: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// Every zeroing made so far, in order: (offset, len, whether it could deallocate).
+    pub fn zeroings(&self) -> Vec<(u64, u64, bool)> {
+        self.zeroings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Makes it ask for its writes in batches, as a file does, so tests cover that path too.
@@ -796,10 +808,14 @@ impl Device for MemDevice {
         Ok(())
     }
 
-    async fn write_zeroes(&self, offset: u64, len: u64, _may_trim: bool) -> io::Result<()> {
+    async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
         self.failing()?;
         let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());
         d[offset as usize..(offset + len) as usize].fill(0);
+        self.zeroings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((offset, len, may_trim));
         Ok(())
     }
 
@@ -1000,6 +1016,7 @@ mod tests {
             offset,
             len,
             data: byte.map(|b| Bytes::from(vec![b; len as usize])),
+            may_trim: true,
         };
         d.write_batch(
             vec![

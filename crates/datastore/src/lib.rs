@@ -524,13 +524,15 @@ impl Extent {
         r
     }
 
-    /// A write (`Some(data)`) or zeroing of `len` bytes, returning its service time at the
-    /// device ([`Gate::run_timed`]): what the destager feeds flow control.
+    /// A write (`Some(data)`) or zeroing of `len` bytes (deallocated if `may_trim`),
+    /// returning its service time at the device ([`Gate::run_timed`]): what the destager
+    /// feeds flow control.
     pub async fn write_timed(
         &self,
         offset: u64,
         len: u64,
         data: Option<Bytes>,
+        may_trim: bool,
     ) -> (io::Result<()>, Duration) {
         let at = match self.check(offset, len) {
             Ok(at) => at,
@@ -546,7 +548,7 @@ impl Extent {
             }
             None => {
                 self.gate
-                    .run_timed(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, true))
+                    .run_timed(Op::WriteZeroes, 0, self.dev.write_zeroes(at, len, may_trim))
                     .await
             }
         };

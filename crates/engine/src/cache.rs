@@ -56,7 +56,7 @@ use datastore::Extent;
 
 use crate::flow::{self, Ewma, Signals, Triggers};
 use crate::replica::{PeerReport, ReplicaWrite, Replicator};
-use crate::window::{self, Closing, Source, Staged};
+use crate::window::{self, Closing, Piece, Source, Staged};
 use crate::Error;
 
 mod replicas;
@@ -288,6 +288,18 @@ struct VolState {
     peer_synced: u64,
 }
 
+/// Whether a datastore IO of the run `run` (one zero piece, or data) may deallocate: a
+/// zeroing not kept allocated.
+fn may_trim(run: &[Piece<Loc>]) -> bool {
+    matches!(
+        run,
+        [Piece {
+            source: Source::Zero { alloc: false },
+            ..
+        }]
+    )
+}
+
 /// Log bytes of one staged record (`cachelog::format::log_bytes`).
 fn log_bytes(src: IxSrc, len: u64) -> u64 {
     cachelog::format::log_bytes(matches!(src, IxSrc::Rec(_)), len)
@@ -296,7 +308,7 @@ fn log_bytes(src: IxSrc, len: u64) -> u64 {
 fn log_bytes_of(src: &Source<Loc>, len: u64) -> u64 {
     match src {
         Source::Data(l, _) => log_bytes(IxSrc::Rec(*l), len),
-        Source::Zero => log_bytes(IxSrc::Zero, len),
+        Source::Zero { .. } => log_bytes(IxSrc::Zero, len),
     }
 }
 
@@ -1116,7 +1128,7 @@ fn read_runs(
     let mut slabs: Vec<BytesMut> = Vec::new();
     let mut used = slab_size;
     for run in runs {
-        if run.iter().all(|p| matches!(p.source, Source::Zero)) {
+        if run.iter().all(|p| matches!(p.source, Source::Zero { .. })) {
             places.push(Place::Zero);
             continue;
         }
@@ -1150,7 +1162,7 @@ fn read_runs(
                     };
                     dst.copy_from_slice(&rec[pos as usize..(pos + p.len) as usize]);
                 }
-                Source::Zero => unreachable!("runs of data hold no zero pieces"),
+                Source::Zero { .. } => unreachable!("runs of data hold no zero pieces"),
             }
             at += p.len as usize;
         }
@@ -1376,13 +1388,14 @@ impl VolCache {
             for parts in rec.writes {
                 for p in parts {
                     let h = p.header;
-                    let src = if h.kind == Kind::Zero {
+                    let src = if h.kind.is_zero() {
                         IxSrc::Zero
                     } else {
                         IxSrc::Rec(p.loc)
                     };
                     // Recovered records are durable (the device was synced before the scan).
-                    v.stage(&mut st, h.ser, h.offset, h.len, src, p.loc, 0);
+                    let alloc = h.kind.allocates();
+                    v.stage(&mut st, h.ser, h.offset, h.len, src, alloc, p.loc, 0);
                 }
             }
             if st.replaying {
@@ -1481,6 +1494,7 @@ impl VolCache {
 
     /// Indexes and stages one dirty record (caller holds the state lock).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     fn stage(
         &self,
         st: &mut VolState,
@@ -1488,6 +1502,7 @@ impl VolCache {
         offset: u64,
         len: u64,
         src: IxSrc,
+        alloc: bool,
         rec: Loc,
         ticket: u64,
     ) {
@@ -1506,7 +1521,7 @@ impl VolCache {
                 len,
                 source: match src {
                     IxSrc::Rec(l) => Source::Data(l, 0),
-                    IxSrc::Zero => Source::Zero,
+                    IxSrc::Zero => Source::Zero { alloc },
                 },
             },
             rec,
@@ -1966,9 +1981,17 @@ impl VolCache {
             .await
     }
 
-    /// WRITE_ZEROES or TRIM: the range reads as zeroes afterwards.
-    pub async fn write_zeroes(&self, offset: u64, len: u64, fua: bool) -> Result<(), Error> {
-        self.write_kind(Kind::Zero, offset, len, None, fua).await
+    /// WRITE_ZEROES or TRIM: the range reads as zeroes afterwards. With `alloc` (NO_HOLE)
+    /// the datastore keeps it allocated; otherwise it may deallocate it.
+    pub async fn write_zeroes(
+        &self,
+        offset: u64,
+        len: u64,
+        alloc: bool,
+        fua: bool,
+    ) -> Result<(), Error> {
+        let kind = if alloc { Kind::ZeroAlloc } else { Kind::Zero };
+        self.write_kind(kind, offset, len, None, fua).await
     }
 
     async fn write_kind(
@@ -2003,6 +2026,7 @@ impl VolCache {
                                 offset,
                                 len,
                                 data: data.clone(),
+                                alloc: kind.allocates(),
                             })
                             .await
                         }
@@ -2017,12 +2041,13 @@ impl VolCache {
                 {
                     let mut st = lock(&self.st);
                     for p in &recs {
-                        let src = if kind == Kind::Zero {
+                        let src = if kind.is_zero() {
                             IxSrc::Zero
                         } else {
                             IxSrc::Rec(p.loc)
                         };
-                        self.stage(&mut st, ser, p.offset, p.len, src, p.loc, p.ticket);
+                        let alloc = kind.allocates();
+                        self.stage(&mut st, ser, p.offset, p.len, src, alloc, p.loc, p.ticket);
                     }
                 }
                 // Staged: its records count as dirty now.
@@ -2097,7 +2122,11 @@ impl VolCache {
             let r = match &data {
                 Some(d) => self.store.write(offset, d.clone(), fua).await,
                 // Zeroing has no FUA of its own: a flush makes it durable.
-                None => match self.store.write_zeroes(offset, len, true).await {
+                None => match self
+                    .store
+                    .write_zeroes(offset, len, !kind.allocates())
+                    .await
+                {
                     Ok(()) if fua => self.store.flush().await,
                     r => r,
                 },
@@ -2107,7 +2136,7 @@ impl VolCache {
         };
         let cache_ok = !self.shared.log.is_failed();
         let cache = async {
-            if !cache_ok || kind == Kind::Zero {
+            if !cache_ok || kind.is_zero() {
                 return Ok((Vec::new(), None));
             }
             self.append_write(Kind::Fill, ser, gen, offset, len, data.as_ref())
@@ -2770,7 +2799,7 @@ impl VolCache {
         while st.staged.front().is_some_and(|w| w.w.ser <= last) {
             let w = st.staged.pop_front().expect("front exists");
             st.dirty_bytes -= w.w.len;
-            if matches!(w.w.source, Source::Zero) {
+            if matches!(w.w.source, Source::Zero { .. }) {
                 st.dirty_zero_bytes -= w.w.len;
             }
             st.dirty_log_bytes -= log_bytes_of(&w.w.source, w.w.len);
@@ -2890,7 +2919,7 @@ impl VolCache {
             .iter()
             .filter_map(|p| match p.source {
                 Source::Data(l, _) => Some(l),
-                Source::Zero => None,
+                Source::Zero { .. } => None,
             })
             .collect();
         locs.sort_by_key(|l| (l.segment, l.offset));
@@ -3007,13 +3036,14 @@ impl VolCache {
             }
             let run = &win.pieces[run.clone()];
             let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
+            let may_trim = may_trim(run);
             let store = self.store.clone();
             // Flow control wants the device's service time, not the wait for a slot. The
             // buffer comes back once the write is done with it.
             set.spawn(async move {
                 // Only a buffer of its own can go back; a slab's slice never could alone.
                 let keep = data.clone().filter(|b| BufPool::pools(b.len()));
-                (store.write_timed(off, len, data).await, keep)
+                (store.write_timed(off, len, data, may_trim).await, keep)
             });
         }
         // Every write sent is waited for, even after a failure: none may still be in flight
@@ -3039,7 +3069,12 @@ impl VolCache {
             let run = &win.pieces[run.clone()];
             let (offset, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
             bufs.extend(data.clone().filter(|b| BufPool::pools(b.len())));
-            batch.push(BatchWrite { offset, len, data });
+            batch.push(BatchWrite {
+                offset,
+                len,
+                data,
+                may_trim: may_trim(run),
+            });
             bytes += len;
             if batch.len() < BATCH_WRITES && bytes < BATCH_BYTES && runs.peek().is_some() {
                 continue;
@@ -3526,7 +3561,7 @@ mod tests {
                 runs.push(vec![window::Piece {
                     offset,
                     len: 4096,
-                    source: Source::Zero,
+                    source: Source::Zero { alloc: false },
                 }]);
             }
         }
@@ -3537,7 +3572,7 @@ mod tests {
         let mut i = 0u64;
         for (run, got) in runs.iter().zip(&data.runs) {
             match run[0].source {
-                Source::Zero => assert!(got.is_none()),
+                Source::Zero { .. } => assert!(got.is_none()),
                 Source::Data(..) => {
                     let got = got.as_ref().expect("data run");
                     assert_eq!(got.len() as u64, run[0].len);

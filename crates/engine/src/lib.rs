@@ -1026,7 +1026,7 @@ impl Volume {
             Op::Trim,
             0,
             // Trimmed data may read back as anything; zeroes are the safe anything.
-            |c| async move { c.write_zeroes(offset, len, fua).await },
+            |c| async move { c.write_zeroes(offset, len, false, fua).await },
             || async move {
                 self.store.trim(offset, len).await?;
                 if fua {
@@ -1049,7 +1049,7 @@ impl Volume {
         self.measured(
             Op::WriteZeroes,
             0,
-            |c| async move { c.write_zeroes(offset, len, fua).await },
+            |c| async move { c.write_zeroes(offset, len, !may_trim, fua).await },
             || async move {
                 self.store.write_zeroes(offset, len, may_trim).await?;
                 if fua {

@@ -17,6 +17,8 @@ pub struct ReplicaWrite {
     pub len: u64,
     /// `None` for WRITE_ZEROES and TRIM.
     pub data: Option<Bytes>,
+    /// A zeroing the datastore must keep allocated (WRITE_ZEROES with NO_HOLE).
+    pub alloc: bool,
 }
 
 /// One peer as `vesta volume show` reports it.

@@ -30,8 +30,9 @@ pub const RUN_BYTES_MAX: u64 = 1 << 20;
 pub enum Source<L> {
     /// Bytes from a log record: (record, byte offset into its payload).
     Data(L, u64),
-    /// Zeroes.
-    Zero,
+    /// Zeroes; `alloc`: the datastore must keep them allocated (WRITE_ZEROES with NO_HOLE),
+    /// else it may deallocate them.
+    Zero { alloc: bool },
 }
 
 /// A staged (dirty) write, as the destager sees it.
@@ -122,8 +123,8 @@ pub fn runs<L>(pieces: &[Piece<L>]) -> Vec<Range<usize>> {
             let last = &pieces[r.end - 1];
             r.end == i
                 && last.offset + last.len == p.offset
-                && !matches!(last.source, Source::Zero)
-                && !matches!(p.source, Source::Zero)
+                && !matches!(last.source, Source::Zero { .. })
+                && !matches!(p.source, Source::Zero { .. })
                 && bytes + p.len <= RUN_BYTES_MAX
         });
         if joins {
@@ -139,14 +140,14 @@ pub fn runs<L>(pieces: &[Piece<L>]) -> Vec<Range<usize>> {
 
 /// The datastore writes that bring the volume from the state before `window` to the state
 /// after it: the newest version of every byte the window touches, as non-overlapping pieces in
-/// offset order, adjacent bytes of one record (or adjacent zeroes) merged. `window` must be in
-/// `ser` order.
+/// offset order, adjacent bytes of one record (or adjacent zeroes of one kind) merged.
+/// `window` must be in `ser` order.
 pub fn coalesce<L: Copy + PartialEq>(window: &[Staged<L>]) -> Vec<Piece<L>> {
     // start -> (end, source): non-overlapping, newest wins.
     let mut m: BTreeMap<u64, (u64, Source<L>)> = BTreeMap::new();
     let advance = |s: Source<L>, by: u64| match s {
         Source::Data(l, at) => Source::Data(l, at + by),
-        Source::Zero => Source::Zero,
+        z @ Source::Zero { .. } => z,
     };
     for w in window {
         let (start, end) = (w.offset, w.offset + w.len);
@@ -173,7 +174,7 @@ pub fn coalesce<L: Copy + PartialEq>(window: &[Staged<L>]) -> Vec<Piece<L>> {
         if let Some(last) = out.last_mut() {
             let adjacent = last.offset + last.len == s;
             let continues = match (last.source, src) {
-                (Source::Zero, Source::Zero) => true,
+                (Source::Zero { alloc: a }, Source::Zero { alloc: b }) => a == b,
                 (Source::Data(l1, a), Source::Data(l2, b)) => l1 == l2 && a + last.len == b,
                 _ => false,
             };
@@ -199,19 +200,19 @@ mod tests {
     const SECTORS: u64 = 48;
 
     fn staged() -> impl Strategy<Value = Vec<Staged<u32>>> {
-        proptest::collection::vec((0..SECTORS, 1..12u64, any::<bool>()), 1..30).prop_map(|v| {
+        // What each write is: data, zeroes, or zeroes kept allocated.
+        proptest::collection::vec((0..SECTORS, 1..12u64, 0..3u8), 1..30).prop_map(|v| {
             v.into_iter()
                 .enumerate()
-                .map(|(i, (s, l, zero))| {
+                .map(|(i, (s, l, what))| {
                     let l = l.min(SECTORS - s);
                     Staged {
                         ser: i as u64 + 1,
                         offset: s * 512,
                         len: l * 512,
-                        source: if zero {
-                            Source::Zero
-                        } else {
-                            Source::Data(i as u32, 0)
+                        source: match what {
+                            0 => Source::Data(i as u32, 0),
+                            z => Source::Zero { alloc: z == 2 },
                         },
                     }
                 })
@@ -226,7 +227,7 @@ mod tests {
             let sec = (w.offset / 512 + k) as usize;
             model[sec] = Some(match w.source {
                 Source::Data(l, at) => Source::Data(l, at + k * 512),
-                Source::Zero => Source::Zero,
+                z @ Source::Zero { .. } => z,
             });
         }
     }
@@ -303,7 +304,8 @@ mod tests {
                 next = r.end;
                 let run = &pieces[r.clone()];
                 if run.len() > 1 {
-                    prop_assert!(run.iter().all(|p| !matches!(p.source, Source::Zero)));
+                    let zero = run.iter().any(|p| matches!(p.source, Source::Zero { .. }));
+                    prop_assert!(!zero, "a zero piece in a run of several");
                     prop_assert!(run.iter().map(|p| p.len).sum::<u64>() <= RUN_BYTES_MAX);
                 }
                 for w in run.windows(2) {
@@ -315,9 +317,10 @@ mod tests {
             for w in rs.windows(2) {
                 let (a, b) = (&pieces[w[0].end - 1], &pieces[w[1].start]);
                 let bytes: u64 = pieces[w[0].clone()].iter().map(|p| p.len).sum();
-                prop_assert!(a.offset + a.len != b.offset
-                    || matches!(a.source, Source::Zero) || matches!(b.source, Source::Zero)
-                    || bytes + b.len > RUN_BYTES_MAX);
+                let zero = matches!(a.source, Source::Zero { .. })
+                    || matches!(b.source, Source::Zero { .. });
+                prop_assert!(a.offset + a.len != b.offset || zero || bytes + b.len > RUN_BYTES_MAX,
+                    "a run ended where the next piece could join it");
             }
         }
     }

@@ -305,7 +305,9 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     let (taken, refusal) = tokio::task::spawn_blocking(move || {
         let data = vec![0x5a; W as usize];
         for ser in 1..=256u64 {
-            if let Err(e) = h.replica_write(other, 1, ser, (ser - 1) * W % VOL, W, Some(&data)) {
+            if let Err(e) =
+                h.replica_write(other, 1, ser, (ser - 1) * W % VOL, W, Some(&data), false)
+            {
                 return (ser - 1, format!("{e:?}"));
             }
         }
@@ -327,7 +329,7 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     // (One record: a write of several is never taken at once, see below.)
     let again = vec![2u8; 4096];
     assert_eq!(
-        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again)),
+        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again), false),
         Ok(false)
     );
     assert_eq!(host.replica_held(other, 1, 0), Ok(taken));
@@ -349,7 +351,7 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     // A checkpoint frees the replicas' space: writes are taken again.
     host.replica_checkpoint(other, 1, taken).unwrap();
     assert_eq!(
-        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again)),
+        host.replica_write_at_once(other, 1, taken + 1, 0, 4096, Some(&again), false),
         Ok(true)
     );
     assert_eq!(host.replica_held(other, 1, 0), Ok(taken + 1));
@@ -357,13 +359,21 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     // rest could wait for space only a checkpoint frees.
     let big = vec![3u8; 4 * SEG as usize];
     assert_eq!(
-        host.replica_write_at_once(other, 1, taken + 2, 0, big.len() as u64, Some(&big)),
+        host.replica_write_at_once(other, 1, taken + 2, 0, big.len() as u64, Some(&big), false),
         Ok(false)
     );
     assert_eq!(host.replica_held(other, 1, 0), Ok(taken + 1));
     let h = host.clone();
     tokio::task::spawn_blocking(move || {
-        h.replica_write(other, 1, taken + 2, 0, W, Some(&vec![1u8; W as usize]))
+        h.replica_write(
+            other,
+            1,
+            taken + 2,
+            0,
+            W,
+            Some(&vec![1u8; W as usize]),
+            false,
+        )
     })
     .await
     .unwrap()

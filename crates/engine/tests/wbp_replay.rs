@@ -45,6 +45,7 @@ impl Replicator for Direct {
                 w.offset,
                 w.len,
                 w.data.as_deref(),
+                w.alloc,
             )
             .map_err(|e| format!("{e:?}"));
         Box::pin(async move { r })
@@ -446,7 +447,7 @@ fn a_peer_refuses_malformed_and_stale_writes() {
     let data = vec![7u8; 4096];
     assert!(
         matches!(
-            peer.replica_write(id, 1, 1, 0, 4096, Some(&data)),
+            peer.replica_write(id, 1, 1, 0, 4096, Some(&data), false),
             Err(ReplicaRefusal::Failed(_))
         ),
         "not opened"
@@ -455,19 +456,20 @@ fn a_peer_refuses_malformed_and_stale_writes() {
     for (off, len) in [(100, 4096), (0, 100), (0, 0)] {
         let d = vec![1u8; len as usize];
         assert!(matches!(
-            peer.replica_write(id, 3, 1, off, len, Some(&d)),
+            peer.replica_write(id, 3, 1, off, len, Some(&d), false),
             Err(ReplicaRefusal::Failed(m)) if m.contains("sectors")
         ));
     }
     assert!(matches!(
-        peer.replica_write(id, 2, 1, 0, 4096, Some(&data)),
+        peer.replica_write(id, 2, 1, 0, 4096, Some(&data), false),
         Err(ReplicaRefusal::Stale(_))
     ));
     assert!(matches!(
         peer.replica_open("a", id, 2, 0),
         Err(ReplicaRefusal::Stale(_))
     ));
-    peer.replica_write(id, 3, 1, 0, 4096, Some(&data)).unwrap();
+    peer.replica_write(id, 3, 1, 0, 4096, Some(&data), false)
+        .unwrap();
     let sets = peer.replica_sets();
     assert_eq!((sets[0].gen, sets[0].last_ser, sets[0].bytes), (3, 1, 4096));
     // A newer generation drops the older copies.
@@ -537,6 +539,42 @@ async fn replay_all(host: &Arc<CacheHost>, id: Uuid, store: &Arc<MemDevice>) {
     assert!(c.clean(), "the replay made no progress");
 }
 
+/// A zeroing with NO_HOLE must stay allocated on the datastore: the flag goes to the peer
+/// with the write, and the peer's replay for a dead owner zeroes the range in place, where a
+/// zeroing without it may deallocate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_replay_keeps_a_no_hole_zeroing_allocated() {
+    let id = Uuid::new_v4();
+    let store = Arc::new(MemDevice::new(VOL));
+    let (_dev, owner, peer, vol) = owner_in_wbp_1(id, &store).await;
+    vol.write(0, Bytes::from(vec![7u8; 16384]), false)
+        .await
+        .unwrap();
+    // With FUA: on the peer's stable media before they complete.
+    vol.write_zeroes(0, 4096, false, true).await.unwrap();
+    vol.write_zeroes(4096, 4096, true, true).await.unwrap();
+    // The owner dies before destaging any of it.
+    drop(vol);
+    drop(owner);
+    let (_, upto) = peer.replica_seal(id, 0).unwrap().expect("replicas");
+    assert_eq!(upto, 3);
+    assert_eq!(peer.promote_replicas(id, 0, upto).unwrap(), 3);
+    assert!(
+        store.zeroings().is_empty(),
+        "destaged before the owner died"
+    );
+    replay_all(&peer, id, &store).await;
+    let z = store.zeroings();
+    assert!(
+        z.contains(&(0, 4096, false)),
+        "the NO_HOLE zeroing may deallocate after the peer's replay: {z:?}"
+    );
+    assert!(z.contains(&(4096, 4096, true)), "{z:?}");
+    let img = store.image();
+    assert!(img[..8192].iter().all(|b| *b == 0));
+    assert!(img[8192..16384].iter().all(|b| *b == 7));
+}
+
 /// FVP Table 1's cascade: the peer replaying for a dead owner dies, and another peer
 /// continues from the vault's checkpoint, which lags (it is written at most once a second).
 /// The owner died with writes 3 and 4 sent to peer P but not yet to peer Q (so neither had
@@ -556,10 +594,10 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     let writes = [(1u64, 0u64, 1u8), (2, 8, 2), (3, 0, 3), (4, 16, 4)];
     for (ser, sector, b) in writes {
         let data = vec![b; 4096];
-        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data), false)
             .unwrap();
         if ser <= 2 {
-            q.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+            q.replica_write(id, gen, ser, sector * 512, 4096, Some(&data), false)
                 .unwrap();
         }
     }
@@ -570,7 +608,7 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     {
         let data = vec![5u8; 4096];
         assert!(matches!(
-            p.replica_write(id, gen, 5, 0, 4096, Some(&data)),
+            p.replica_write(id, gen, 5, 0, 4096, Some(&data), false),
             Err(ReplicaRefusal::Stale(_))
         ));
         assert!(matches!(
@@ -609,7 +647,7 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     q.replica_open("owner", other, 1, 0).unwrap();
     q.replica_hold(other, 1);
     q.replica_open("owner", other, 2, 0).unwrap();
-    q.replica_write(other, 2, 1, 0, 4096, Some(&[9u8; 4096]))
+    q.replica_write(other, 2, 1, 0, 4096, Some(&[9u8; 4096]), false)
         .unwrap();
     q.replica_checkpoint(other, 2, 1).unwrap();
     let set = q
@@ -676,7 +714,7 @@ async fn a_peer_that_continues_a_dead_peers_replay_reaches_all_it_holds_before_a
     for (ser, sector, b) in writes {
         let data = vec![b; 4096];
         for host in [&p, &q] {
-            host.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+            host.replica_write(id, gen, ser, sector * 512, 4096, Some(&data), false)
                 .unwrap();
         }
         done.push((sector * 512, data));
@@ -709,7 +747,7 @@ fn a_checkpoint_under_way_when_a_set_is_held_is_in_the_set_and_the_log_or_in_nei
     peer.replica_open("owner", id, gen, 0).unwrap();
     for ser in 1..=4u64 {
         let data = vec![ser as u8; 4096];
-        peer.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data))
+        peer.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data), false)
             .unwrap();
     }
     peer.replica_sync().unwrap();
@@ -849,7 +887,7 @@ async fn a_peers_resumed_replay_reaches_the_end_of_the_window_it_had_sent() {
     let mut done: Vec<W> = Vec::new();
     for (ser, sector, b) in writes {
         let data = vec![b; 4096];
-        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data), false)
             .unwrap();
         done.push((sector * 512, data));
     }
@@ -916,7 +954,7 @@ async fn a_peer_that_loses_power_after_its_replay_replays_again_to_a_prefix() {
     let mut done: Vec<W> = Vec::new();
     for (ser, sector, b) in writes {
         let data = vec![b; 4096];
-        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data))
+        p.replica_write(id, gen, ser, sector * 512, 4096, Some(&data), false)
             .unwrap();
         done.push((sector * 512, data));
         if ser == 2 {
@@ -977,7 +1015,7 @@ fn asked_while_writes_arrive() {
                 }
                 let data = [ser as u8; 512];
                 let at = (ser % SECTORS) * 512;
-                peer.replica_write(id, 1, ser, at, 512, Some(&data))
+                peer.replica_write(id, 1, ser, at, 512, Some(&data), false)
                     .unwrap();
             }
         })

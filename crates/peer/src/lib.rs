@@ -205,6 +205,7 @@ mod tests {
             offset: ser * 4096,
             len: 4096,
             data: Some(Bytes::from(vec![byte; 4096])),
+            alloc: false,
         }
     }
 
@@ -296,6 +297,7 @@ mod tests {
                     offset: ser * len as u64,
                     len: len as u64,
                     data: Some(pattern(ser, len)),
+                    alloc: false,
                 }));
                 (volume, ser, f)
             })
@@ -929,6 +931,7 @@ mod tests {
             offset: ser * len,
             len,
             data: Some(Bytes::from(vec![1u8; len as usize])),
+            alloc: false,
         }
     }
 

@@ -7,7 +7,7 @@
 //! | 0 | 4 | magic `VSPR` |
 //! | 4 | 1 | protocol version ([`VERSION`]) |
 //! | 5 | 1 | frame kind ([`Kind`]) |
-//! | 6 | 2 | flags (bit 0: a write of zeroes, no payload) |
+//! | 6 | 2 | flags (bit 0: a write of zeroes, no payload; bit 1: zeroes kept allocated) |
 //! | 8 | 8 | request number; a reply carries its request's |
 //! | 16 | 4 | body length |
 //! | 20 | 4 | crc32c of the body |
@@ -65,6 +65,7 @@ pub const HANDSHAKE_BODY_MAX: u32 = 1024;
 /// durably. A peer of an earlier build answers with an empty one: it took only the checkpoint.
 pub const WINDOW_END_HELD: &str = "window end held";
 const FLAG_ZERO: u16 = 1;
+const FLAG_ALLOC: u16 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -153,6 +154,9 @@ pub struct WriteMsg {
     pub len: u64,
     /// The data; `None` for WRITE_ZEROES and TRIM.
     pub data: Option<Bytes>,
+    /// A zeroing the datastore must keep allocated (WRITE_ZEROES with NO_HOLE): flag bit 1,
+    /// which peers of builds before it ignore (they keep a plain zeroing, the same zeroes).
+    pub alloc: bool,
 }
 
 /// A decoded frame.
@@ -267,6 +271,7 @@ impl Body {
                 b.put_u64_le(w.len);
                 match &w.data {
                     Some(d) => data = d.clone(),
+                    None if w.alloc => flags |= FLAG_ZERO | FLAG_ALLOC,
                     None => flags |= FLAG_ZERO,
                 }
                 Kind::Write
@@ -452,6 +457,7 @@ pub fn decode_body(h: &Head, mut b: Bytes) -> Result<Msg, WireError> {
                 ser,
                 offset,
                 len,
+                alloc: data.is_none() && h.flags & FLAG_ALLOC != 0,
                 data,
             })
         }
@@ -536,6 +542,7 @@ mod tests {
                         } else {
                             data.len() as u64
                         },
+                        alloc: zero && ser % 2 == 0,
                         data: (!zero).then(|| Bytes::from(data)),
                     })
                 }),

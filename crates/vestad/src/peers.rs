@@ -93,7 +93,15 @@ impl peer::Sink for PeerService {
     }
     fn write(&self, _from: &str, w: WriteMsg) -> Result<(), Refusal> {
         self.cache
-            .replica_write(w.volume, w.gen, w.ser, w.offset, w.len, w.data.as_deref())
+            .replica_write(
+                w.volume,
+                w.gen,
+                w.ser,
+                w.offset,
+                w.len,
+                w.data.as_deref(),
+                w.alloc,
+            )
             .map_err(refusal)
     }
     fn write_at_once(&self, _from: &str, w: &WriteMsg) -> Option<Result<(), Refusal>> {
@@ -104,6 +112,7 @@ impl peer::Sink for PeerService {
             w.offset,
             w.len,
             w.data.as_deref(),
+            w.alloc,
         ) {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
@@ -331,6 +340,7 @@ impl Replicator for PeerSet {
             offset: w.offset,
             len: w.len,
             data: w.data.clone(),
+            alloc: w.alloc,
         }));
         let futs: Vec<BoxFuture<Result<(), PeerError>>> = set
             .links

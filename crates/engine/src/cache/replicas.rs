@@ -79,6 +79,7 @@ fn as_owned(mut s: Scanned) -> Scanned {
     s.header.kind = match s.header.kind {
         Kind::Replica => Kind::Data,
         Kind::ReplicaZero => Kind::Zero,
+        Kind::ReplicaZeroAlloc => Kind::ZeroAlloc,
         k => k,
     };
     s
@@ -263,7 +264,9 @@ impl CacheHost {
         self.append_meta_for(volume, ckpt, gen, window_end)
     }
 
-    /// Appends one replicated write. Blocks while the log is full, up to [`SPACE_WAIT`].
+    /// Appends one replicated write (`data`; `None`, a zeroing, kept allocated on the
+    /// datastore if `alloc`). Blocks while the log is full, up to [`SPACE_WAIT`].
+    #[allow(clippy::too_many_arguments)]
     pub fn replica_write(
         &self,
         volume: Uuid,
@@ -272,8 +275,9 @@ impl CacheHost {
         offset: u64,
         len: u64,
         data: Option<&[u8]>,
+        alloc: bool,
     ) -> Result<(), ReplicaRefusal> {
-        self.append_replica(volume, gen, ser, offset, len, data, true)
+        self.append_replica(volume, gen, ser, offset, len, data, alloc, true)
             .map(|_| ())
     }
 
@@ -282,6 +286,7 @@ impl CacheHost {
     /// write of more than one record always says so.
     /// A peer's connection applies a write this way on the thread that reads its frames,
     /// which must never wait for a checkpoint: the checkpoint would be behind it.
+    #[allow(clippy::too_many_arguments)]
     pub fn replica_write_at_once(
         &self,
         volume: Uuid,
@@ -290,8 +295,9 @@ impl CacheHost {
         offset: u64,
         len: u64,
         data: Option<&[u8]>,
+        alloc: bool,
     ) -> Result<bool, ReplicaRefusal> {
-        self.append_replica(volume, gen, ser, offset, len, data, false)
+        self.append_replica(volume, gen, ser, offset, len, data, alloc, false)
     }
 
     /// Appends one replicated write, waiting for room if `wait`; `Ok(false)` if there was
@@ -305,6 +311,7 @@ impl CacheHost {
         offset: u64,
         len: u64,
         data: Option<&[u8]>,
+        alloc: bool,
         wait: bool,
     ) -> Result<bool, ReplicaRefusal> {
         let sector = crate::SECTOR;
@@ -347,10 +354,10 @@ impl CacheHost {
         if !self.replica_room(volume, wait)? {
             return Ok(false);
         }
-        let kind = if data.is_some() {
-            Kind::Replica
-        } else {
-            Kind::ReplicaZero
+        let kind = match data {
+            Some(_) => Kind::Replica,
+            None if alloc => Kind::ReplicaZeroAlloc,
+            None => Kind::ReplicaZero,
         };
         let split = self.shared.parts(data.is_some(), len);
         if !wait && split.len() > 1 {
