@@ -1494,7 +1494,6 @@ impl VolCache {
 
     /// Indexes and stages one dirty record (caller holds the state lock).
     #[allow(clippy::too_many_arguments)]
-    #[allow(clippy::too_many_arguments)]
     fn stage(
         &self,
         st: &mut VolState,

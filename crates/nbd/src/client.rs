@@ -200,14 +200,22 @@ impl Live {
             let _ = p.tx.send(Err(ClientError::Server(Errno::EIO)));
             return;
         }
-        let waits: Vec<u64> = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|(_, q)| q.syncs)
-            .map(|(c, _)| *c)
-            .collect();
+        let waits: Vec<u64> = {
+            let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            // `fail` marks the connection dead, under this lock, before it empties `pending`:
+            // what is left there then says nothing of what was in flight.
+            if self.dead.load(Ordering::SeqCst) {
+                drop(pending);
+                let _ =
+                    p.tx.send(Err(ClientError::Disconnected("connection failed".into())));
+                return;
+            }
+            pending
+                .iter()
+                .filter(|(_, q)| q.syncs)
+                .map(|(c, _)| *c)
+                .collect()
+        };
         if waits.is_empty() {
             self.flushed.fetch_max(p.covers, Ordering::SeqCst);
             let _ = p.tx.send(Ok(Bytes::new()));
@@ -254,6 +262,14 @@ impl Live {
                 let _ = h.tx.send(Ok(Bytes::new()));
             }
         }
+    }
+
+    /// Whether request `cookie` still waits for the server's answer.
+    fn is_pending(&self, cookie: u64) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&cookie)
     }
 
     /// Waits until a `fail` that marked the connection dead has counted its losses.
@@ -608,7 +624,11 @@ async fn dial_now(uri: &NbdUri) -> io::Result<Box<dyn Duplex>> {
     })
 }
 
-type Reply = oneshot::Receiver<Result<Bytes, ClientError>>;
+/// The way to a request's answer.
+struct Reply {
+    cookie: u64,
+    rx: oneshot::Receiver<Result<Bytes, ClientError>>,
+}
 
 /// Puts a request on `live`'s way out; [`reply_of`] waits for its answer.
 fn send_on(
@@ -666,7 +686,7 @@ fn send_on(
     if live.tx.send(Outgoing { header, payload }).is_err() {
         live.fail("writer stopped");
     }
-    Ok(rx)
+    Ok(Reply { cookie, rx })
 }
 
 /// The answer to a request [`send_on`] sent on `live`; the connection fails if it takes
@@ -687,11 +707,18 @@ async fn reply_of(live: &Live, kind: u16, rx: Reply) -> Result<Bytes, ClientErro
 async fn reply_by(
     live: &Live,
     kind: u16,
-    rx: Reply,
+    mut reply: Reply,
     deadline: tokio::time::Instant,
 ) -> Result<Bytes, ClientError> {
-    match tokio::time::timeout_at(deadline, rx).await {
-        Ok(r) => r.unwrap_or_else(|_| Err(ClientError::Disconnected("reply lost".into()))),
+    let lost = |_| Err(ClientError::Disconnected("reply lost".into()));
+    match tokio::time::timeout_at(deadline, &mut reply.rx).await {
+        Ok(r) => r.unwrap_or_else(lost),
+        Err(_) if !live.is_pending(reply.cookie) => {
+            // Answered in time, and held for syncs that may have run beside it
+            // ([`Live::sync_ok`]): each of those has a deadline of its own, and a connection
+            // that fails releases it.
+            reply.rx.await.unwrap_or_else(lost)
+        }
         Err(_) => {
             let why = format!(
                 "no reply to {} within {}s",
