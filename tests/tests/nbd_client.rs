@@ -559,6 +559,44 @@ fn a_flush_that_answers_ok_beside_a_failing_one_reports_the_loss() {
     });
 }
 
+/// Holding a sync's answer for the syncs beside it never turns a healthy server's OK into an
+/// error: many FUA writes, plain writes and FLUSHes in flight at once on a pool of two
+/// connections (nbdkit's `file` plugin runs them in parallel) all succeed, and no loss is
+/// counted.
+#[test]
+fn syncs_in_flight_together_on_a_healthy_server_all_succeed() {
+    let k = Nbdkit::start(64 << 20, &[], &[]);
+    rt().block_on(async {
+        let c = std::sync::Arc::new(
+            Client::connect(&NbdUri::parse(&k.uri()).unwrap(), 2)
+                .await
+                .unwrap(),
+        );
+        let tasks: Vec<_> = (0..32u64)
+            .map(|t| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    for i in 0..100u64 {
+                        let off = ((t * 100 + i) % 16384) * 4096;
+                        let data = Bytes::from(vec![(t + i) as u8; 4096]);
+                        match i % 4 {
+                            0 => c.flush_acked().await?,
+                            1 => c.write(off, data, false).await?,
+                            _ => c.write(off, data, true).await?,
+                        }
+                    }
+                    Ok::<(), ClientError>(())
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap().expect("every request succeeds");
+        }
+        c.flush().await.expect("no loss was counted");
+        assert_eq!(c.losses(), 0);
+    });
+}
+
 #[test]
 fn a_lost_connection_with_unflushed_writes_fails_the_next_flush_once() {
     let mut k = Nbdkit::start(16 << 20, &[], &[]);
