@@ -708,8 +708,7 @@ impl Daemon {
     /// Opens a volume this host owns: takes its vault lock first (only the holder writes its
     /// datastore), then records the vault.
     async fn open_volume(&self, rec: &VolumeRecord) -> Result<Arc<Volume>, String> {
-        self.coord
-            .lock_vault(rec.id)
+        crate::peers::take_vault_lock(self, rec.id)
             .await
             .map_err(|e| format!("not served by this host: {e}"))?;
         let store = self.store(&rec.datastore).map_err(|e| e.to_string())?;
@@ -1716,7 +1715,7 @@ impl Daemon {
                 }
             })
             .await?;
-        if let Err(e) = self.coord.lock_vault(rec.id).await {
+        if let Err(e) = crate::peers::take_vault_lock(self, rec.id).await {
             self.undo_recorded_create(&rec, &store, e.to_string()).await;
             return Err(e.into());
         }
@@ -2213,7 +2212,7 @@ impl Daemon {
         // land in whatever volume gets the space next. Taken after the checks that need
         // nothing of it; a volume not open here (handed to its peers, say) gives it back if
         // the delete fails after all.
-        match self.coord.lock_vault(entry.record.id).await {
+        match crate::peers::take_vault_lock(self, entry.record.id).await {
             Ok(()) => {}
             Err(cluster::Error::Locked(who)) => {
                 return Err(OpError::Conflict(format!(

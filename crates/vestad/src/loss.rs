@@ -299,7 +299,7 @@ async fn accept_not_open(
 async fn take_lock(d: &Daemon, name: &str, id: uuid::Uuid) -> OpResult<()> {
     let start = std::time::Instant::now();
     loop {
-        match d.coord.lock_vault(id).await {
+        match crate::peers::take_vault_lock(d, id).await {
             Ok(()) => return Ok(()),
             Err(cluster::Error::Locked(who)) if start.elapsed() >= LOCK_WAIT => {
                 return Err(OpError::Conflict(format!(

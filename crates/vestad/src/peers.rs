@@ -1014,8 +1014,7 @@ async fn flash_failed(
         }
         return Ok(());
     }
-    d.coord
-        .lock_vault(rec.id)
+    take_vault_lock(d, rec.id)
         .await
         .map_err(|e| e.to_string())?;
     v.abandon_cache().await;
@@ -1086,7 +1085,7 @@ async fn handed_to_nobody(
     if !hold_nothing(&answers) {
         return Ok(());
     }
-    match d.coord.lock_vault(rec.id).await {
+    match take_vault_lock(d, rec.id).await {
         Ok(()) => {}
         Err(cluster::Error::Locked(_)) => return Ok(()), // a peer replays
         Err(e) => {
@@ -1562,6 +1561,18 @@ pub(crate) async fn claim_replay(d: &Daemon, id: Uuid) -> bool {
 /// ends ([`give_back`]), an unlock owed from an earlier replay included.
 fn holds_lock(d: &Daemon, id: Uuid) {
     d.peers.unlock_owed.lock().expect("lock").remove(&id);
+}
+
+/// Takes volume `id`'s vault lock for a reason of this host's own (to serve, delete or
+/// recover the volume), under the gate owed unlocks are retried under: a retry that looked
+/// before (the volume neither served nor replayed here) must not give back the lock taken
+/// meanwhile (this host's lease, so it adopts one still owed). Once it is held, an unlock
+/// still owed is not: whatever took the lock gives it back when it is done.
+pub(crate) async fn take_vault_lock(d: &Daemon, id: Uuid) -> cluster::Result<()> {
+    let _gate = d.peers.owed_gate.lock().await;
+    d.coord.lock_vault(id).await?;
+    d.peers.unlock_owed.lock().expect("lock").remove(&id);
+    Ok(())
 }
 
 /// A replay [`claim_replay`] marked ended.

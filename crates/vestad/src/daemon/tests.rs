@@ -1437,6 +1437,58 @@ async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() 
     );
 }
 
+/// The same for a lock this host takes for a reason of its own (to serve, delete or recover
+/// the volume): a retry of an owed unlock that looked before (the volume not served here yet)
+/// must not delete it. The lock is then no longer owed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vault_lock_taken_while_its_owed_unlock_is_retried_is_kept() {
+    let (_dir, coord, d) = restarted_with_v("owed-take").await;
+    let id = Uuid::new_v4();
+    let other = VolumeRecord {
+        id,
+        name: "replayed-here-once".into(),
+        ..d.entry("v").unwrap().record.clone()
+    };
+    coord.lock_vault(id).await.unwrap();
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &other).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    let held = coord.unlock_gate.lock().await;
+    let before = coord.unlock_calls.load(Ordering::SeqCst);
+    let retry = {
+        let d = d.clone();
+        tokio::spawn(async move { crate::peers::retry_owed_unlocks(&d).await })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while coord.unlock_calls.load(Ordering::SeqCst) == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retry never unlocks"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let take = {
+        let d = d.clone();
+        tokio::spawn(async move { crate::peers::take_vault_lock(&d, id).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !take.is_finished(),
+        "the lock was taken while an unlock that looked before was in flight"
+    );
+    drop(held);
+    retry.await.unwrap();
+    take.await.unwrap().unwrap();
+    assert_eq!(*coord.unlocked.lock().unwrap(), vec![id]);
+    // Held for this host's own reason now: no retry gives it back.
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    crate::peers::give_back(&d, &other).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::take_vault_lock(&d, id).await.unwrap();
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(coord.unlocked.lock().unwrap().len(), 1, "owed no more");
+}
+
 /// A `dir` datastore's free space is not free for placement where sparse images already in
 /// it, or in another datastore's directory on the same file system, may take it as they are
 /// written: here an image no volume of the pod owns (another tool's, another pod's), which
