@@ -146,6 +146,7 @@ struct Live {
 
 /// A sync answered OK, waiting for the syncs that may have run beside it on the server.
 struct Held {
+    cookie: u64,
     waits: Vec<u64>,
     /// One of them failed: the OK may hide a write-back error that one took.
     failed: bool,
@@ -230,6 +231,7 @@ impl Live {
             return;
         }
         held.push(Held {
+            cookie,
             waits,
             failed: false,
             covers: p.covers,
@@ -264,12 +266,13 @@ impl Live {
         }
     }
 
-    /// Whether request `cookie` still waits for the server's answer.
-    fn is_pending(&self, cookie: u64) -> bool {
-        self.pending
+    /// Whether request `cookie` was answered OK and is held ([`Live::sync_ok`]).
+    fn is_held(&self, cookie: u64) -> bool {
+        self.held
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&cookie)
+            .iter()
+            .any(|h| h.cookie == cookie)
     }
 
     /// Waits until a `fail` that marked the connection dead has counted its losses.
@@ -708,27 +711,36 @@ async fn reply_by(
     live: &Live,
     kind: u16,
     mut reply: Reply,
-    deadline: tokio::time::Instant,
+    mut deadline: tokio::time::Instant,
 ) -> Result<Bytes, ClientError> {
     let lost = |_| Err(ClientError::Disconnected("reply lost".into()));
-    match tokio::time::timeout_at(deadline, &mut reply.rx).await {
-        Ok(r) => r.unwrap_or_else(lost),
-        Err(_) if !live.is_pending(reply.cookie) => {
-            // Answered in time, and held for syncs that may have run beside it
-            // ([`Live::sync_ok`]): each of those has a deadline of its own, and a connection
-            // that fails releases it.
-            reply.rx.await.unwrap_or_else(lost)
+    let mut late = false;
+    let why = loop {
+        match tokio::time::timeout_at(deadline, &mut reply.rx).await {
+            Ok(r) => return r.unwrap_or_else(lost),
+            // Answered OK in time, and held for syncs that may have run beside it
+            // ([`Live::sync_ok`]), which answer within their own deadlines or fail the
+            // connection, releasing it: one more timeout's grace, and no more (one whose
+            // waiter went away has nobody to time it out).
+            Err(_) if !late && live.is_held(reply.cookie) => {
+                late = true;
+                deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+            }
+            Err(_) => {
+                // Answered just as the deadline passed.
+                if let Ok(r) = reply.rx.try_recv() {
+                    return r;
+                }
+                break format!(
+                    "no reply to {} within {}s",
+                    proto::command_name(kind),
+                    REQUEST_TIMEOUT.as_secs()
+                );
+            }
         }
-        Err(_) => {
-            let why = format!(
-                "no reply to {} within {}s",
-                proto::command_name(kind),
-                REQUEST_TIMEOUT.as_secs()
-            );
-            live.fail(&why);
-            Err(ClientError::Disconnected(why))
-        }
-    }
+    };
+    live.fail(&why);
+    Err(ClientError::Disconnected(why))
 }
 
 async fn open_live(
