@@ -57,7 +57,7 @@ while inflight:
     for c in [c for c in inflight if h.aio_command_completed(c)]:
         inflight.pop(c)
 print(f'{n / secs:.0f} {lat / max(n, 1) * 1e6:.0f}')
-" 2>"$OUT/nbdsh.err" || { echo "failed: $(tail -1 "$OUT/nbdsh.err")" >&2; echo "failed -"; }
+" 2>"$OUT/nbdsh.err" || { echo "failed on $1: $(tail -1 "$OUT/nbdsh.err")" >&2; echo "failed -"; }
 }
 
 echo "| QD | vesta uncached (writes/s) | mean (us) | nbdkit alone (writes/s) | mean (us) |"
