@@ -1368,23 +1368,18 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
 
-/// A replay that begins while an unlock of its volume owed from an earlier replay is being
-/// retried must wait for that retry: the retry looked before the replay began (no replay
-/// ran), and would otherwise delete the lock the replay takes meanwhile (this host's lease,
-/// so the replay adopts the owed lock), leaving another host free to write the datastore
-/// beside it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() {
-    let (_dir, coord, d) = restarted_with_v("owed-race").await;
-    let other = VolumeRecord {
-        id: Uuid::new_v4(),
-        name: "other-hosts".into(),
-        ..d.entry("v").unwrap().record.clone()
-    };
-    coord.lock_vault(other.id).await.unwrap();
+/// Makes the unlock of `rec`'s vault lock owed: the give-back at the end of a replay fails.
+async fn owe_unlock(coord: &FailingVault, d: &Daemon, rec: &VolumeRecord) {
     coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &other).await;
+    crate::peers::give_back(d, rec).await;
     coord.fail_unlocks.store(false, Ordering::SeqCst);
+}
+
+/// A retry of the owed unlocks, held inside its first unlock until the guard is dropped.
+async fn retry_in_flight<'a>(
+    coord: &'a FailingVault,
+    d: &Arc<Daemon>,
+) -> (tokio::sync::MutexGuard<'a, ()>, tokio::task::JoinHandle<()>) {
     let held = coord.unlock_gate.lock().await;
     let before = coord.unlock_calls.load(Ordering::SeqCst);
     let retry = {
@@ -1399,6 +1394,25 @@ async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() 
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    (held, retry)
+}
+
+/// A replay that begins while an unlock of its volume owed from an earlier replay is being
+/// retried must wait for that retry: the retry looked before the replay began (no replay
+/// ran), and would otherwise delete the lock the replay takes meanwhile (this host's lease,
+/// so the replay adopts the owed lock), leaving another host free to write the datastore
+/// beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() {
+    let (_dir, coord, d) = restarted_with_v("owed-race").await;
+    let other = VolumeRecord {
+        id: Uuid::new_v4(),
+        name: "other-hosts".into(),
+        ..d.entry("v").unwrap().record.clone()
+    };
+    coord.lock_vault(other.id).await.unwrap();
+    owe_unlock(&coord, &d, &other).await;
+    let (held, retry) = retry_in_flight(&coord, &d).await;
     // The retry's unlock is in flight; a replay of the volume begins.
     let claim = {
         let d = d.clone();
@@ -1418,9 +1432,7 @@ async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() 
     // Owed again, and a replay begins that ends before it takes the lock (its host's writes
     // were revoked, the coordinator did not answer): the unlock stays owed, untouched while
     // the replay runs, and is given back after it.
-    coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &other).await;
-    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    owe_unlock(&coord, &d, &other).await;
     assert!(crate::peers::claim_replay(&d, other.id).await);
     crate::peers::retry_owed_unlocks(&d).await;
     assert_eq!(
@@ -1450,23 +1462,8 @@ async fn a_vault_lock_taken_while_its_owed_unlock_is_retried_is_kept() {
         ..d.entry("v").unwrap().record.clone()
     };
     coord.lock_vault(id).await.unwrap();
-    coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &other).await;
-    coord.fail_unlocks.store(false, Ordering::SeqCst);
-    let held = coord.unlock_gate.lock().await;
-    let before = coord.unlock_calls.load(Ordering::SeqCst);
-    let retry = {
-        let d = d.clone();
-        tokio::spawn(async move { crate::peers::retry_owed_unlocks(&d).await })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while coord.unlock_calls.load(Ordering::SeqCst) == before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the retry never unlocks"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    owe_unlock(&coord, &d, &other).await;
+    let (held, retry) = retry_in_flight(&coord, &d).await;
     let take = {
         let d = d.clone();
         tokio::spawn(async move { crate::peers::take_vault_lock(&d, id).await })
@@ -1481,9 +1478,7 @@ async fn a_vault_lock_taken_while_its_owed_unlock_is_retried_is_kept() {
     take.await.unwrap().unwrap();
     assert_eq!(*coord.unlocked.lock().unwrap(), vec![id]);
     // Held for this host's own reason now: no retry gives it back.
-    coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &other).await;
-    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    owe_unlock(&coord, &d, &other).await;
     crate::peers::take_vault_lock(&d, id).await.unwrap();
     crate::peers::retry_owed_unlocks(&d).await;
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1, "owed no more");
