@@ -476,8 +476,8 @@ impl Client {
 
     /// Makes every acknowledged write durable, or fails with EIO if some acknowledged write
     /// may have been lost (with a connection, or in a sync that failed) since the last flush
-    /// that said so (each loss
-    /// is reported once, like a failed `fsync`, to whichever flush ends first). For a
+    /// that said so (each loss is reported once, like a failed `fsync`, to whichever flush
+    /// ends first). For a
     /// client shared by several users, or flushes that run at once, use
     /// [`Client::flush_acked`] and [`Client::losses`], and decide per user.
     pub async fn flush(&self) -> Result<(), ClientError> {
