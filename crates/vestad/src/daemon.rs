@@ -139,6 +139,14 @@ impl VolumeEntry {
         }
     }
 
+    /// Whether this entry keeps its volume's vault lock taken: the volume is open, or still
+    /// open in this process under an operation (a placeholder). One that could not open
+    /// keeps it at most until its next try, and an unlock owed for it since (its peers
+    /// replay first, a delete failed) is still owed.
+    pub(crate) fn keeps_vault_lock(&self) -> bool {
+        self.volume.is_ok() || !self.retry
+    }
+
     pub fn wanted(&self) -> Policy {
         *self.wanted.lock().expect("lock")
     }
@@ -743,9 +751,7 @@ impl Daemon {
                         rec.name, v.peers,
                     );
                 }
-                if let Err(e) = self.coord.unlock_vault(rec.id).await {
-                    warn!("volume {:?}: give the vault lock back: {e}", rec.name);
-                }
+                crate::peers::give_lock_back(self, rec.id, &rec.name).await;
                 return Err(format!(
                     "waiting for its peer(s) {:?} to replay it ({why}); it serves here again \
                      once they have. If none can, `vesta volume accept-loss {}` gives up what \
@@ -2289,8 +2295,12 @@ impl Daemon {
             }
         }
         let removed = match self.coord.delete_volume(name, entry.record.id).await {
-            // Gone already: a create undone in part, or a delete whose answer was lost.
-            Err(cluster::Error::NotFound(_)) => Ok(()),
+            // Gone already: a create undone in part, or a delete whose answer was lost. The
+            // removal took the vault lock with it only if it was the one that happened.
+            Err(cluster::Error::NotFound(_)) => {
+                crate::peers::give_lock_back(self, entry.record.id, name).await;
+                Ok(())
+            }
             r => r,
         };
         if let Err(e) = removed {
@@ -2398,12 +2408,7 @@ impl Daemon {
     /// peers may need it to replay); an open volume keeps it, as its owner.
     async fn unlock_if_not_open(&self, entry: &VolumeEntry) {
         if entry.volume.is_err() {
-            if let Err(e) = self.coord.unlock_vault(entry.record.id).await {
-                warn!(
-                    "volume {:?}: give the vault lock back: {e}",
-                    entry.record.name
-                );
-            }
+            crate::peers::give_lock_back(self, entry.record.id, &entry.record.name).await;
         }
     }
 

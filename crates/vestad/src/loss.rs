@@ -323,10 +323,7 @@ async fn take_lock(d: &Daemon, name: &str, id: uuid::Uuid) -> OpResult<()> {
 /// Gives back a vault lock taken to accept a loss that did not happen, so a peer can replay.
 async fn give_lock_back(d: &Daemon, name: &str, id: uuid::Uuid) {
     peers::forget_vault_writer(d, id).await;
-    if let Err(err) = d.coord.unlock_vault(id).await {
-        warn!("volume {name:?}: give the vault lock back: {err}; retrying");
-        d.peers.owe_unlock(name);
-    }
+    peers::give_lock_back(d, id, name).await;
 }
 
 /// An engine error for people: a cache error's own words.

@@ -527,8 +527,8 @@ pub struct PeerState {
     change_retry: Mutex<HashMap<Uuid, Backoff>>,
     /// Failed rounds of [`go_on_uncached_with_nothing_lost`], per volume.
     uncached_tries: Mutex<HashMap<Uuid, u32>>,
-    /// Vault locks this host took to replay another host's volume and could not give back
-    /// ([`give_back`]): retried every round.
+    /// Vault locks this host took (to replay another host's volume, to open, delete or
+    /// recover one) and could not give back ([`give_lock_back`]): retried every round.
     unlock_owed: Mutex<std::collections::HashSet<Uuid>>,
     /// Held while an owed unlock or hand-on is retried, and by a replay while it claims its
     /// volume ([`claim_replay`]): a lock it takes (adopting the owed one, same lease) must not
@@ -543,9 +543,6 @@ pub struct PeerState {
 struct Handoff {
     /// When to ask next whether any peer still holds the volume.
     next_ask: Instant,
-    /// The vault lock, taken back to decide, could not be given back: retried every round,
-    /// since no peer can replay while this host holds it.
-    unlock_owed: bool,
     /// What the peers answered when last asked, for `vesta volume show`.
     answers: Option<String>,
 }
@@ -975,7 +972,6 @@ async fn flash_failed(
             name.clone(),
             Handoff {
                 next_ask: Instant::now() + HANDOFF_ASK_EVERY,
-                unlock_owed: false,
                 answers: None,
             },
         );
@@ -987,7 +983,7 @@ async fn flash_failed(
     }
     // Waiting for a peer to finish.
     if vault.handoff || vault.gen <= c.gen() {
-        let (due, owed) = {
+        let due = {
             let mut h = d.peers.handed_off.lock().expect("lock");
             match h.get_mut(name) {
                 Some(w) => {
@@ -995,20 +991,11 @@ async fn flash_failed(
                     if due {
                         w.next_ask = Instant::now() + HANDOFF_ASK_EVERY;
                     }
-                    (due, w.unlock_owed)
+                    due
                 }
-                None => (false, false),
+                None => false,
             }
         };
-        if owed {
-            d.coord
-                .unlock_vault(rec.id)
-                .await
-                .map_err(|e| format!("give the vault lock back: {e}; retrying"))?;
-            if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
-                w.unlock_owed = false;
-            }
-        }
         if due && nobody_replays(d, &vault, c) {
             handed_to_nobody(d, rec, v, c).await?;
         }
@@ -1090,9 +1077,7 @@ async fn handed_to_nobody(
         Err(cluster::Error::Locked(_)) => return Ok(()), // a peer replays
         Err(e) => {
             // The coordinator may have taken it all the same: given back to be sure.
-            if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
-                w.unlock_owed = true;
-            }
+            give_lock_back(d, rec.id, name).await;
             return Err(e.to_string());
         }
     }
@@ -1119,12 +1104,7 @@ async fn handed_to_nobody(
         other => {
             // Not decided: the lock goes back to whichever peer can replay.
             forget_vault_writer(d, rec.id).await;
-            if let Err(e) = d.coord.unlock_vault(rec.id).await {
-                warn!("volume {name:?}: give the vault lock back: {e}; retrying");
-                if let Some(w) = d.peers.handed_off.lock().expect("lock").get_mut(name) {
-                    w.unlock_owed = true;
-                }
-            }
+            give_lock_back(d, rec.id, name).await;
             return other.map(drop);
         }
     };
@@ -1159,14 +1139,6 @@ impl PeerState {
     pub fn end_handoff(&self, volume: &str) {
         self.handed_off.lock().expect("lock").remove(volume);
         self.note(volume, None);
-    }
-
-    /// The vault lock of handed-off `volume`, taken back, could not be given back: the
-    /// rounds retry ([`flash_failed`]).
-    pub fn owe_unlock(&self, volume: &str) {
-        if let Some(w) = self.handed_off.lock().expect("lock").get_mut(volume) {
-            w.unlock_owed = true;
-        }
     }
 
     /// For a volume handed off to its peers: what they answered when last asked whether they
@@ -1532,16 +1504,22 @@ pub(crate) async fn retry_owed_passes(d: &Daemon) {
     }
 }
 
-/// Gives back a vault lock this host took to replay another host's volume. One it cannot
-/// give back stays bound to this host's lease for as long as it runs, and no other host
-/// could replay or serve the volume: it is retried every round ([`retry_owed_unlocks`]).
+/// Gives back a vault lock this host took to replay another host's volume
+/// ([`give_lock_back`]).
 pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
-    if let Err(e) = d.coord.unlock_vault(rec.id).await {
-        warn!(
-            "volume {:?}: give the vault lock back: {e}; retried every {ROUND:?}",
-            rec.name
-        );
-        d.peers.unlock_owed.lock().expect("lock").insert(rec.id);
+    give_lock_back(d, rec.id, &rec.name).await
+}
+
+/// Gives back volume `id`'s vault lock (named `name` in the log), which this host holds and
+/// is done with: a replay ended, the volume waits for its peers to replay it, a delete or a
+/// loss it was taken for did not happen, a hand-off went back to the peers. One the
+/// coordinator did not take back stays bound to this host's lease for as long as it runs,
+/// and no other host could replay or serve the volume: it is owed, and retried every round
+/// ([`retry_owed_unlocks`]).
+pub(crate) async fn give_lock_back(d: &Daemon, id: Uuid, name: &str) {
+    if let Err(e) = d.coord.unlock_vault(id).await {
+        warn!("volume {name:?}: give the vault lock back: {e}; retried every {ROUND:?}");
+        d.peers.unlock_owed.lock().expect("lock").insert(id);
     }
 }
 
@@ -1580,8 +1558,10 @@ pub(crate) fn replay_ended(d: &Daemon, id: Uuid) {
     d.peers.replaying.lock().expect("lock").remove(&id);
 }
 
-/// Gives back the vault locks [`give_back`] could not, unless this host took the volume's
-/// lock again since for a reason of its own (another replay of it, or it serves it).
+/// Gives back the vault locks [`give_lock_back`] could not, unless this host took the
+/// volume's lock again since for a reason of its own (another replay of it, or it serves
+/// it). One failure ends the round's tries: the coordinator does not answer, and each try
+/// would hold the gate (and every lock taken behind it) for as long again.
 pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
     let _gate = d.peers.owed_gate.lock().await;
     let owed: Vec<Uuid> = d
@@ -1597,11 +1577,24 @@ pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
             // Its replay gives it back, or leaves it owed if it never took it.
             continue;
         }
-        let again = d.entries().iter().any(|e| e.record.id == id);
-        if again || d.coord.unlock_vault(id).await.is_ok() {
+        // An entry that could not open keeps no lock (it gave it back, or tried to), and
+        // nor does one handed off to its peers; an open one and a placeholder (the volume
+        // open in this process under another operation) do.
+        let again = d.entries().iter().any(|e| {
+            e.record.id == id && e.keeps_vault_lock() && !d.peers.handed_off(&e.record.name)
+        });
+        if again {
             d.peers.unlock_owed.lock().expect("lock").remove(&id);
-            if !again {
+            continue;
+        }
+        match d.coord.unlock_vault(id).await {
+            Ok(()) => {
+                d.peers.unlock_owed.lock().expect("lock").remove(&id);
                 info!("volume {id}: gave its vault lock back");
+            }
+            Err(e) => {
+                warn!("volume {id}: give the vault lock back: {e}; retried in {ROUND:?}");
+                break;
             }
         }
     }

@@ -1484,6 +1484,100 @@ async fn a_vault_lock_taken_while_its_owed_unlock_is_retried_is_kept() {
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1, "owed no more");
 }
 
+/// How many times volume `id`'s vault lock went back to the coordinator.
+fn unlocks_of(coord: &FailingVault, id: Uuid) -> usize {
+    coord
+        .unlocked
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|x| **x == id)
+        .count()
+}
+
+/// A volume whose peers must replay it before it serves here gives its vault lock back when
+/// it cannot open (no peer could replay while this host holds it). One the coordinator did
+/// not take back is owed and retried, although the volume is listed here (not open), and so
+/// is one a failed `accept-loss` took for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_waiting_for_its_peers_gives_its_lock_back_though_the_first_try_fails() {
+    let dir = TempDir::new("owed-open");
+    let coord = coordinator(&dir);
+    let (id, gen) = create_and_stop(&dir, &coord).await;
+    coord.put_vault(&old_vault(id, gen + 1)).await.unwrap();
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    let d = start(&dir, &coord).await;
+    let Err(e) = d.entry("v").unwrap().volume.clone() else {
+        panic!("the volume must not serve here yet");
+    };
+    assert!(e.contains("waiting for its peer(s)"), "{e}");
+    assert_eq!(unlocks_of(&coord, id), 0);
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(
+        unlocks_of(&coord, id),
+        1,
+        "the open's unlock was not retried"
+    );
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(unlocks_of(&coord, id), 1, "given back once");
+
+    // accept-loss takes the lock, and its vault record fails: the lock goes back, or is owed.
+    coord.fail_vault.store(true, Ordering::SeqCst);
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    let e = crate::loss::accept(&d, &d.entry("v").unwrap(), false)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("nothing changed"), "{e}");
+    coord.fail_vault.store(false, Ordering::SeqCst);
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(
+        unlocks_of(&coord, id),
+        2,
+        "the failed accept-loss's unlock was not retried"
+    );
+}
+
+/// A delete that finds the volume's record gone already (a create undone in part, a delete
+/// whose answer was lost) gives back the vault lock it took: the record's removal that took
+/// the lock with it was not this one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_that_finds_the_record_gone_gives_its_lock_back() {
+    let (_dir, coord, d) = restarted_with_v("delete-gone").await;
+    let id = d.entry("v").unwrap().record.id;
+    coord.inner.delete_volume("v", id).await.unwrap();
+    d.delete_volume("v", false).await.unwrap();
+    assert_eq!(unlocks_of(&coord, id), 1);
+}
+
+/// With the coordinator not answering, a round of retries tries one owed unlock, not each
+/// in turn: every try holds the gate that locks taken for replays, creates and deletes wait
+/// behind, for as long as the coordinator takes to fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owed_unlocks_stop_at_the_first_failure_of_a_round() {
+    let (_dir, coord, d) = restarted_with_v("owed-down").await;
+    let others: Vec<VolumeRecord> = (0..3)
+        .map(|i| VolumeRecord {
+            id: Uuid::new_v4(),
+            name: format!("other-{i}"),
+            ..d.entry("v").unwrap().record.clone()
+        })
+        .collect();
+    for o in &others {
+        owe_unlock(&coord, &d, o).await;
+    }
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    let before = coord.unlock_calls.load(Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(coord.unlock_calls.load(Ordering::SeqCst) - before, 1);
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    for o in &others {
+        assert_eq!(unlocks_of(&coord, o.id), 1, "{} not given back", o.name);
+    }
+}
+
 /// A `dir` datastore's free space is not free for placement where sparse images already in
 /// it, or in another datastore's directory on the same file system, may take it as they are
 /// written: here an image no volume of the pod owns (another tool's, another pod's), which
