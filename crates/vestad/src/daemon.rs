@@ -100,6 +100,9 @@ pub struct VolumeEntry {
     /// Set on the placeholder of a relocation whose record switch went unconfirmed: what
     /// settles it ([`Daemon::settle_relocation`]).
     unconfirmed: Option<Unconfirmed>,
+    /// A placeholder standing in for the volume while an operation holds it open (a
+    /// relocation): it keeps the vault lock the volume was opened under.
+    stands_in: bool,
 }
 
 /// A relocation whose record update failed and whose record could not be read back: the
@@ -128,23 +131,33 @@ impl VolumeEntry {
             stop: StopHandle::new(),
             retry: true,
             unconfirmed: None,
+            stands_in: false,
         }
     }
 
     /// Shown, and refused, as `why` while an operation holds the volume's `Volume` elsewhere.
     fn placeholder(record: VolumeRecord, why: String) -> VolumeEntry {
         VolumeEntry {
+            stands_in: true,
+            ..VolumeEntry::not_retried(record, why)
+        }
+    }
+
+    /// Listed as `why`, not open, and not opened again by the retry of unopened volumes.
+    fn not_retried(record: VolumeRecord, why: String) -> VolumeEntry {
+        VolumeEntry {
             retry: false,
             ..VolumeEntry::new(record, Err(why))
         }
     }
 
-    /// Whether this entry keeps its volume's vault lock taken: the volume is open, or still
-    /// open in this process under an operation (a placeholder). One that could not open
-    /// keeps it at most until its next try, and an unlock owed for it since (its peers
-    /// replay first, a delete failed) is still owed.
-    pub(crate) fn keeps_vault_lock(&self) -> bool {
-        self.volume.is_ok() || !self.retry
+    /// Whether this entry is what this host serves the volume under, with its vault lock: the
+    /// volume is open, or still open in this process under an operation (a placeholder).
+    /// Whoever gave the lock up for an entry that is not open (its peers replay first, a
+    /// delete failed) owes it back until the coordinator takes it. (A handed-off volume is
+    /// open but has given its lock up too: [`Daemon::serves_with_lock`].)
+    fn keeps_vault_lock(&self) -> bool {
+        self.volume.is_ok() || self.stands_in
     }
 
     pub fn wanted(&self) -> Policy {
@@ -536,7 +549,7 @@ impl Daemon {
             rec.name, rec.name
         );
         let entry =
-            VolumeEntry::placeholder(rec.clone(), format!("its create failed ({why}); delete it"));
+            VolumeEntry::not_retried(rec.clone(), format!("its create failed ({why}); delete it"));
         self.volumes
             .write()
             .expect("lock")
@@ -2216,8 +2229,8 @@ impl Daemon {
         // Another host holding the vault lock is replaying the volume into its storage (its
         // owner handed it off, or died): freeing the storage under it would let those writes
         // land in whatever volume gets the space next. Taken after the checks that need
-        // nothing of it; a volume not open here (handed to its peers, say) gives it back if
-        // the delete fails after all.
+        // nothing of it; a volume not served here (not open, or handed to its peers) gives it
+        // back if the delete fails after all.
         match crate::peers::take_vault_lock(self, entry.record.id).await {
             Ok(()) => {}
             Err(cluster::Error::Locked(who)) => {
@@ -2226,7 +2239,11 @@ impl Daemon {
                      retry once its replay is done"
                 )))
             }
-            Err(e) => return Err(OpError::Unavailable(format!("take the vault lock: {e}"))),
+            Err(e) => {
+                // The coordinator may have granted it all the same.
+                self.unlock_if_not_served(&entry).await;
+                return Err(OpError::Unavailable(format!("take the vault lock: {e}")));
+            }
         }
         let attached = {
             let mut v = self.volumes.write().expect("lock");
@@ -2237,7 +2254,7 @@ impl Daemon {
             attached
         };
         if attached {
-            self.unlock_if_not_open(&entry).await;
+            self.unlock_if_not_served(&entry).await;
             return Err(OpError::Conflict(format!(
                 "volume {name:?} was attached meanwhile; retry, or pass --force"
             )));
@@ -2253,6 +2270,7 @@ impl Daemon {
                 // this same volume again rather than free storage it still writes.
                 volume.unrevoke();
                 self.reinstate(&entry, Ok(volume.clone()));
+                self.unlock_if_not_served(&entry).await;
                 return Err(OpError::Unavailable(format!(
                     "volume {name:?} still has IO in flight to datastore {ds:?} after \
                      {FORCE_DETACH_WAIT:?}; its storage was kept. Retry the delete"
@@ -2272,7 +2290,7 @@ impl Daemon {
                         v.unrevoke();
                     }
                     self.reinstate(&entry, entry.volume.clone());
-                    self.unlock_if_not_open(&entry).await;
+                    self.unlock_if_not_served(&entry).await;
                     return Err(e);
                 }
             }
@@ -2315,6 +2333,8 @@ impl Daemon {
             )));
         }
         crate::peers::forget_vault_writer(self, entry.record.id).await;
+        // A hand-off it was in is over; a new volume of the same name starts with none.
+        self.peers.end_handoff(name);
         self.sampler.lock().expect("lock").forget_volume(name);
         info!("deleted volume {name:?}");
         Ok(info)
@@ -2404,12 +2424,19 @@ impl Daemon {
         Ok(self.volume_info(&entry))
     }
 
-    /// Gives back the vault lock a failed delete took for a volume that is not open here (its
-    /// peers may need it to replay); an open volume keeps it, as its owner.
-    async fn unlock_if_not_open(&self, entry: &VolumeEntry) {
-        if entry.volume.is_err() {
+    /// Gives back the vault lock a failed delete took for a volume this host does not serve
+    /// (not open, or handed to its peers, which may need the lock to replay); one it serves
+    /// keeps it, as its owner.
+    async fn unlock_if_not_served(&self, entry: &VolumeEntry) {
+        if !self.serves_with_lock(entry) {
             crate::peers::give_lock_back(self, entry.record.id, &entry.record.name).await;
         }
+    }
+
+    /// Whether this host serves `entry`'s volume under its vault lock: open (or held open by
+    /// an operation), and not handed off to its peers, for which it gave the lock up.
+    pub(crate) fn serves_with_lock(&self, entry: &VolumeEntry) -> bool {
+        entry.keeps_vault_lock() && !self.peers.handed_off(&entry.record.name)
     }
 
     /// In a cluster, says that a datastore reached by path is not safe to share between

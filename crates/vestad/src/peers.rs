@@ -530,9 +530,10 @@ pub struct PeerState {
     /// Vault locks this host took (to replay another host's volume, to open, delete or
     /// recover one) and could not give back ([`give_lock_back`]): retried every round.
     unlock_owed: Mutex<std::collections::HashSet<Uuid>>,
-    /// Held while an owed unlock or hand-on is retried, and by a replay while it claims its
-    /// volume ([`claim_replay`]): a lock it takes (adopting the owed one, same lease) must not
-    /// be deleted, or its volume handed on, by a retry that looked before.
+    /// Held while an owed unlock or hand-on is retried, by a replay while it claims its volume
+    /// ([`claim_replay`]), and by every lock taken for a reason of this host's own
+    /// ([`take_vault_lock`]): a lock so taken (adopting an owed one, same lease) must not be
+    /// deleted, or its volume handed on, by a retry that looked before.
     owed_gate: tokio::sync::Mutex<()>,
     /// Replays that stopped here and could not be handed on ([`pass_on`]), by volume, with
     /// its name: retried every round ([`retry_owed_passes`]).
@@ -962,10 +963,10 @@ async fn flash_failed(
         }
         v.stop_destaging().await;
         p.hand_off().await?;
-        d.coord
-            .unlock_vault(rec.id)
-            .await
-            .map_err(|e| e.to_string())?;
+        // Handed off from here, the lock given back or owed: a retry that found the vault
+        // marked but not this host's lock (the unlock landed, its answer lost) would take the
+        // volume for one no peer holds.
+        give_lock_back(d, rec.id, name).await;
         // Another host writes the vault next: this host's copy is stale from here.
         forget_vault_writer(d, rec.id).await;
         d.peers.handed_off.lock().expect("lock").insert(
@@ -1135,7 +1136,20 @@ impl PeerState {
         self.handed_off.lock().expect("lock").contains_key(volume)
     }
 
-    /// The hand-off of `volume` is over without a replay (its loss was accepted).
+    /// Marks `volume` handed off, as [`flash_failed`] does.
+    #[cfg(test)]
+    pub(crate) fn mark_handed_off(&self, volume: &str) {
+        self.handed_off.lock().expect("lock").insert(
+            volume.to_owned(),
+            Handoff {
+                next_ask: Instant::now() + HANDOFF_ASK_EVERY,
+                answers: None,
+            },
+        );
+    }
+
+    /// The hand-off of `volume` is over without a replay (its loss was accepted, or the
+    /// volume deleted).
     pub fn end_handoff(&self, volume: &str) {
         self.handed_off.lock().expect("lock").remove(volume);
         self.note(volume, None);
@@ -1488,10 +1502,7 @@ pub(crate) async fn retry_owed_passes(d: &Daemon) {
         }
         let r = try_pass_on(d, id, &name).await;
         if !held {
-            if let Err(e) = d.coord.unlock_vault(id).await {
-                warn!("volume {name:?}: give the vault lock back: {e}; retried every {ROUND:?}");
-                d.peers.unlock_owed.lock().expect("lock").insert(id);
-            }
+            give_lock_back(d, id, &name).await;
         }
         match r {
             Ok(()) => {
@@ -1518,7 +1529,7 @@ pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
 /// ([`retry_owed_unlocks`]).
 pub(crate) async fn give_lock_back(d: &Daemon, id: Uuid, name: &str) {
     if let Err(e) = d.coord.unlock_vault(id).await {
-        warn!("volume {name:?}: give the vault lock back: {e}; retried every {ROUND:?}");
+        warn!("volume {name:?}: give the vault lock back: {e}; retrying");
         d.peers.unlock_owed.lock().expect("lock").insert(id);
     }
 }
@@ -1577,12 +1588,12 @@ pub(crate) async fn retry_owed_unlocks(d: &Daemon) {
             // Its replay gives it back, or leaves it owed if it never took it.
             continue;
         }
-        // An entry that could not open keeps no lock (it gave it back, or tried to), and
-        // nor does one handed off to its peers; an open one and a placeholder (the volume
-        // open in this process under another operation) do.
-        let again = d.entries().iter().any(|e| {
-            e.record.id == id && e.keeps_vault_lock() && !d.peers.handed_off(&e.record.name)
-        });
+        // A lock owed for a volume this host serves again (open, and not handed off) is that
+        // volume's now; one that could not open, or was handed off, gave it up.
+        let again = d
+            .entries()
+            .iter()
+            .any(|e| e.record.id == id && d.serves_with_lock(e));
         if again {
             d.peers.unlock_owed.lock().expect("lock").remove(&id);
             continue;

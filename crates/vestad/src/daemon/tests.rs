@@ -1551,6 +1551,53 @@ async fn a_delete_that_finds_the_record_gone_gives_its_lock_back() {
     assert_eq!(unlocks_of(&coord, id), 1);
 }
 
+/// A volume this host does not serve gives back the lock a failed delete took, and an unlock
+/// owed for it is retried until it goes: one handed off to its peers (open here, but its
+/// lock given up for them to replay), and one listed after its create failed (a placeholder
+/// with no volume open behind it). One this host serves keeps its lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_given_up_for_a_volume_not_served_here_is_owed_until_it_goes() {
+    let (_dir, coord, d) = restarted_with_v("owed-served").await;
+    let entry = d.entry("v").unwrap();
+    let id = entry.record.id;
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    d.unlock_if_not_served(&entry).await;
+    assert_eq!(
+        coord.unlock_calls.load(Ordering::SeqCst),
+        0,
+        "a volume served here gave its lock up"
+    );
+    d.peers.mark_handed_off("v");
+    d.unlock_if_not_served(&entry).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(
+        unlocks_of(&coord, id),
+        1,
+        "a handed-off volume kept its lock"
+    );
+
+    // A create that failed midway, listed for its delete.
+    let dir = TempDir::new("owed-create");
+    let coord = coordinator(&dir);
+    let d = start(&dir, &coord).await;
+    *coord.locked_by.lock().unwrap() = Some("b".into());
+    coord.fail_deletes.store(true, Ordering::SeqCst);
+    try_create_v(&d, "wt").await.unwrap_err();
+    *coord.locked_by.lock().unwrap() = None;
+    let entry = d.entry("v").unwrap();
+    assert!(entry.volume.is_err());
+    coord.fail_unlocks.store(true, Ordering::SeqCst);
+    d.unlock_if_not_served(&entry).await;
+    coord.fail_unlocks.store(false, Ordering::SeqCst);
+    crate::peers::retry_owed_unlocks(&d).await;
+    assert_eq!(
+        unlocks_of(&coord, entry.record.id),
+        1,
+        "a failed create's entry counted as holding its lock"
+    );
+}
+
 /// With the coordinator not answering, a round of retries tries one owed unlock, not each
 /// in turn: every try holds the gate that locks taken for replays, creates and deletes wait
 /// behind, for as long as the coordinator takes to fail.
