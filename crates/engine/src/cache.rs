@@ -3016,6 +3016,14 @@ impl VolCache {
         // under an older version. The piece that reaches the reach flushes them all before the
         // checkpoint; a crash before it sends every piece again.
         if win.last < lock(&self.st).reach {
+            tracing::debug!(
+                "volume {:?}: piece of {} writes ({} IOs) waited {read:?} for its records, \
+                 written in {:?}",
+                self.name,
+                win.writes.len(),
+                win.runs.len(),
+                started.elapsed() - read,
+            );
             return Ok(());
         }
         self.flush_window(win, started, read).await
