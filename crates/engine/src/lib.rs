@@ -436,10 +436,22 @@ impl Volume {
         self.quiesce(limit).await
     }
 
-    /// Undoes a [`Volume::revoke`] whose purpose (a delete) failed: the volume serves again.
-    pub fn unrevoke(&self) {
+    /// Undoes a [`Volume::revoke`] whose purpose (a delete) failed: the volume serves again,
+    /// and its destager goes on if `destage` (not if it was stopped before the delete: a
+    /// volume handed off to its peers, whose replay may now be writing the datastore).
+    pub fn unrevoke(&self, destage: bool) {
         self.revoked.store(false, Ordering::SeqCst);
-        self.resume_destaging();
+        if destage {
+            self.resume_destaging();
+        }
+    }
+
+    /// Whether the destager is stopped for this volume ([`Volume::stop_destaging`]).
+    pub fn destaging_stopped(&self) -> bool {
+        match self.route() {
+            Route::Cached(c) => c.destaging_stopped(),
+            _ => false,
+        }
     }
 
     /// Stops the destager writing the volume's datastore (a delete is about to free it).

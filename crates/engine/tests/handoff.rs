@@ -635,3 +635,34 @@ async fn a_write_waiting_to_exclude_a_peer_ends_when_the_cache_device_fails() {
     ));
     assert!(store.image().iter().all(|b| *b == 0));
 }
+
+/// A delete that fails undoes its revoke, and the destager goes on only if it ran before:
+/// a volume handed off to its peers (its destager stopped, a peer's replay maybe writing
+/// the datastore) must not start destaging again because a delete of it failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undone_revoke_leaves_a_stopped_destager_stopped() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let (host, vol) = common::open(cache, &store, Uuid::new_v4(), Policy::Wb);
+    vol.write(0, Bytes::from(vec![0x5a; BLOCK]), false)
+        .await
+        .unwrap();
+    let c = vol.cache().expect("cached");
+    vol.stop_destaging().await;
+    assert!(vol.revoke(Duration::from_secs(1)).await);
+    vol.unrevoke(false);
+    assert!(vol.destaging_stopped());
+    for turn in 0..20 {
+        host.destage_turn(turn).await;
+    }
+    assert!(
+        store.image()[..BLOCK].iter().all(|b| *b == 0),
+        "a stopped destager wrote the datastore after an undone revoke"
+    );
+    // One that ran before goes on.
+    assert!(vol.revoke(Duration::from_secs(1)).await);
+    vol.unrevoke(true);
+    assert!(!vol.destaging_stopped());
+    common::destage_all(&host, &c).await;
+    assert!(store.image()[..BLOCK] == [0x5a; BLOCK]);
+}

@@ -152,7 +152,8 @@ impl VolumeEntry {
     }
 
     /// Whether this entry is what this host serves the volume under, with its vault lock: the
-    /// volume is open, or still open in this process under an operation (a placeholder).
+    /// volume is open, or still open in this process under an operation (a placeholder
+    /// standing in for it).
     /// Whoever gave the lock up for an entry that is not open (its peers replay first, a
     /// delete failed) owes it back until the coordinator takes it. (A handed-off volume is
     /// open but has given its lock up too: [`Daemon::serves_with_lock`].)
@@ -1943,7 +1944,7 @@ impl Daemon {
             );
         }
         let restore = |why: String| {
-            volume.unrevoke();
+            volume.unrevoke(true);
             self.reinstate(&entry, Ok(volume.clone()));
             why
         };
@@ -2168,7 +2169,7 @@ impl Daemon {
                          start of vestad, or the volume's delete, frees it"
                     );
                 }
-                u.volume.unrevoke();
+                u.volume.unrevoke(true);
                 self.reinstate(&u.before, Ok(u.volume.clone()));
             }
             // Once, not at every retry.
@@ -2261,6 +2262,9 @@ impl Daemon {
         }
         let info = self.volume_info(&entry);
         entry.stop.stop();
+        // A delete that fails leaves the destager as it found it: one stopped before (a
+        // volume handed off to its peers) stays stopped.
+        let destaging = entry.volume.as_ref().is_ok_and(|v| !v.destaging_stopped());
         if let Ok(volume) = &entry.volume {
             // Clients' IO and the destager's both must be over before the storage goes.
             volume.stop_destaging().await;
@@ -2268,7 +2272,7 @@ impl Daemon {
                 // Nothing is deleted: the volume goes back into service as it was (its dirty
                 // data still goes to the datastore), so a retried delete stops and revokes
                 // this same volume again rather than free storage it still writes.
-                volume.unrevoke();
+                volume.unrevoke(destaging);
                 self.reinstate(&entry, Ok(volume.clone()));
                 self.unlock_if_not_served(&entry).await;
                 return Err(OpError::Unavailable(format!(
@@ -2287,7 +2291,7 @@ impl Daemon {
                 if let Err(e) = gone.await {
                     // Nothing was deleted: serve the same volume again (its cache included).
                     if let Ok(v) = &entry.volume {
-                        v.unrevoke();
+                        v.unrevoke(destaging);
                     }
                     self.reinstate(&entry, entry.volume.clone());
                     self.unlock_if_not_served(&entry).await;
@@ -2325,6 +2329,7 @@ impl Daemon {
             // The storage is gone and the record is not: listed again, not open (as a start
             // finds such a record after a crash here), so the delete can be run again rather
             // than the name be unknown here and taken for another host's volume elsewhere.
+            // The vault lock stays taken: a peer it went to could replay into freed storage.
             let why = format!("its storage was deleted, but its record was not ({e})");
             self.reinstate(&entry, Err(why));
             return Err(OpError::Unavailable(format!(
@@ -2466,8 +2471,8 @@ impl Daemon {
     /// Puts a volume whose deletion failed back into service, as a fresh entry (its old stop
     /// signal has fired).
     fn reinstate(&self, old: &VolumeEntry, volume: Result<Arc<Volume>, String>) {
-        // A placeholder stays one: the retry of volumes that could not open must not open
-        // what it stands for (a create undone in part).
+        // An entry the retry of volumes that could not open leaves alone stays so (a create
+        // undone in part must not open by itself).
         let entry = VolumeEntry {
             retry: old.retry,
             ..VolumeEntry::new(old.current_record(), volume)

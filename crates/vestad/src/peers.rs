@@ -963,12 +963,11 @@ async fn flash_failed(
         }
         v.stop_destaging().await;
         p.hand_off().await?;
-        // Handed off from here, the lock given back or owed: a retry that found the vault
-        // marked but not this host's lock (the unlock landed, its answer lost) would take the
-        // volume for one no peer holds.
-        give_lock_back(d, rec.id, name).await;
-        // Another host writes the vault next: this host's copy is stale from here.
-        forget_vault_writer(d, rec.id).await;
+        // Marked handed off before the lock goes back: the volume is no longer served with
+        // its lock, so an unlock owed here stays owed (a retry that still saw the volume
+        // served would drop it). And marked whether or not the unlock went through: with the
+        // vault marked and the lock gone (an unlock that landed but whose answer was lost), a
+        // next try of all this would find nothing held and report a loss that did not happen.
         d.peers.handed_off.lock().expect("lock").insert(
             name.clone(),
             Handoff {
@@ -976,9 +975,12 @@ async fn flash_failed(
                 answers: None,
             },
         );
+        give_lock_back(d, rec.id, name).await;
+        // Another host writes the vault next: this host's copy is stale from here.
+        forget_vault_writer(d, rec.id).await;
         warn!(
             "volume {name:?}: the cache device failed; its peers replay what it held (vault \
-             lock given up)"
+             lock given up, or retried until it is)"
         );
         return Ok(());
     }
@@ -1402,7 +1404,11 @@ pub(crate) async fn replay_for_dead_owner(
     match d.coord.lock_vault(rec.id).await {
         Ok(()) => {}
         Err(cluster::Error::Locked(_)) => return Ok(()), // another host got there first
-        Err(e) => return Err(e.to_string()),
+        Err(e) => {
+            // The coordinator may have granted it all the same.
+            give_lock_back(d, rec.id, &rec.name).await;
+            return Err(e.to_string());
+        }
     }
     holds_lock(d, rec.id);
     // A hand-on still owed from an earlier try is this try's to make now, if it stops too:
@@ -1521,12 +1527,13 @@ pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
     give_lock_back(d, rec.id, &rec.name).await
 }
 
-/// Gives back volume `id`'s vault lock (named `name` in the log), which this host holds and
-/// is done with: a replay ended, the volume waits for its peers to replay it, a delete or a
-/// loss it was taken for did not happen, a hand-off went back to the peers. One the
+/// Gives back volume `id`'s vault lock (named `name` in the log), which this host holds, or
+/// may hold (a take that answered an error), and is done with: a replay or a hand-on ended,
+/// the volume waits for its peers to replay it, its owner hands it off or took it back to
+/// decide a hand-off, a delete or a loss it was taken for did not happen. One the
 /// coordinator did not take back stays bound to this host's lease for as long as it runs,
-/// and no other host could replay or serve the volume: it is owed, and retried every round
-/// ([`retry_owed_unlocks`]).
+/// and no other host could replay or serve the volume: it is owed, and retried from the
+/// next round on ([`retry_owed_unlocks`]).
 pub(crate) async fn give_lock_back(d: &Daemon, id: Uuid, name: &str) {
     if let Err(e) = d.coord.unlock_vault(id).await {
         warn!("volume {name:?}: give the vault lock back: {e}; retrying");
@@ -1965,10 +1972,15 @@ async fn surrogate_locked(
     n: usize,
     force: bool,
 ) -> Result<String, String> {
-    d.coord
-        .lock_vault(rec.id)
-        .await
-        .map_err(|e| e.to_string())?;
+    match d.coord.lock_vault(rec.id).await {
+        Ok(()) => {}
+        Err(e @ cluster::Error::Locked(_)) => return Err(e.to_string()),
+        Err(e) => {
+            // The coordinator may have granted it all the same.
+            give_lock_back(d, rec.id, &rec.name).await;
+            return Err(e.to_string());
+        }
+    }
     holds_lock(d, rec.id);
     let r = async {
         let vault = d.coord.vault(rec.id).await.map_err(|e| e.to_string())?;

@@ -1553,8 +1553,9 @@ async fn a_delete_that_finds_the_record_gone_gives_its_lock_back() {
 
 /// A volume this host does not serve gives back the lock a failed delete took, and an unlock
 /// owed for it is retried until it goes: one handed off to its peers (open here, but its
-/// lock given up for them to replay), and one listed after its create failed (a placeholder
-/// with no volume open behind it). One this host serves keeps its lock.
+/// lock given up for them to replay), and one listed after its create failed (no volume
+/// open behind it). One this host serves keeps its lock. A delete ends a hand-off: a new
+/// volume of the same name does not inherit it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_given_up_for_a_volume_not_served_here_is_owed_until_it_goes() {
     let (_dir, coord, d) = restarted_with_v("owed-served").await;
@@ -1575,6 +1576,11 @@ async fn a_lock_given_up_for_a_volume_not_served_here_is_owed_until_it_goes() {
         unlocks_of(&coord, id),
         1,
         "a handed-off volume kept its lock"
+    );
+    d.delete_volume("v", false).await.unwrap();
+    assert!(
+        !d.peers.handed_off("v"),
+        "the deleted volume's hand-off goes on"
     );
 
     // A create that failed midway, listed for its delete.
