@@ -436,9 +436,9 @@ impl Volume {
         self.quiesce(limit).await
     }
 
-    /// Undoes a [`Volume::revoke`] whose purpose (a delete) failed: the volume serves again,
-    /// and its destager goes on if `destage` (not if it was stopped before the delete: a
-    /// volume handed off to its peers, whose replay may now be writing the datastore).
+    /// Undoes a [`Volume::revoke`] whose purpose (a delete, a relocation) failed: the volume
+    /// serves again, and its destager goes on if `destage` (not if it was stopped before the
+    /// delete: a volume handed off to its peers, whose replay may now write the datastore).
     pub fn unrevoke(&self, destage: bool) {
         self.revoked.store(false, Ordering::SeqCst);
         if destage {
@@ -446,7 +446,8 @@ impl Volume {
         }
     }
 
-    /// Whether the destager is stopped for this volume ([`Volume::stop_destaging`]).
+    /// Whether the destager is stopped for this volume ([`Volume::stop_destaging`]); false
+    /// for an uncached volume, which has none.
     pub fn destaging_stopped(&self) -> bool {
         match self.route() {
             Route::Cached(c) => c.destaging_stopped(),
@@ -454,14 +455,15 @@ impl Volume {
         }
     }
 
-    /// Stops the destager writing the volume's datastore (a delete is about to free it).
+    /// Stops the destager writing the volume's datastore (a delete is about to free it, a
+    /// relocation to copy it, a hand-off to let the peers replay it).
     pub async fn stop_destaging(&self) {
         if let Route::Cached(c) = self.route() {
             c.stop_destaging().await;
         }
     }
 
-    /// Lets the destager go on (a delete did not happen).
+    /// Lets the destager go on (a delete or a relocation did not happen).
     pub fn resume_destaging(&self) {
         if let Route::Cached(c) = self.route() {
             c.resume_destaging();

@@ -2329,7 +2329,8 @@ impl Daemon {
             // The storage is gone and the record is not: listed again, not open (as a start
             // finds such a record after a crash here), so the delete can be run again rather
             // than the name be unknown here and taken for another host's volume elsewhere.
-            // The vault lock stays taken: a peer it went to could replay into freed storage.
+            // The vault lock stays taken here: no peer is let to try replaying a volume whose
+            // storage is gone (a retried delete that fails before its record may give it back).
             let why = format!("its storage was deleted, but its record was not ({e})");
             self.reinstate(&entry, Err(why));
             return Err(OpError::Unavailable(format!(

@@ -1008,6 +1008,9 @@ async fn flash_failed(
         .await
         .map_err(|e| e.to_string())?;
     v.abandon_cache().await;
+    // Served uncached from here, under this host's lock: the hand-off is over whether or not
+    // the vault below is recorded (no later round would find a cache to end it with).
+    d.peers.handed_off.lock().expect("lock").remove(name);
     let me = d.coord.host().to_owned();
     let back = Vault {
         volume: rec.id,
@@ -1020,7 +1023,6 @@ async fn flash_failed(
         handoff: false,
     };
     vault_writer(d, rec.id).await?.replace(back).await?;
-    d.peers.handed_off.lock().expect("lock").remove(name);
     if vault.owner == d.coord.host() {
         // An accept-loss whose vault write landed although it answered an error.
         info!(
