@@ -1604,6 +1604,32 @@ async fn a_lock_given_up_for_a_volume_not_served_here_is_owed_until_it_goes() {
     );
 }
 
+/// A delete whose storage cannot be freed puts the volume back as it was, destager included:
+/// running if it ran, stopped if it was stopped (a volume handed off to its peers, whose
+/// replay may be writing the datastore).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_delete_leaves_the_destager_as_it_found_it() {
+    let (dir, _coord, d) = restarted_with_v("delete-destager").await;
+    // The image made undeletable: a directory where the file was (the volume keeps its
+    // descriptor of the file).
+    let img = dir.0.join("ds/v.raw");
+    std::fs::rename(&img, dir.0.join("ds/v.raw.kept")).unwrap();
+    std::fs::create_dir(&img).unwrap();
+    assert!(!volume(&d, "v").destaging_stopped());
+    d.delete_volume("v", false).await.unwrap_err();
+    assert!(
+        !volume(&d, "v").destaging_stopped(),
+        "a failed delete left the destager stopped"
+    );
+    volume(&d, "v").stop_destaging().await;
+    d.peers.mark_handed_off("v");
+    d.delete_volume("v", false).await.unwrap_err();
+    assert!(
+        volume(&d, "v").destaging_stopped(),
+        "a failed delete restarted a handed-off volume's destager"
+    );
+}
+
 /// With the coordinator not answering, a round of retries tries one owed unlock, not each
 /// in turn: every try holds the gate that locks taken for replays, creates and deletes wait
 /// behind, for as long as the coordinator takes to fail.
