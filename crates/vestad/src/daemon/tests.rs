@@ -29,6 +29,8 @@ struct FailingVault {
     fail_updates: AtomicBool,
     /// Vault unlocks fail; those that went through are listed in `unlocked`.
     fail_unlocks: AtomicBool,
+    /// Vault lock takes are granted, but answered with an error (a lost answer).
+    lose_lock_answers: AtomicBool,
     unlocked: std::sync::Mutex<Vec<Uuid>>,
     /// Unlocks asked for so far; each then waits for this gate (a test holds it to keep one
     /// in flight).
@@ -135,7 +137,13 @@ impl Coordinator for FailingVault {
                 "volume {volume}'s vault lock is held by host {h:?}"
             )));
         }
-        self.inner.lock_vault(volume).await
+        self.inner.lock_vault(volume).await?;
+        if self.lose_lock_answers.load(Ordering::SeqCst) {
+            return Err(cluster::Error::Unavailable(
+                "etcd: the answer was lost (injected)".into(),
+            ));
+        }
+        Ok(())
     }
     async fn unlock_vault(&self, volume: Uuid) -> cluster::Result<()> {
         self.unlock_calls.fetch_add(1, Ordering::SeqCst);
@@ -248,6 +256,7 @@ fn coordinator(dir: &TempDir) -> Arc<FailingVault> {
         fail_deletes: AtomicBool::new(false),
         fail_updates: AtomicBool::new(false),
         fail_unlocks: AtomicBool::new(false),
+        lose_lock_answers: AtomicBool::new(false),
         unlocked: Default::default(),
         unlock_calls: Default::default(),
         unlock_gate: Default::default(),
@@ -1628,6 +1637,43 @@ async fn a_failed_delete_leaves_the_destager_as_it_found_it() {
         volume(&d, "v").destaging_stopped(),
         "a failed delete restarted a handed-off volume's destager"
     );
+}
+
+/// A lock take whose answer was lost may have been granted: a delete of a volume this host
+/// does not serve gives it back, as does a replay for a dead owner; a delete of one it
+/// serves keeps it (the volume holds it already).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_take_that_answered_an_error_is_given_back_unless_served() {
+    let (_dir, coord, d) = restarted_with_v("lost-take").await;
+    let entry = d.entry("v").unwrap();
+    let id = entry.record.id;
+    coord.lose_lock_answers.store(true, Ordering::SeqCst);
+    let e = d.delete_volume("v", false).await.unwrap_err();
+    assert!(e.to_string().contains("take the vault lock"), "{e}");
+    assert_eq!(
+        unlocks_of(&coord, id),
+        0,
+        "a served volume gave its lock up"
+    );
+    d.peers.mark_handed_off("v");
+    d.delete_volume("v", false).await.unwrap_err();
+    assert_eq!(
+        unlocks_of(&coord, id),
+        1,
+        "a handed-off volume kept a lock a failed take may have granted"
+    );
+    // A replay for a dead owner whose take answered an error.
+    let other = VolumeRecord {
+        id: Uuid::new_v4(),
+        name: "other-hosts".into(),
+        ..entry.record.clone()
+    };
+    assert!(crate::peers::claim_replay(&d, other.id).await);
+    crate::peers::replay_for_dead_owner(&d, &other)
+        .await
+        .unwrap_err();
+    crate::peers::replay_ended(&d, other.id);
+    assert_eq!(unlocks_of(&coord, other.id), 1, "the replay kept the lock");
 }
 
 /// With the coordinator not answering, a round of retries tries one owed unlock, not each
