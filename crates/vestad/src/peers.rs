@@ -1420,7 +1420,7 @@ pub(crate) async fn replay_for_dead_owner(
     if result.is_err() {
         pass_on(d, rec).await;
     }
-    give_back(d, rec).await;
+    give_lock_back(d, rec.id, &rec.name).await;
     result
 }
 
@@ -1470,7 +1470,7 @@ async fn try_pass_on(d: &Daemon, id: Uuid, name: &str) -> Result<(), String> {
 }
 
 /// Hands on the replays [`pass_on`] could not, each under the vault lock: the one this host
-/// still owes back ([`give_back`]) or taken again. A lock another host holds means another
+/// still owes back ([`give_lock_back`]) or taken again. A lock another host holds means another
 /// host acts on the volume now (a peer replays, or its owner came back and finds the vault
 /// naming this host): nothing is owed any more. A volume replayed here again meanwhile is
 /// left to that replay.
@@ -1523,12 +1523,6 @@ pub(crate) async fn retry_owed_passes(d: &Daemon) {
     }
 }
 
-/// Gives back a vault lock this host took to replay another host's volume
-/// ([`give_lock_back`]).
-pub(crate) async fn give_back(d: &Daemon, rec: &VolumeRecord) {
-    give_lock_back(d, rec.id, &rec.name).await
-}
-
 /// Gives back volume `id`'s vault lock (named `name` in the log), which this host holds, or
 /// may hold (a take that answered an error), and is done with: a replay or a hand-on ended,
 /// the volume waits for its peers to replay it, its owner hands it off or took it back to
@@ -1556,7 +1550,7 @@ pub(crate) async fn claim_replay(d: &Daemon, id: Uuid) -> bool {
 }
 
 /// A replay [`claim_replay`] marked took its volume's vault lock: it gives it back when it
-/// ends ([`give_back`]), an unlock owed from an earlier replay included.
+/// ends ([`give_lock_back`]), an unlock owed from an earlier replay included.
 fn holds_lock(d: &Daemon, id: Uuid) {
     d.peers.unlock_owed.lock().expect("lock").remove(&id);
 }
@@ -2046,7 +2040,7 @@ async fn surrogate_locked(
         })
     }
     .await;
-    give_back(d, rec).await;
+    give_lock_back(d, rec.id, &rec.name).await;
     if let Ok(line) = &r {
         info!("surrogate replay: {line}");
     }

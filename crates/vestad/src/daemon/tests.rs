@@ -936,7 +936,7 @@ async fn a_stopped_replay_that_could_not_be_handed_on_is_handed_on_later() {
     };
     coord.fail_vault.store(true, Ordering::SeqCst);
     crate::peers::pass_on(&d, &rec).await;
-    crate::peers::give_back(&d, &rec).await;
+    crate::peers::give_lock_back(&d, rec.id, &rec.name).await;
     assert!(!handoff().await);
     assert_eq!(unlocks(), 1);
     // A round while it still fails: the lock taken and given back, nothing marked.
@@ -962,7 +962,7 @@ async fn a_stopped_replay_that_could_not_be_handed_on_is_handed_on_later() {
     coord.fail_vault.store(true, Ordering::SeqCst);
     coord.lock_vault(rec.id).await.unwrap();
     crate::peers::pass_on(&d, &rec).await;
-    crate::peers::give_back(&d, &rec).await;
+    crate::peers::give_lock_back(&d, rec.id, &rec.name).await;
     coord.fail_vault.store(false, Ordering::SeqCst);
     crate::peers::replay_for_dead_owner(&d, &rec).await.unwrap();
     assert_eq!(unlocks(), 4);
@@ -976,7 +976,7 @@ async fn a_stopped_replay_that_could_not_be_handed_on_is_handed_on_later() {
     coord.fail_vault.store(true, Ordering::SeqCst);
     coord.lock_vault(rec.id).await.unwrap();
     crate::peers::pass_on(&d, &rec).await;
-    crate::peers::give_back(&d, &rec).await;
+    crate::peers::give_lock_back(&d, rec.id, &rec.name).await;
     coord.fail_vault.store(false, Ordering::SeqCst);
     crate::peers::retry_owed_passes(&d).await;
     let v = coord.vault(rec.id).await.unwrap().unwrap();
@@ -1351,14 +1351,10 @@ async fn a_clean_wb_volume_goes_on_uncached_once_the_round_records_its_generatio
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     let (_dir, coord, d) = restarted_with_v("owed").await;
-    let other = VolumeRecord {
-        id: Uuid::new_v4(),
-        name: "other-hosts".into(),
-        ..d.entry("v").unwrap().record.clone()
-    };
+    let other = other_hosts(&d, "other-hosts");
     coord.lock_vault(other.id).await.unwrap();
     coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &other).await;
+    crate::peers::give_lock_back(&d, other.id, &other.name).await;
     crate::peers::retry_owed_unlocks(&d).await;
     assert!(coord.unlocked.lock().unwrap().is_empty());
     coord.fail_unlocks.store(false, Ordering::SeqCst);
@@ -1370,17 +1366,26 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     // One this host serves (it took the lock again meanwhile) is not given back.
     let own = d.entry("v").unwrap().record.clone();
     coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(&d, &own).await;
+    crate::peers::give_lock_back(&d, own.id, &own.name).await;
     coord.fail_unlocks.store(false, Ordering::SeqCst);
     crate::peers::retry_owed_unlocks(&d).await;
     crate::peers::retry_owed_unlocks(&d).await;
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
 
+/// The record of another host's volume `name` (a new id), for a replay of it here.
+fn other_hosts(d: &Daemon, name: &str) -> VolumeRecord {
+    VolumeRecord {
+        id: Uuid::new_v4(),
+        name: name.into(),
+        ..d.entry("v").unwrap().record.clone()
+    }
+}
+
 /// Makes the unlock of `rec`'s vault lock owed: the give-back at the end of a replay fails.
 async fn owe_unlock(coord: &FailingVault, d: &Daemon, rec: &VolumeRecord) {
     coord.fail_unlocks.store(true, Ordering::SeqCst);
-    crate::peers::give_back(d, rec).await;
+    crate::peers::give_lock_back(d, rec.id, &rec.name).await;
     coord.fail_unlocks.store(false, Ordering::SeqCst);
 }
 
@@ -1414,11 +1419,7 @@ async fn retry_in_flight<'a>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() {
     let (_dir, coord, d) = restarted_with_v("owed-race").await;
-    let other = VolumeRecord {
-        id: Uuid::new_v4(),
-        name: "other-hosts".into(),
-        ..d.entry("v").unwrap().record.clone()
-    };
+    let other = other_hosts(&d, "other-hosts");
     coord.lock_vault(other.id).await.unwrap();
     owe_unlock(&coord, &d, &other).await;
     let (held, retry) = retry_in_flight(&coord, &d).await;
@@ -1464,12 +1465,8 @@ async fn a_replay_that_begins_while_its_owed_unlock_is_retried_keeps_its_lock() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vault_lock_taken_while_its_owed_unlock_is_retried_is_kept() {
     let (_dir, coord, d) = restarted_with_v("owed-take").await;
-    let id = Uuid::new_v4();
-    let other = VolumeRecord {
-        id,
-        name: "replayed-here-once".into(),
-        ..d.entry("v").unwrap().record.clone()
-    };
+    let other = other_hosts(&d, "replayed-here-once");
+    let id = other.id;
     coord.lock_vault(id).await.unwrap();
     owe_unlock(&coord, &d, &other).await;
     let (held, retry) = retry_in_flight(&coord, &d).await;
@@ -1663,11 +1660,7 @@ async fn a_lock_take_that_answered_an_error_is_given_back_unless_served() {
         "a handed-off volume kept a lock a failed take may have granted"
     );
     // A replay for a dead owner whose take answered an error.
-    let other = VolumeRecord {
-        id: Uuid::new_v4(),
-        name: "other-hosts".into(),
-        ..entry.record.clone()
-    };
+    let other = other_hosts(&d, "other-hosts");
     assert!(crate::peers::claim_replay(&d, other.id).await);
     crate::peers::replay_for_dead_owner(&d, &other)
         .await
@@ -1683,11 +1676,7 @@ async fn a_lock_take_that_answered_an_error_is_given_back_unless_served() {
 async fn owed_unlocks_stop_at_the_first_failure_of_a_round() {
     let (_dir, coord, d) = restarted_with_v("owed-down").await;
     let others: Vec<VolumeRecord> = (0..3)
-        .map(|i| VolumeRecord {
-            id: Uuid::new_v4(),
-            name: format!("other-{i}"),
-            ..d.entry("v").unwrap().record.clone()
-        })
+        .map(|i| other_hosts(&d, &format!("other-{i}")))
         .collect();
     for o in &others {
         owe_unlock(&coord, &d, o).await;
