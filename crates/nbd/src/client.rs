@@ -357,6 +357,20 @@ impl Client {
         self.conns.len()
     }
 
+    /// Requests awaiting their answer and sync answers held ([`Live::sync_ok`]), over the
+    /// live connections: what a test waits for before it pauses the clock.
+    #[cfg(test)]
+    pub(crate) async fn waiting(&self) -> (usize, usize) {
+        let (mut pending, mut held) = (0, 0);
+        for slot in &self.conns {
+            if let Some(l) = slot.lock().await.as_ref() {
+                pending += l.pending.lock().unwrap_or_else(|e| e.into_inner()).len();
+                held += l.held.lock().unwrap_or_else(|e| e.into_inner()).len();
+            }
+        }
+        (pending, held)
+    }
+
     async fn live(&self) -> Result<Arc<Live>, ClientError> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.conns.len();
         let mut slot = self.conns[i].lock().await;

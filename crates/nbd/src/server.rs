@@ -1578,7 +1578,8 @@ mod budget_tests {
     use tokio::net::UnixListener;
 
     /// Writes to `stuck` never complete (a datastore that does not answer), nor do FLUSHes
-    /// to `stuckflush` (which allows several connections); everything else completes at once.
+    /// to `stuckflush` (which allows several connections), nor the first FLUSH to
+    /// `firstflush` ([`FIRST_FLUSHES`] counts its FLUSHes); everything else completes at once.
     struct Exports {
         stop: StopHandle,
     }
@@ -1586,8 +1587,12 @@ mod budget_tests {
     struct Exp {
         stuck: bool,
         stuck_flush: bool,
+        first_flush: bool,
         stop: Stop,
     }
+
+    /// The FLUSHes the `firstflush` export has received (one test uses it).
+    static FIRST_FLUSHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
     impl Export for Exp {
         async fn read(&self, _offset: u64, len: u32) -> CmdResult<Bytes> {
@@ -1600,7 +1605,9 @@ mod budget_tests {
             Ok(())
         }
         async fn flush(&self) -> CmdResult<()> {
-            if self.stuck_flush {
+            let first = self.first_flush
+                && FIRST_FLUSHES.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+            if self.stuck_flush || first {
                 std::future::pending::<()>().await;
             }
             Ok(())
@@ -1637,6 +1644,7 @@ mod budget_tests {
             let e = Exp {
                 stuck: name == "stuck",
                 stuck_flush: name == "stuckflush",
+                first_flush: name == "firstflush",
                 stop: self.stop.subscribe(),
             };
             Ok((info(name), e))
@@ -1720,6 +1728,141 @@ mod budget_tests {
                 && took < crate::client::REQUEST_TIMEOUT + crate::client::REQUEST_TIMEOUT / 2,
             "the FLUSH failed after {took:?}, not one request timeout"
         );
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A FLUSH answered OK while another FLUSH runs beside it on the connection is held until
+    /// that one answers ([`crate::client`]). When that one never answers and its own waiter
+    /// went away (nobody times it out), the held FLUSH fails one request timeout past its
+    /// own deadline, failing the connection, instead of waiting forever. Paused clock.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_held_flush_whose_companion_is_abandoned_fails_after_two_timeouts() {
+        use crate::client::REQUEST_TIMEOUT;
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("heldflush", shared);
+        let c = Arc::new(Client::connect(&uri("firstflush"), 1).await.unwrap());
+        // The first FLUSH reaches the server, which never answers it; then its waiter goes.
+        let first = tokio::spawn({
+            let c = c.clone();
+            async move { c.flush().await }
+        });
+        while FIRST_FLUSHES.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        // The second FLUSH is answered OK (the server runs on threads of its own: real time
+        // until its answer is held), then the clock is paused.
+        let sent = tokio::time::Instant::now();
+        let second = tokio::spawn({
+            let c = c.clone();
+            async move { c.flush().await }
+        });
+        let held = async {
+            while c.waiting().await != (1, 1) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), held)
+            .await
+            .expect("the second FLUSH's answer was never held");
+        assert_eq!(FIRST_FLUSHES.load(std::sync::atomic::Ordering::SeqCst), 2);
+        tokio::time::pause();
+        let r = tokio::time::timeout(5 * REQUEST_TIMEOUT, second)
+            .await
+            .expect("a FLUSH held for an abandoned one waited forever")
+            .unwrap();
+        let took = sent.elapsed();
+        assert!(
+            matches!(r, Err(crate::client::ClientError::Disconnected(_))),
+            "the held FLUSH answered {r:?}"
+        );
+        assert!(
+            took >= 2 * REQUEST_TIMEOUT && took < 2 * REQUEST_TIMEOUT + REQUEST_TIMEOUT / 2,
+            "the held FLUSH failed after {took:?}, not two request timeouts"
+        );
+        server.abort();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A server that sends a READ's reply header and then stalls in the middle of its data
+    /// fails the read (and the connection) one request timeout after it was sent: the read
+    /// is no longer pending once its header is in, but it is no held answer either. The
+    /// stall is a proxy that stops passing the server's bytes on. Paused clock.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_read_whose_data_stalls_midway_fails_after_one_timeout() {
+        use crate::client::REQUEST_TIMEOUT;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, uri, server) = serve_exports("stalledread", shared);
+        let crate::uri::Address::Unix(upstream) = uri("ok").address else {
+            panic!("a unix socket URI");
+        };
+        // The proxy passes on at most `budget` more bytes from the server.
+        let budget = Arc::new(AtomicUsize::new(usize::MAX));
+        let front = dir.join("proxy.sock");
+        let listener = UnixListener::bind(&front).unwrap();
+        let proxy = tokio::spawn({
+            let budget = budget.clone();
+            async move {
+                let (down, _) = listener.accept().await.unwrap();
+                let up = UnixStream::connect(&upstream).await.unwrap();
+                let (mut down_rd, mut down_wr) = down.into_split();
+                let (mut up_rd, mut up_wr) = up.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut down_rd, &mut up_wr).await;
+                });
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    let n = up_rd.read(&mut buf).await.unwrap();
+                    assert!(n > 0, "the server closed");
+                    let pass = n.min(
+                        budget
+                            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+                                Some(b.saturating_sub(n))
+                            })
+                            .unwrap(),
+                    );
+                    down_wr.write_all(&buf[..pass]).await.unwrap();
+                }
+            }
+        });
+        let via = NbdUri::parse(&format!("nbd+unix:///ok?socket={}", front.display())).unwrap();
+        let c = Arc::new(Client::connect(&via, 1).await.unwrap());
+        // The reply header and 100 bytes of the 4 KiB read's data, then nothing.
+        budget.store(proto::SIMPLE_REPLY_LEN + 100, Ordering::SeqCst);
+        let started = tokio::time::Instant::now();
+        let read = tokio::spawn({
+            let c = c.clone();
+            async move { c.read(0, 4096).await }
+        });
+        // Real time until the client has the header (the read is pending no more), as the
+        // server runs on threads of its own; then the clock is paused.
+        let header_in = async {
+            while budget.load(Ordering::SeqCst) > 0 || c.waiting().await != (0, 0) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), header_in)
+            .await
+            .expect("the read's reply header never reached the client");
+        assert!(!read.is_finished());
+        tokio::time::pause();
+        let r = tokio::time::timeout(5 * REQUEST_TIMEOUT, read)
+            .await
+            .expect("a read whose data stalled midway waited forever")
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            matches!(r, Err(crate::client::ClientError::Disconnected(_))),
+            "the stalled read answered {r:?}"
+        );
+        assert!(
+            took >= REQUEST_TIMEOUT && took < REQUEST_TIMEOUT + REQUEST_TIMEOUT / 2,
+            "the stalled read failed after {took:?}, not one request timeout"
+        );
+        proxy.abort();
         server.abort();
         let _ = std::fs::remove_dir_all(&dir);
     }
