@@ -98,12 +98,14 @@ const WINDOW_MAX: usize = 4096;
 /// Most bytes one window carries. A window's records are all in memory while it is sent
 /// (`send_window`), so this bounds the destager's memory whatever a held window would take.
 const WINDOW_BYTES_MAX: u64 = 128 << 20;
-/// A replay's first window carries at most this much; each next one twice the one before, up
-/// to [`WINDOW_BYTES_MAX`]. Every record of a window is read before its first datastore
-/// write, and the next window is read while the one before is written: a small first window
-/// gets the datastore busy after reading 16 MiB, not 128 (a 64 MiB replay took twice as long
-/// as the datastore needed to write it, half of it reading before writing anything).
-const REPLAY_WINDOW_BYTES_FIRST: u64 = 16 << 20;
+/// A replay's window goes out in pieces of at most this much (past it to a whole write).
+/// Every record of a piece is read before its first datastore write, and the next piece is
+/// read while the one before is written; its writes go out behind that one's still in
+/// flight ([`Trailing`]). Small pieces get the datastore busy after reading 16 MiB, and
+/// keep the few buffers they need coming back to the pool warm: memory a process touches
+/// for the first time costs 4–9 µs a page on a VM, which made 128 MiB pieces wait for their
+/// reads (docs/BENCHMARKS.md, "Replays in 16 MiB pieces").
+const REPLAY_PIECE_BYTES: u64 = 16 << 20;
 /// Most writes, and bytes, in one batch to a device that takes batches
 /// ([`datastore::device::Device::prefers_batches`]): a batch is one blocking call, checked
 /// against the fence once, so it is kept short.
@@ -249,8 +251,6 @@ struct VolState {
     after_replay: Option<Mode>,
     /// When to try again the switch that ends a replay, after it failed.
     replay_end_retry: Option<Instant>,
-    /// The byte cap of the replay's next window ([`REPLAY_WINDOW_BYTES_FIRST`]).
-    replay_window_bytes: u64,
     /// Above the checkpoint, the datastore may hold parts of the writes up to this `ser`: the
     /// end of the last window that went out (or began to). A window that starts at or below
     /// it reaches at least to it, whatever else would close it, so that its checkpoint is a
@@ -845,6 +845,14 @@ impl CacheHost {
         }
         lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| !std::ptr::eq(&*x, v)));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
+        // From here the volume's IO goes straight to the datastore: no write of a replay's
+        // pieces may land after it. (Callers stop the destager first; a window in flight is
+        // theirs to wait out, as before.)
+        if let Ok(mut d) = v.destaging.try_lock() {
+            if let Some(e) = v.settle(&mut d.trailing).await {
+                v.trailing_failed(e);
+            }
+        }
         let clean = v.clean();
         v.release_all();
         let (log, id) = (self.shared.log.clone(), v.id);
@@ -945,6 +953,17 @@ impl CacheHost {
         progressed
     }
 
+    /// Waits until no datastore write of a replay's pieces is in flight for any volume (they
+    /// may outlast their turn, [`Trailing`]); a failed one starts its replay over.
+    pub async fn destage_settled(&self) {
+        for v in self.volumes() {
+            let mut d = v.destaging.lock().await;
+            if let Some(e) = v.settle(&mut d.trailing).await {
+                v.trailing_failed(e);
+            }
+        }
+    }
+
     /// The destager: visits volumes round robin, one window per turn, until `stopped` says so;
     /// then returns once no window is in flight.
     ///
@@ -1013,6 +1032,8 @@ impl CacheHost {
                 while let Some(r) = windows.join_next_with_id().await {
                     ended(&mut busy, &mut resting, r);
                 }
+                // Nor any write a replay's piece left in flight.
+                self.destage_settled().await;
                 return;
             }
         }
@@ -1050,8 +1071,42 @@ struct ReadAhead {
     read: ReadTask,
 }
 
-/// A destage write's outcome and service time, with its buffer to use again.
-type SentRun = ((std::io::Result<()>, Duration), Option<Bytes>);
+/// A destage write's outcome and service time, with its buffer to use again and its offset.
+type SentRun = ((std::io::Result<()>, Duration), Option<Bytes>, u64);
+
+/// What the destager keeps of a volume between its turns.
+#[derive(Default)]
+struct Destaging {
+    /// The next window, its records being read while the current one is written.
+    ahead: Option<ReadAhead>,
+    trailing: Trailing,
+}
+
+/// Datastore writes of a replay's pieces still in flight. A piece short of the reach does not
+/// wait for its writes: the next piece's go out behind them, at most the datastore's queue
+/// depth in all, and a write waits only for one in flight whose range it overlaps (a newer
+/// version must not land under an older one). Nothing is flushed or checkpointed until the
+/// piece that reaches the reach has waited for all of them. Each write's error counts: the
+/// window starts over ([`VolState::sent`]).
+#[derive(Default)]
+struct Trailing {
+    set: tokio::task::JoinSet<SentRun>,
+    /// The range of each write in `set`, start → end; they never overlap.
+    ranges: BTreeMap<u64, u64>,
+    /// Slabs holding those writes' data: back to the pool once `set` is empty.
+    slabs: Vec<Bytes>,
+}
+
+impl Trailing {
+    /// Whether a write in flight overlaps `start..end`. Their ranges are disjoint, so only
+    /// the last one starting before `end` can.
+    fn overlaps(&self, start: u64, end: u64) -> bool {
+        self.ranges
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, &e)| e > start)
+    }
+}
 
 /// Buffers of [`window::RUN_BYTES_MAX`] for the destager's datastore writes. Each window
 /// would otherwise allocate its bytes afresh, and memory that new costs a page fault and a
@@ -1284,7 +1339,7 @@ pub struct VolCache {
     counters: Counters,
     /// Held for the whole of a destage window; a delete takes it to wait one out. It keeps
     /// the next window, read ahead while the current one is written.
-    destaging: tokio::sync::Mutex<Option<ReadAhead>>,
+    destaging: tokio::sync::Mutex<Destaging>,
     /// Set while the volume's storage is being deleted: no window starts.
     destage_stopped: std::sync::atomic::AtomicBool,
 }
@@ -1360,7 +1415,6 @@ impl VolCache {
                 replaying,
                 after_replay: None,
                 replay_end_retry: None,
-                replay_window_bytes: REPLAY_WINDOW_BYTES_FIRST,
                 // Everything recovered ([`VolState::reach`]), and no further: past a damaged
                 // record nothing is replayed, and new writes take sers above it.
                 reach: if replaying { last } else { 0 },
@@ -1379,7 +1433,7 @@ impl VolCache {
             destage_bps: Mutex::new(Ewma::new(0.2)),
             opts: Mutex::new(opts),
             counters: Counters::default(),
-            destaging: tokio::sync::Mutex::new(None),
+            destaging: tokio::sync::Mutex::new(Destaging::default()),
             destage_stopped: std::sync::atomic::AtomicBool::new(false),
             shared,
         };
@@ -2506,10 +2560,37 @@ impl VolCache {
     /// storage can be freed without a late datastore write landing in it.
     pub async fn stop_destaging(&self) {
         self.destage_stopped.store(true, Ordering::SeqCst);
-        let mut ahead = self.destaging.lock().await;
-        if let Some(a) = ahead.take() {
+        let mut d = self.destaging.lock().await;
+        if let Some(a) = d.ahead.take() {
             let _ = a.read.await;
         }
+        // No write of this volume may be in flight once this returns.
+        if let Some(e) = self.settle(&mut d.trailing).await {
+            self.trailing_failed(e);
+        }
+    }
+
+    /// Waits for every write in flight of the pieces sent (`t`), and returns the first error.
+    async fn settle(&self, t: &mut Trailing) -> Option<Error> {
+        let mut first_err = None;
+        while let Some(r) = t.set.join_next().await {
+            self.note_write(Some(r), t, &mut first_err);
+        }
+        t.ranges.clear();
+        first_err
+    }
+
+    /// A write of a piece sent before failed: the datastore may lack it, and the pieces were
+    /// not flushed, so the window starts over (as a datastore error during a piece does).
+    fn trailing_failed(&self, e: Error) {
+        let mut st = lock(&self.st);
+        if st.sent > st.checkpoint {
+            warn!(
+                "volume {:?}: a datastore write of the replay failed ({e}); it starts over",
+                self.name
+            );
+        }
+        st.sent = 0;
     }
 
     /// Whether [`VolCache::stop_destaging`] stopped the destager for this volume.
@@ -2628,11 +2709,14 @@ impl VolCache {
 
     /// Destages one window; true if it made progress.
     async fn destage_window(&self) -> bool {
-        let mut ahead = self.destaging.lock().await;
+        let mut guard = self.destaging.lock().await;
+        let d = &mut *guard;
         if self.destage_stopped.load(Ordering::SeqCst) {
             return false;
         }
         if Self::replay_done(&lock(&self.st), Instant::now()) {
+            // The piece that reached the reach waited for every write (`send_window`).
+            debug_assert!(d.trailing.set.is_empty());
             return self.finish_replay().await;
         }
         // The window read ahead during the last turn, if it still starts the queue (the one
@@ -2647,7 +2731,7 @@ impl VolCache {
                 st.gen,
             )
         };
-        let (win, read) = match ahead.take() {
+        let (win, read) = match d.ahead.take() {
             Some(a) if Some(a.window.writes[0].ser) == first => (a.window, a.read),
             stale => {
                 if let Some(a) = stale {
@@ -2666,11 +2750,6 @@ impl VolCache {
         {
             let mut st = lock(&self.st);
             st.reach = st.reach.max(last);
-            if st.replaying {
-                // The next piece may be twice as large: counted for a piece that goes out,
-                // not for one composed and thrown away (a read-ahead still open).
-                st.replay_window_bytes = (st.replay_window_bytes * 2).min(WINDOW_BYTES_MAX);
-            }
         }
         // Only durable records are destaged. The datastore then never holds a write the log
         // could lose: a recovery finds every write of every window that went out, and its
@@ -2707,8 +2786,9 @@ impl VolCache {
             Ok(Ok(datas)) => {
                 // The next window's records are read while this one is written and flushed,
                 // when the next window is due at once anyway.
-                *ahead = self.read_ahead(last);
-                self.send_window(&win, datas, started).await
+                d.ahead = self.read_ahead(last);
+                self.send_window(&win, datas, started, &mut d.trailing)
+                    .await
             }
             Ok(Err(e)) => {
                 // Never destage what cannot be verified.
@@ -2719,6 +2799,10 @@ impl VolCache {
             Err(e) => Err(Error::Cache(format!("destage read failed: {e}"))),
         };
         if let Err(e) = result {
+            // Writes of the pieces before may still be in flight (a record that could not be
+            // read): none may be when the window goes again. Their errors change nothing: it
+            // starts over anyway.
+            let _ = self.settle(&mut d.trailing).await;
             let mut st = lock(&self.st);
             // The pieces sent before were not flushed: a datastore that lost them (an NBD
             // server restarted, a writeback error a failed flush reported once) must get them
@@ -2853,7 +2937,7 @@ impl VolCache {
     fn compose(&self, after: Option<u64>) -> Option<Window> {
         let st = lock(&self.st);
         let cap = if st.replaying {
-            st.replay_window_bytes
+            REPLAY_PIECE_BYTES
         } else {
             WINDOW_BYTES_MAX
         };
@@ -2998,17 +3082,27 @@ impl VolCache {
         win: &Window,
         data: WindowData,
         started: Instant,
+        trailing: &mut Trailing,
     ) -> Result<(), Error> {
         let read = started.elapsed();
         let WindowData { runs, slabs } = data;
+        let short = win.last < lock(&self.st).reach;
+        trailing.slabs.extend(slabs);
         let sent = if self.store.prefers_batches() {
-            self.send_batches(win, runs).await
+            // A file datastore's batches complete before the next goes: none trail, unless
+            // the device changed its mind.
+            match self.settle(trailing).await {
+                Some(e) => Err(e),
+                None => self.send_batches(win, runs).await,
+            }
         } else {
-            self.send_runs(win, runs).await
+            self.send_runs(win, runs, trailing, short).await
         };
-        // Every write is done with its slice of a slab by now.
-        for b in slabs {
-            self.shared.bufs.put(b);
+        // Each write still in flight holds its slice of a slab.
+        if trailing.set.is_empty() {
+            for b in trailing.slabs.drain(..) {
+                self.shared.bufs.put(b);
+            }
         }
         sent?;
         // A piece short of the reach is not flushed: no checkpoint follows it, and the next
@@ -3029,34 +3123,49 @@ impl VolCache {
         self.flush_window(win, started, read).await
     }
 
-    /// A window's writes, at most the datastore's queue depth in flight.
-    async fn send_runs(&self, win: &Window, datas: Vec<Option<Bytes>>) -> Result<(), Error> {
+    /// A window's writes, at most the datastore's queue depth in flight, counting those of
+    /// the pieces before still in flight ([`Trailing`]). A piece short of the reach (`short`)
+    /// leaves its own in flight; anything else waits for all of them.
+    async fn send_runs(
+        &self,
+        win: &Window,
+        datas: Vec<Option<Bytes>>,
+        t: &mut Trailing,
+        short: bool,
+    ) -> Result<(), Error> {
         let limit = self.store.gate().queue_depth().max(1) as usize;
-        let mut set = tokio::task::JoinSet::new();
         let mut first_err = None;
         for (run, data) in win.runs.iter().zip(datas) {
-            while set.len() >= limit {
-                self.note_write(set.join_next().await, &mut first_err);
+            let run = &win.pieces[run.clone()];
+            let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
+            while !t.set.is_empty() && (t.set.len() >= limit || t.overlaps(off, off + len)) {
+                let r = t.set.join_next().await;
+                self.note_write(r, t, &mut first_err);
+            }
+            if t.set.is_empty() {
+                // (A task that panicked never said which range was its own.)
+                t.ranges.clear();
             }
             if first_err.is_some() {
                 break;
             }
-            let run = &win.pieces[run.clone()];
-            let (off, len) = (run[0].offset, run.iter().map(|p| p.len).sum::<u64>());
             let may_trim = may_trim(run);
             let store = self.store.clone();
+            t.ranges.insert(off, off + len);
             // Flow control wants the device's service time, not the wait for a slot. The
             // buffer comes back once the write is done with it.
-            set.spawn(async move {
+            t.set.spawn(async move {
                 // Only a buffer of its own can go back; a slab's slice never could alone.
                 let keep = data.clone().filter(|b| BufPool::pools(b.len()));
-                (store.write_timed(off, len, data, may_trim).await, keep)
+                (store.write_timed(off, len, data, may_trim).await, keep, off)
             });
         }
-        // Every write sent is waited for, even after a failure: none may still be in flight
-        // when the window is sent again.
-        while !set.is_empty() {
-            self.note_write(set.join_next().await, &mut first_err);
+        // Every write sent is waited for after a failure: none may still be in flight when
+        // the window is sent again.
+        if !short || first_err.is_some() {
+            if let Some(e) = self.settle(t).await {
+                first_err.get_or_insert(e);
+            }
         }
         match first_err {
             Some(e) => Err(e),
@@ -3130,10 +3239,12 @@ impl VolCache {
     fn note_write(
         &self,
         r: Option<Result<SentRun, tokio::task::JoinError>>,
+        t: &mut Trailing,
         first_err: &mut Option<Error>,
     ) {
         match r {
-            Some(Ok((done, buf))) => {
+            Some(Ok((done, buf, off))) => {
+                t.ranges.remove(&off);
                 if let Some(b) = buf {
                     self.shared.bufs.put(b);
                 }

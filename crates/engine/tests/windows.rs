@@ -198,12 +198,11 @@ async fn replaying_rig() -> Rig {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the_end() {
+async fn a_replay_goes_out_in_pieces_with_one_checkpoint_at_the_end() {
     // 80 writes of 768 KiB, 640 KiB apart (60 MiB), replayed after a restart: one window
-    // reaching every recovered write, in pieces. The first carries 16 MiB (ending at a
-    // whole write), the next 32, then the rest; the checkpoint moves only when the last is
-    // on the datastore (a replay cut between pieces starts again from where it started), and
-    // only that one is flushed, before it.
+    // reaching every recovered write, in pieces of 16 MiB (each ending at a whole write);
+    // the checkpoint moves only when the last is on the datastore (a replay cut between
+    // pieces starts again from where it started), and only that one is flushed, before it.
     let (n, len) = (REPLAY_WRITES, REPLAY_LEN);
     let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");
@@ -215,6 +214,8 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
         }
         let before = r.store.image();
         let progressed = r.host.destage_turn(turn).await;
+        // A piece's writes may outlast its turn (the next piece's go out behind them).
+        r.host.destage_settled().await;
         let now = r.store.image();
         let cp = r.checkpoint();
         if now != before {
@@ -246,20 +247,141 @@ async fn a_replay_goes_out_in_pieces_from_a_small_one_with_one_checkpoint_at_the
             "{flushed} datastore flush(es) with the checkpoint at {cp}"
         );
     }
-    // Each piece ends at the first whole write past its cap: 16 MiB is 21⅓ writes of its
-    // bytes, 32 MiB 42⅔ more.
+    // Each piece ends at a whole write within its cap, or at the first one past it: 16 MiB
+    // is 21⅓ writes of its bytes.
     let mib = |w: u64| w as f64 * len as f64 / (1 << 20) as f64;
-    assert_eq!(pieces.len(), 3, "pieces ended at {pieces:?}");
-    assert!(mib(pieces[0]) < 16.0 + 0.75, "first piece {pieces:?}");
-    assert!(
-        mib(pieces[1] - pieces[0]) < 32.0 + 0.75,
-        "second piece {pieces:?}"
-    );
+    assert_eq!(pieces.len(), 4, "pieces ended at {pieces:?}");
+    let mut start = 0;
+    for &end in &pieces {
+        assert!(
+            mib(end - start) > 16.0 - 0.75 || end == n as u64,
+            "a short piece in {pieces:?}"
+        );
+        assert!(mib(end - start) < 16.0 + 0.75, "a long piece in {pieces:?}");
+        start = end;
+    }
     assert_eq!(*pieces.last().unwrap(), n as u64);
     assert_eq!(r.checkpoint(), n as u64);
     assert!(
         r.store.image() == r.image(n),
         "the datastore holds every write"
+    );
+}
+
+/// [`replaying_rig`] with the replay's first piece sent, its writes slow (200 ms each), so
+/// that its turn ended with its last writes in flight (for about 150 ms more). Returns the rig, the next turn and
+/// the writes the piece took.
+async fn rig_with_a_piece_in_flight() -> (Rig, usize, usize) {
+    let r = replaying_rig().await;
+    let c = r.vol.cache().expect("cached");
+    r.store
+        .set_write_delay(Some(std::time::Duration::from_millis(200)));
+    let mut turn = 0;
+    while c.report().replay_sent == 0 {
+        assert!(turn < 10_000, "no piece went out");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+    }
+    // The delay counts for a write once it reaches the device: the ones just sent get there.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    r.store.set_write_delay(None);
+    let first = c.report().replay_sent as usize;
+    assert!(
+        first < REPLAY_WRITES,
+        "the first piece was the whole replay"
+    );
+    assert!(
+        r.store.image() != r.image(first),
+        "the first piece's writes were all in when its turn ended"
+    );
+    (r, turn, first)
+}
+
+/// The replay above, its first piece's writes slow (200 ms each): the piece's turn ends with
+/// its last writes in flight, and the next piece's writes go out behind them, except the
+/// one that overlaps the last of them (consecutive writes share 128 KiB), which waits: sent
+/// at once, it would land first and the older data over it. The datastore ends holding
+/// every write, the newest version of each block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_piece_goes_out_behind_the_last_but_never_under_an_overlapping_write() {
+    let n = REPLAY_WRITES;
+    let (r, mut turn, _) = rig_with_a_piece_in_flight().await;
+    let c = r.vol.cache().expect("cached");
+    while !c.clean() {
+        assert!(turn < 10_000, "the replay made no progress");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+    }
+    assert_eq!(r.checkpoint(), n as u64);
+    assert!(
+        r.store.image() == r.image(n),
+        "an older write landed over a newer one"
+    );
+}
+
+/// Stopping the destager (a delete, a hand-off) waits for the writes a replay's piece left in
+/// flight: none may land after it returns. And one of them that failed starts the replay
+/// over once the destager goes on: the datastore may lack it, and nothing was flushed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_destager_waits_for_a_pieces_writes_and_hears_of_their_errors() {
+    for fail in [false, true] {
+        let n = REPLAY_WRITES;
+        let (r, mut turn, first) = rig_with_a_piece_in_flight().await;
+        let c = r.vol.cache().expect("cached");
+        // The writes in flight fail once their delay is over.
+        r.store.fail_writes(fail);
+        c.stop_destaging().await;
+        let stopped = r.store.image();
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        assert!(
+            r.store.image() == stopped,
+            "a write landed after the destager stopped (fail: {fail})"
+        );
+        if !fail {
+            assert!(
+                r.store.image() == r.image(first),
+                "the first piece is not in"
+            );
+        }
+        r.store.fail_writes(false);
+        c.resume_destaging();
+        while !c.clean() {
+            assert!(turn < 10_000, "the replay made no progress (fail: {fail})");
+            r.host.destage_turn(turn).await;
+            turn += 1;
+            if fail {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        }
+        assert_eq!(r.checkpoint(), n as u64);
+        assert!(
+            r.store.image() == r.image(n),
+            "the replay recorded its checkpoint over a failed write (fail: {fail})"
+        );
+    }
+}
+
+/// A write a piece left in flight fails (the datastore lost it): the next piece hears of it
+/// (it waits for the write it overlaps) and the replay starts over, instead of going on from
+/// the pieces sent and recording its checkpoint over a datastore without that write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_a_piece_left_in_flight_starts_the_replay_over() {
+    let n = REPLAY_WRITES;
+    let (r, mut turn, _) = rig_with_a_piece_in_flight().await;
+    let c = r.vol.cache().expect("cached");
+    r.store.fail_writes(true);
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    r.store.fail_writes(false);
+    while !c.clean() {
+        assert!(turn < 10_000, "the replay made no progress");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(r.checkpoint(), n as u64);
+    assert!(
+        r.store.image() == r.image(n),
+        "the replay recorded its checkpoint over a failed write"
     );
 }
 
@@ -277,6 +399,7 @@ async fn a_replay_cut_between_its_pieces_is_sent_again_whole() {
         }
         let before = r.store.image();
         r.host.destage_turn(turn).await;
+        r.host.destage_settled().await;
         if r.store.image() != before {
             pieces += 1;
         }
@@ -331,6 +454,7 @@ async fn a_datastore_error_during_a_replay_sends_its_unflushed_pieces_again() {
         }
         let before = r.store.image();
         r.host.destage_turn(turn).await;
+        r.host.destage_settled().await;
         if r.store.image() != before {
             pieces += 1;
         }
