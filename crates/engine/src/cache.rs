@@ -845,10 +845,10 @@ impl CacheHost {
         }
         lock(&self.shared.vols).retain(|x| x.upgrade().is_some_and(|x| !std::ptr::eq(&*x, v)));
         self.shared.cached_volumes.fetch_sub(1, Ordering::SeqCst);
-        // From here the volume's IO goes straight to the datastore: no write of a replay's
-        // pieces may land after it. (Callers stop the destager first; a window in flight is
-        // theirs to wait out, as before.)
-        if let Ok(mut d) = v.destaging.try_lock() {
+        // From here the volume's IO goes straight to the datastore: no write of its destager
+        // may land after it (callers stop the destager first, so this rarely waits).
+        {
+            let mut d = v.destaging.lock().await;
             if let Some(e) = v.settle(&mut d.trailing).await {
                 v.trailing_failed(e);
             }
@@ -971,7 +971,8 @@ impl CacheHost {
     /// does; those of different datastores are destaged at once. A datastore that hangs (an
     /// NFS hard mount, an NBD server gone silent with its connection up) then holds up its own
     /// volumes only, as one that fails does (DESIGN §4), instead of every volume of the host;
-    /// and memory holds at most one window per datastore.
+    /// and memory holds at most one window per datastore (and the buffers of a replay
+    /// piece's writes still in flight, [`Trailing`]).
     pub async fn run_destager(self: Arc<Self>, stopped: impl Fn() -> bool) {
         let mut turn = 0usize;
         // The windows in flight, each on its own task (aborted if this future is dropped),
@@ -1082,9 +1083,9 @@ struct Destaging {
     trailing: Trailing,
 }
 
-/// Datastore writes of a replay's pieces still in flight. A piece short of the reach does not
-/// wait for its writes: the next piece's go out behind them, at most the datastore's queue
-/// depth in all, and a write waits only for one in flight whose range it overlaps (a newer
+/// Datastore writes of a replay's pieces (or of any window forced to the reach after a
+/// datastore error) still in flight. A piece short of the reach does not wait for its writes:
+/// the next piece's go out behind them, at most the datastore's queue depth in all, and a write waits only for one in flight whose range it overlaps (a newer
 /// version must not land under an older one). Nothing is flushed or checkpointed until the
 /// piece that reaches the reach has waited for all of them. Each write's error counts: the
 /// window starts over ([`VolState::sent`]).
@@ -1093,7 +1094,7 @@ struct Trailing {
     set: tokio::task::JoinSet<SentRun>,
     /// The range of each write in `set`, start → end; they never overlap.
     ranges: BTreeMap<u64, u64>,
-    /// Slabs holding those writes' data: back to the pool once `set` is empty.
+    /// Slabs that writes in `set` may hold slices of: each back to the pool once none does.
     slabs: Vec<Bytes>,
 }
 
@@ -1149,12 +1150,22 @@ impl BufPool {
 
     /// Returns a buffer whose write is done, if nothing else holds it.
     fn put(&self, b: Bytes) {
+        let _ = self.put_if_free(b);
+    }
+
+    /// Returns a buffer to the pool if nothing else holds it any more (a write's slice of a
+    /// slab); else gives it back to the caller.
+    fn put_if_free(&self, b: Bytes) -> Option<Bytes> {
         let size = window::RUN_BYTES_MAX as usize;
-        if let Ok(b) = b.try_into_mut() {
-            let mut free = lock(&self.free);
-            if b.capacity() == size && free.len() < BUF_POOL_MAX {
-                free.push(b);
+        match b.try_into_mut() {
+            Ok(b) => {
+                let mut free = lock(&self.free);
+                if b.capacity() == size && free.len() < BUF_POOL_MAX {
+                    free.push(b);
+                }
+                None
             }
+            Err(b) => Some(b),
         }
     }
 }
@@ -2577,7 +2588,17 @@ impl VolCache {
             self.note_write(Some(r), t, &mut first_err);
         }
         t.ranges.clear();
+        self.slabs_back(t);
         first_err
+    }
+
+    /// Gives the pool back the slabs of `t` that no write in flight holds a slice of.
+    fn slabs_back(&self, t: &mut Trailing) {
+        let slabs = std::mem::take(&mut t.slabs);
+        t.slabs = slabs
+            .into_iter()
+            .filter_map(|b| self.shared.bufs.put_if_free(b))
+            .collect();
     }
 
     /// A write of a piece sent before failed: the datastore may lack it, and the pieces were
@@ -2833,7 +2854,8 @@ impl VolCache {
             let mut st = lock(&self.st);
             if last < st.reach {
                 st.sent = st.sent.max(last);
-                self.went_out(&mut st, &win, bytes, started);
+                // Counted, but no recovery yet: its writes may still fail.
+                self.count_out(&win, bytes);
                 return true;
             }
         }
@@ -2905,6 +2927,15 @@ impl VolCache {
     fn went_out(&self, st: &mut VolState, win: &Window, bytes: u64, started: Instant) {
         let secs = started.elapsed().as_secs_f64().max(1e-6);
         lock(&self.destage_bps).add(bytes as f64 / secs);
+        self.count_out(win, bytes);
+        if st.destage.error.is_some() {
+            info!("volume {:?}: destaging recovered", self.name);
+        }
+        st.destage = DestageState::default();
+    }
+
+    /// Counts the writes and bytes of a window (or a piece of one) sent to the datastore.
+    fn count_out(&self, win: &Window, bytes: u64) {
         self.counters
             .destaged_bytes
             .fetch_add(bytes, Ordering::Relaxed);
@@ -2912,10 +2943,6 @@ impl VolCache {
             writes_among(win.writes.iter().map(|w| w.ser)),
             Ordering::Relaxed,
         );
-        if st.destage.error.is_some() {
-            info!("volume {:?}: destaging recovered", self.name);
-        }
-        st.destage = DestageState::default();
     }
 
     /// The log is full even for metadata: makes room, and has the destager try again later.
@@ -3098,16 +3125,13 @@ impl VolCache {
         } else {
             self.send_runs(win, runs, trailing, short).await
         };
-        // Each write still in flight holds its slice of a slab.
-        if trailing.set.is_empty() {
-            for b in trailing.slabs.drain(..) {
-                self.shared.bufs.put(b);
-            }
-        }
+        // The slabs no write still in flight holds a slice of go back to the pool: memory holds
+        // one piece and the slabs of the writes in flight, however long the replay.
+        self.slabs_back(trailing);
         sent?;
-        // A piece short of the reach is not flushed: no checkpoint follows it, and the next
-        // piece's writes go out only once its own have completed, so none of them can land
-        // under an older version. The piece that reaches the reach flushes them all before the
+        // A piece short of the reach is not flushed: no checkpoint follows it, and its writes
+        // may still be in flight; the next piece's overlap none of them ([`Trailing`]). The
+        // piece that reaches the reach waits for them all and flushes them before the
         // checkpoint; a crash before it sends every piece again.
         if win.last < lock(&self.st).reach {
             tracing::debug!(
@@ -3605,6 +3629,41 @@ mod tests {
             "1 MiB writes filled {:.1} % of the log",
             fill * 100.0
         );
+    }
+
+    /// A slab a write in flight holds a slice of comes back to its holder; once no write
+    /// holds one, it goes to the pool ([`VolCache::slabs_back`], called after each piece).
+    #[test]
+    fn a_slab_goes_back_to_the_pool_once_no_write_holds_a_slice() {
+        let pool = BufPool::default();
+        let size = window::RUN_BYTES_MAX as usize;
+        let slab = pool.take(size).freeze();
+        let ptr = slab.as_ptr();
+        let write = slab.slice(4096..8192);
+        let slab = pool
+            .put_if_free(slab)
+            .expect("a slab a write holds went to the pool");
+        assert!(lock(&pool.free).is_empty());
+        drop(write);
+        assert!(pool.put_if_free(slab).is_none());
+        assert_eq!(pool.take(size).as_ptr(), ptr);
+    }
+
+    /// `Trailing::overlaps` against every range over a few disjoint ones in flight.
+    #[test]
+    fn a_write_overlaps_exactly_the_writes_in_flight_it_shares_a_byte_with() {
+        let mut t = Trailing::default();
+        let flight = [(0u64, 4u64), (4, 6), (10, 12), (20, 30)];
+        for (s, e) in flight {
+            t.ranges.insert(s, e);
+        }
+        for start in 0..35u64 {
+            for end in start + 1..36 {
+                let want = flight.iter().any(|&(s, e)| start < e && s < end);
+                assert_eq!(t.overlaps(start, end), want, "{start}..{end}");
+            }
+        }
+        assert!(!Trailing::default().overlaps(0, u64::MAX));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Destage windows at their limits: a held window larger than the destager's byte cap, a
-//! replay's pieces growing from a small first one (cut between two, too), many batch windows each read ahead while
+//! replay's pieces (cut between two, each going out behind the last), many batch windows each read ahead while
 //! the one before is written, and a window with a corrupt record. At every checkpoint the datastore must equal the volume as of that checkpoint
 //! (DESIGN §2), and a window that cannot be read must leave the datastore untouched.
 
@@ -316,6 +316,35 @@ async fn a_replay_piece_goes_out_behind_the_last_but_never_under_an_overlapping_
     assert!(
         r.store.image() == r.image(n),
         "an older write landed over a newer one"
+    );
+}
+
+/// The piece that reaches the reach waits for every write still in flight, its own and the
+/// pieces' before it, before the datastore flush its checkpoint follows: with every write slow
+/// (50 ms), the datastore holds the whole volume when the flush comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_flushes_only_once_every_write_is_in() {
+    let n = REPLAY_WRITES;
+    let r = replaying_rig().await;
+    let c = r.vol.cache().expect("cached");
+    r.store
+        .set_write_delay(Some(std::time::Duration::from_millis(50)));
+    let at_flush = Arc::new(std::sync::Mutex::new(None));
+    {
+        let (store, at_flush) = (r.store.clone(), at_flush.clone());
+        r.store
+            .after_next_flush(move || *at_flush.lock().unwrap() = Some(store.image()));
+    }
+    let mut turn = 0;
+    while !c.clean() {
+        assert!(turn < 10_000, "the replay made no progress");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+    }
+    let image = at_flush.lock().unwrap().take().expect("no datastore flush");
+    assert!(
+        image == r.image(n),
+        "the datastore was flushed with writes still in flight"
     );
 }
 
