@@ -193,8 +193,9 @@ pub struct CacheInfo {
     #[serde(default)]
     pub space_waits: u64,
     pub replaying: bool,
-    /// While replaying: the writes up to this sequence number are on the datastore, of the
-    /// ones up to `replay_end` (a replay records its checkpoint once, at its end).
+    /// While replaying: the writes up to this sequence number are sent to the datastore (the
+    /// last 16 MiB of them may still be in flight), of the ones up to `replay_end` (a replay
+    /// records its checkpoint once, at its end).
     #[serde(default)]
     pub replay_sent: u64,
     #[serde(default)]

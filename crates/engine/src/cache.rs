@@ -460,8 +460,9 @@ pub struct CacheReport {
     /// another volume to free some.
     pub space_waits: u64,
     pub replaying: bool,
-    /// While replaying: the writes up to this `ser` are on the datastore (the pieces sent),
-    /// of the ones up to `replay_end`; the checkpoint moves once, at the end.
+    /// While replaying: the writes up to this `ser` are sent to the datastore (the pieces
+    /// sent; the last piece's writes may still be in flight), of the ones up to `replay_end`;
+    /// the checkpoint moves once, at the end.
     pub replay_sent: u64,
     pub replay_end: u64,
     pub degraded: Option<String>,

@@ -269,8 +269,8 @@ async fn a_replay_goes_out_in_pieces_with_one_checkpoint_at_the_end() {
 }
 
 /// [`replaying_rig`] with the replay's first piece sent, its writes slow (200 ms each), so
-/// that its turn ended with its last writes in flight (for about 150 ms more). Returns the rig, the next turn and
-/// the writes the piece took.
+/// that its turn ended with its last writes in flight (for about 150 ms more). Returns the
+/// rig, the next turn and the writes the piece took.
 async fn rig_with_a_piece_in_flight() -> (Rig, usize, usize) {
     let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");

@@ -801,8 +801,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 if c.replaying {
                     println!(
-                        "  replaying  dirty data from before a crash; writes wait; on the datastore \
-                         up to write {} of {} (checkpoint at the end)",
+                        "  replaying  dirty data from before a crash; writes wait; sent to the \
+                         datastore up to write {} of {} (checkpoint at the end)",
                         c.replay_sent, c.replay_end
                     );
                 }
