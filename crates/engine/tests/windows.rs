@@ -305,13 +305,8 @@ async fn rig_with_a_piece_in_flight() -> (Rig, usize, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_piece_goes_out_behind_the_last_but_never_under_an_overlapping_write() {
     let n = REPLAY_WRITES;
-    let (r, mut turn, _) = rig_with_a_piece_in_flight().await;
-    let c = r.vol.cache().expect("cached");
-    while !c.clean() {
-        assert!(turn < 10_000, "the replay made no progress");
-        r.host.destage_turn(turn).await;
-        turn += 1;
-    }
+    let (r, _, _) = rig_with_a_piece_in_flight().await;
+    r.destage_checking().await;
     assert_eq!(r.checkpoint(), n as u64);
     assert!(
         r.store.image() == r.image(n),
@@ -326,7 +321,6 @@ async fn a_replay_piece_goes_out_behind_the_last_but_never_under_an_overlapping_
 async fn a_replay_flushes_only_once_every_write_is_in() {
     let n = REPLAY_WRITES;
     let r = replaying_rig().await;
-    let c = r.vol.cache().expect("cached");
     r.store
         .set_write_delay(Some(std::time::Duration::from_millis(50)));
     let at_flush = Arc::new(std::sync::Mutex::new(None));
@@ -335,12 +329,7 @@ async fn a_replay_flushes_only_once_every_write_is_in() {
         r.store
             .after_next_flush(move || *at_flush.lock().unwrap() = Some(store.image()));
     }
-    let mut turn = 0;
-    while !c.clean() {
-        assert!(turn < 10_000, "the replay made no progress");
-        r.host.destage_turn(turn).await;
-        turn += 1;
-    }
+    r.destage_checking().await;
     let image = at_flush.lock().unwrap().take().expect("no datastore flush");
     assert!(
         image == r.image(n),
