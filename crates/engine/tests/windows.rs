@@ -379,6 +379,56 @@ async fn stopping_the_destager_waits_for_a_pieces_writes_and_hears_of_their_erro
     }
 }
 
+/// The destager itself stopping (the daemon shutting down, a volume handed off) returns only
+/// once no write of its windows is in flight, those a replay's piece left behind included:
+/// its caller may give up the volume's lock next. Every write slow (200 ms), so the piece
+/// its last turn sent is still writing when that turn ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
+    let n = REPLAY_WRITES;
+    let (r, turn, _) = rig_with_a_piece_in_flight().await;
+    let c = r.vol.cache().expect("cached");
+    r.store
+        .set_write_delay(Some(std::time::Duration::from_millis(200)));
+    // Stopped from the start: it runs one turn (the next piece goes out), then stops.
+    r.host.clone().run_destager(|| true).await;
+    let stopped = r.store.image();
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(
+        r.store.image() == stopped,
+        "a write landed after the destager returned"
+    );
+    r.store.set_write_delay(None);
+    let mut turn = turn;
+    while !c.clean() {
+        assert!(turn < 10_000, "the replay made no progress");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+    }
+    assert!(r.store.image() == r.image(n), "the replay lost a write");
+}
+
+/// Detaching a volume (it is deleted) with a replay's piece still writing its datastore
+/// waits for those writes, so none lands in storage the delete frees next; the records stay
+/// for the next start, since the volume is dirty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn detaching_waits_for_the_writes_a_replays_piece_left_in_flight() {
+    let (r, _, first) = rig_with_a_piece_in_flight().await;
+    let c = r.vol.cache().expect("cached");
+    assert!(!c.clean());
+    r.host.detach(&c).await.expect("detach");
+    let detached = r.store.image();
+    assert!(
+        detached == r.image(first),
+        "detach returned before the piece's writes were in"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(
+        r.store.image() == detached,
+        "a write landed after the volume left the cache"
+    );
+}
+
 /// A write a piece left in flight fails (the datastore lost it): the next piece hears of it
 /// (it waits for the write it overlaps) and the replay starts over, instead of going on from
 /// the pieces sent and recording its checkpoint over a datastore without that write.
