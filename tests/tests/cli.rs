@@ -587,3 +587,89 @@ fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
     let e = v.vesta_err(&["volume", "show", "stuck"]);
     assert!(e.contains("no volume named"), "{e}");
 }
+
+/// The same for a `wb` volume, whose datastore IO in flight is its destager's: a window
+/// writing to the paused LUN holds the destager, and the delete gives up after its wait as
+/// above rather than wait for the datastore for ever (holding every other change). The volume
+/// and its dirty data stay; once the LUN answers, the data reaches it and the delete works.
+#[test]
+fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() {
+    use std::io::{Read, Write};
+    let dir = Scratch::new("pausectl");
+    let ctl = dir.join("pause.sock");
+    let lun = Nbdkit::start(
+        64 << 20,
+        &["--filter=pause"],
+        &[&format!("pause-control={}", ctl.display())],
+    );
+    let v = Vestad::start();
+    v.add_lun("san", &lun, 4);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "stuckwb",
+        "--size",
+        "8M",
+        "--datastore",
+        "san",
+        "--policy",
+        "wb",
+    ]);
+    let mut pause = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+    let mut said = [0u8; 1];
+    pause.write_all(b"p").unwrap();
+    pause.read_exact(&mut said).unwrap();
+    assert_eq!(&said, b"P", "nbdkit paused");
+    // Completes in the cache; its destaging is what waits at the LUN.
+    vesta_tests::qemu_io(&v.url("stuckwb"), &["write -P 0x5a 0 64k"]);
+    wait_for(
+        Duration::from_secs(10),
+        "the destager's write in flight",
+        || {
+            let s = v.vesta_json(&["stats", "stuckwb"]);
+            let ds = &s["datastores"]
+                .as_array()?
+                .iter()
+                .find(|d| d["name"] == "san")?["io"];
+            (ds["outstanding"].as_u64()? >= 1).then_some(())
+        },
+    );
+    let resume = |pause: &mut std::os::unix::net::UnixStream| {
+        let mut said = [0u8; 1];
+        pause.write_all(b"r").unwrap();
+        pause.read_exact(&mut said).unwrap();
+        assert_eq!(&said, b"R", "nbdkit resumed");
+    };
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let v = &v;
+        s.spawn(move || {
+            let _ = tx.send(v.vesta_err(&["volume", "delete", "stuckwb", "--force"]));
+        });
+        match rx.recv_timeout(Duration::from_secs(90)) {
+            Ok(e) => assert!(
+                e.contains("still has IO in flight") && e.contains("storage was kept"),
+                "{e}"
+            ),
+            Err(_) => {
+                resume(&mut pause); // lets the delete end, so the test does too
+                panic!("the delete waited for the paused datastore past its limit");
+            }
+        }
+    });
+    let s = v.vesta_json(&["volume", "show", "stuckwb"]);
+    assert_eq!(s["status"], "ok", "{s:#}");
+    assert!(
+        s["cache"]["dirty_bytes"].as_u64().unwrap() >= 65536,
+        "{s:#}"
+    );
+    resume(&mut pause);
+    wait_for(Duration::from_secs(30), "the volume to be clean", || {
+        let s = v.vesta_json(&["volume", "show", "stuckwb"]);
+        (s["cache"]["dirty_bytes"] == 0).then_some(())
+    });
+    vesta_tests::qemu_io(&v.url("stuckwb"), &["read -P 0x5a 0 64k"]);
+    v.vesta_ok(&["volume", "delete", "stuckwb"]);
+    let e = v.vesta_err(&["volume", "show", "stuckwb"]);
+    assert!(e.contains("no volume named"), "{e}");
+}

@@ -2571,26 +2571,70 @@ impl VolCache {
     /// Stops destaging (no window starts; one in flight is waited out), so the volume's
     /// storage can be freed without a late datastore write landing in it.
     pub async fn stop_destaging(&self) {
+        self.stop_destaging_by(None).await;
+    }
+
+    /// [`VolCache::stop_destaging`], waiting at most `limit` for the destager's datastore
+    /// writes in flight (a datastore that stopped answering can hold them for ever). False if
+    /// some are still in flight then: the destager stays stopped (the caller resumes it, or
+    /// tries again), and the window they belong to goes on and ends as any other.
+    pub async fn stop_destaging_within(&self, limit: Duration) -> bool {
+        self.stop_destaging_by(Some(tokio::time::Instant::now() + limit))
+            .await
+    }
+
+    async fn stop_destaging_by(&self, deadline: Option<tokio::time::Instant>) -> bool {
         self.destage_stopped.store(true, Ordering::SeqCst);
-        let mut d = self.destaging.lock().await;
+        let mut d = match deadline {
+            None => self.destaging.lock().await,
+            Some(at) => match tokio::time::timeout_at(at, self.destaging.lock()).await {
+                Ok(d) => d,
+                Err(_) => return false, // a window is still writing
+            },
+        };
         if let Some(a) = d.ahead.take() {
-            let _ = a.read.await;
+            let _ = a.read.await; // a read of the cache log, not of the datastore
         }
-        // No write of this volume may be in flight once this returns.
-        if let Some(e) = self.settle(&mut d.trailing).await {
+        // No write of this volume may be in flight once this returns true.
+        let (done, err) = self.settle_by(&mut d.trailing, deadline).await;
+        if let Some(e) = err {
             self.trailing_failed(e);
         }
+        done
     }
 
     /// Waits for every write in flight of the pieces sent (`t`), and returns the first error.
     async fn settle(&self, t: &mut Trailing) -> Option<Error> {
+        self.settle_by(t, None).await.1
+    }
+
+    /// [`VolCache::settle`] until `deadline` at most: whether every write is in, and the first
+    /// error among those that ended (a write that ends after the deadline is heard of by the
+    /// next settle, or by the next piece).
+    async fn settle_by(
+        &self,
+        t: &mut Trailing,
+        deadline: Option<tokio::time::Instant>,
+    ) -> (bool, Option<Error>) {
         let mut first_err = None;
-        while let Some(r) = t.set.join_next().await {
+        loop {
+            // (`join_next` is cancel safe: a write whose end the timeout cut stays in `t`.)
+            let r = match deadline {
+                None => t.set.join_next().await,
+                Some(at) => match tokio::time::timeout_at(at, t.set.join_next()).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        self.slabs_back(t);
+                        return (false, first_err);
+                    }
+                },
+            };
+            let Some(r) = r else { break };
             self.note_write(Some(r), t, &mut first_err);
         }
         t.ranges.clear();
         self.slabs_back(t);
-        first_err
+        (true, first_err)
     }
 
     /// Gives the pool back the slabs of `t` that no write in flight holds a slice of.

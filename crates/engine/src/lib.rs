@@ -463,6 +463,16 @@ impl Volume {
         }
     }
 
+    /// [`Volume::stop_destaging`], waiting at most `limit` for the destager's datastore writes
+    /// in flight: false if some are still in flight then (the destager stays stopped; resume
+    /// it or try again). True at once for an uncached volume.
+    pub async fn stop_destaging_within(&self, limit: Duration) -> bool {
+        match self.route() {
+            Route::Cached(c) => c.stop_destaging_within(limit).await,
+            _ => true,
+        }
+    }
+
     /// Lets the destager go on (a delete or a relocation did not happen).
     pub fn resume_destaging(&self) {
         if let Route::Cached(c) = self.route() {

@@ -408,6 +408,60 @@ async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
     assert!(r.store.image() == r.image(n), "the replay lost a write");
 }
 
+/// A delete or relocation gives up stopping the destager after a limit, rather than wait for
+/// ever on a datastore that stopped answering: whether a window holds the destager (its writes
+/// slow) or a piece left its writes in flight, `stop_destaging_within` says false in about
+/// its limit; given time, it says true and nothing lands after. Nothing is lost either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_destager_gives_up_after_its_limit_and_loses_nothing() {
+    use std::time::{Duration, Instant};
+    let n = REPLAY_WRITES;
+    // A window writing: every write takes 300 ms.
+    let r = replaying_rig().await;
+    let c = r.vol.cache().expect("cached");
+    r.store.set_write_delay(Some(Duration::from_millis(300)));
+    let turn = {
+        let host = r.host.clone();
+        tokio::spawn(async move { host.destage_turn(0).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t0 = Instant::now();
+    assert!(
+        !c.stop_destaging_within(Duration::from_millis(50)).await,
+        "the destager stopped while its window was writing"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(250),
+        "it waited past its limit"
+    );
+    turn.await.unwrap();
+    r.store.set_write_delay(None);
+    c.resume_destaging();
+    r.destage_checking().await;
+    assert!(r.store.image() == r.image(n), "the replay lost a write");
+    // A piece's writes left in flight (for about 150 ms more).
+    let (r, mut turn, _) = rig_with_a_piece_in_flight().await;
+    let c = r.vol.cache().expect("cached");
+    assert!(
+        !c.stop_destaging_within(Duration::from_millis(10)).await,
+        "the destager stopped with a piece's writes in flight"
+    );
+    assert!(c.stop_destaging_within(Duration::from_secs(5)).await);
+    let stopped = r.store.image();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        r.store.image() == stopped,
+        "a write landed after the destager stopped"
+    );
+    c.resume_destaging();
+    while !c.clean() {
+        assert!(turn < 10_000, "the replay made no progress");
+        r.host.destage_turn(turn).await;
+        turn += 1;
+    }
+    assert!(r.store.image() == r.image(n), "the replay lost a write");
+}
+
 /// Detaching a volume (it is deleted) with a replay's piece still writing its datastore
 /// waits for those writes, so none lands in storage the delete frees next; the records stay
 /// for the next start, since the volume is dirty.

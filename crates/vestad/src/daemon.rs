@@ -265,6 +265,18 @@ fn now_unix() -> u64 {
 
 /// How long a delete waits for the volume's in-flight datastore IO to finish.
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
+
+/// Stops the destager and revokes the volume before its storage is freed or copied: true
+/// once neither the destager nor a client has a datastore IO in flight, false if some are
+/// still in flight after [`FORCE_DETACH_WAIT`] in all (a datastore that stopped answering).
+/// Then the destager stays stopped and the volume revoked, for the caller to undo.
+async fn quiesce_for_storage(volume: &Volume) -> bool {
+    let deadline = std::time::Instant::now() + FORCE_DETACH_WAIT;
+    volume.stop_destaging_within(FORCE_DETACH_WAIT).await
+        && volume
+            .revoke(deadline.saturating_duration_since(std::time::Instant::now()))
+            .await
+}
 /// How long a delete waits for another change of its volume to finish before it is refused.
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
 /// How long a delete waits for the reopen of a volume that could not open: as long as that
@@ -1948,8 +1960,7 @@ impl Daemon {
             self.reinstate(&entry, Ok(volume.clone()));
             why
         };
-        volume.stop_destaging().await;
-        if !volume.revoke(FORCE_DETACH_WAIT).await {
+        if !quiesce_for_storage(&volume).await {
             return Err(OpError::Unavailable(restore(format!(
                 "volume {name:?} still has IO in flight after {FORCE_DETACH_WAIT:?}; retry"
             ))));
@@ -2267,8 +2278,7 @@ impl Daemon {
         let destaging = entry.volume.as_ref().is_ok_and(|v| !v.destaging_stopped());
         if let Ok(volume) = &entry.volume {
             // Clients' IO and the destager's both must be over before the storage goes.
-            volume.stop_destaging().await;
-            if !volume.revoke(FORCE_DETACH_WAIT).await {
+            if !quiesce_for_storage(volume).await {
                 // Nothing is deleted: the volume goes back into service as it was (its dirty
                 // data still goes to the datastore), so a retried delete stops and revokes
                 // this same volume again rather than free storage it still writes.

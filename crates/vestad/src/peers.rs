@@ -1946,7 +1946,7 @@ pub async fn surrogate_replay(
     Ok((out, not_replayed))
 }
 
-async fn surrogate_one(
+pub(crate) async fn surrogate_one(
     d: &Arc<Daemon>,
     host: &Arc<CacheHost>,
     rec: &VolumeRecord,

@@ -1667,6 +1667,22 @@ async fn a_lock_take_that_answered_an_error_is_given_back_unless_served() {
         .unwrap_err();
     crate::peers::replay_ended(&d, other.id);
     assert_eq!(unlocks_of(&coord, other.id), 1, "the replay kept the lock");
+    // A surrogate replay (from a dead host's cache file) whose take answered an error.
+    let lost = other_hosts(&d, "surrogate-hosts");
+    let file = CacheHost::open(
+        Arc::new(cachelog::device::SimDevice::new(16 << 20)),
+        engine::cache::SEGMENT_DEFAULT,
+    )
+    .unwrap();
+    let e = crate::peers::surrogate_one(&d, &file, &lost, 1, false)
+        .await
+        .unwrap_err();
+    assert!(e.contains("lost"), "{e}");
+    assert_eq!(
+        unlocks_of(&coord, lost.id),
+        1,
+        "the surrogate replay kept the lock"
+    );
 }
 
 /// With the coordinator not answering, a round of retries tries one owed unlock, not each
