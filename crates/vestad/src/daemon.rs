@@ -265,18 +265,6 @@ fn now_unix() -> u64 {
 
 /// How long a delete waits for the volume's in-flight datastore IO to finish.
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
-
-/// Stops the destager and revokes the volume before its storage is freed or copied: true
-/// once neither the destager nor a client has a datastore IO in flight, false if some are
-/// still in flight after [`FORCE_DETACH_WAIT`] in all (a datastore that stopped answering).
-/// Then the destager stays stopped and the volume revoked, for the caller to undo.
-async fn quiesce_for_storage(volume: &Volume) -> bool {
-    let deadline = std::time::Instant::now() + FORCE_DETACH_WAIT;
-    volume.stop_destaging_within(FORCE_DETACH_WAIT).await
-        && volume
-            .revoke(deadline.saturating_duration_since(std::time::Instant::now()))
-            .await
-}
 /// How long a delete waits for another change of its volume to finish before it is refused.
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
 /// How long a delete waits for the reopen of a volume that could not open: as long as that
@@ -289,6 +277,18 @@ const SAME_DIR_WAIT: Duration = Duration::from_secs(2);
 /// Longest a datastore may take to list its volumes when a start or a delete looks for copies
 /// that interrupted relocations left there.
 const LEFTOVER_LIST_WAIT: Duration = Duration::from_secs(10);
+
+/// Stops the destager and revokes the volume before its storage is freed or copied: true
+/// once neither the destager nor a client has a datastore IO in flight, false if some are
+/// still in flight after [`FORCE_DETACH_WAIT`] in all (a datastore that stopped answering).
+/// Then the destager stays stopped and the volume revoked, for the caller to undo.
+async fn quiesce_for_storage(volume: &Volume) -> bool {
+    let deadline = std::time::Instant::now() + FORCE_DETACH_WAIT;
+    volume.stop_destaging_within(FORCE_DETACH_WAIT).await
+        && volume
+            .revoke(deadline.saturating_duration_since(std::time::Instant::now()))
+            .await
+}
 
 impl Daemon {
     /// Opens every datastore and volume the coordinator records, adding configured datastores
