@@ -697,6 +697,11 @@ pub struct MemDevice {
     batches: std::sync::atomic::AtomicBool,
     /// Every zeroing made: (offset, len, may_trim).
     zeroings: std::sync::Mutex<Vec<(u64, u64, bool)>>,
+    /// How many more writes may pass before the rest are held in flight ([`MemDevice::hold_writes_after`]);
+    /// `None`: none is held.
+    hold: tokio::sync::watch::Sender<Option<u64>>,
+    /// Writes held now.
+    held: std::sync::atomic::AtomicU64,
 }
 
 type FlushHook = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
@@ -711,7 +716,21 @@ impl MemDevice {
             flush_hook: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(false),
             zeroings: std::sync::Mutex::new(Vec::new()),
+            hold: tokio::sync::watch::Sender::new(None),
+            held: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// Lets the next `n` writes through and holds every one after them in flight (after its
+    /// delay, if any) until called with `None`, which releases them all: a datastore that
+    /// stops answering, for as long as a test needs.
+    pub fn hold_writes_after(&self, n: Option<u64>) {
+        self.hold.send_replace(n);
+    }
+
+    /// How many writes are held in flight now ([`MemDevice::hold_writes_after`]).
+    pub fn writes_held(&self) -> u64 {
+        self.held.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Every zeroing made so far, in order: (offset, len, whether it could deallocate).
@@ -782,6 +801,25 @@ impl Device for MemDevice {
         let delay = *self.delay.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(d) = delay {
             tokio::time::sleep(d).await;
+        }
+        let mut passes = true;
+        self.hold.send_if_modified(|h| match h {
+            Some(0) => {
+                passes = false;
+                false
+            }
+            Some(k) => {
+                *k -= 1;
+                true
+            }
+            None => false,
+        });
+        if !passes {
+            use std::sync::atomic::Ordering::SeqCst;
+            let mut released = self.hold.subscribe();
+            self.held.fetch_add(1, SeqCst);
+            let _ = released.wait_for(|h| h.is_none()).await;
+            self.held.fetch_sub(1, SeqCst);
         }
         self.failing()?;
         let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());

@@ -2593,7 +2593,17 @@ impl VolCache {
             },
         };
         if let Some(a) = d.ahead.take() {
-            let _ = a.read.await; // a read of the cache log, not of the datastore
+            // A read of the cache log, not of the datastore (it unpins its records itself).
+            match deadline {
+                None => {
+                    let _ = a.read.await;
+                }
+                Some(at) => {
+                    if tokio::time::timeout_at(at, a.read).await.is_err() {
+                        return false;
+                    }
+                }
+            }
         }
         // No write of this volume may be in flight once this returns true.
         let (done, err) = self.settle_by(&mut d.trailing, deadline).await;

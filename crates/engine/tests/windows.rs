@@ -272,6 +272,16 @@ async fn a_replay_goes_out_in_pieces_with_one_checkpoint_at_the_end() {
 /// that its turn ended with its last writes in flight (for about 150 ms more). Returns the
 /// rig, the next turn and the writes the piece took.
 async fn rig_with_a_piece_in_flight() -> (Rig, usize, usize) {
+    piece_in_flight(false).await
+}
+
+/// [`rig_with_a_piece_in_flight`] with the piece's writes still in flight held there (the
+/// datastore stopped answering) until the test calls `hold_writes_after(None)`.
+async fn rig_with_a_piece_held() -> (Rig, usize, usize) {
+    piece_in_flight(true).await
+}
+
+async fn piece_in_flight(hold: bool) -> (Rig, usize, usize) {
     let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");
     r.store
@@ -281,6 +291,10 @@ async fn rig_with_a_piece_in_flight() -> (Rig, usize, usize) {
         assert!(turn < 10_000, "no piece went out");
         r.host.destage_turn(turn).await;
         turn += 1;
+    }
+    if hold {
+        // Those still in their delay stay in flight when it ends.
+        r.store.hold_writes_after(Some(0));
     }
     // The delay counts for a write once it reaches the device: the ones just sent get there.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -379,21 +393,43 @@ async fn stopping_the_destager_waits_for_a_pieces_writes_and_hears_of_their_erro
     }
 }
 
+/// Waits (up to 10 s) until `f` holds.
+async fn until(what: &str, f: impl Fn() -> bool) {
+    for _ in 0..10_000 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    panic!("waited 10 s for {what}");
+}
+
 /// The destager itself stopping (the daemon shutting down, a volume handed off) returns only
 /// once no write of its windows is in flight, those a replay's piece left behind included:
-/// its caller may give up the volume's lock next. Every write slow (200 ms), so the piece
-/// its last turn sent is still writing when that turn ends.
+/// its caller may give up the volume's lock next. The piece's writes are held in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
+    use std::time::Duration;
     let n = REPLAY_WRITES;
-    let (r, turn, _) = rig_with_a_piece_in_flight().await;
+    let (r, turn, first) = rig_with_a_piece_held().await;
     let c = r.vol.cache().expect("cached");
-    r.store
-        .set_write_delay(Some(std::time::Duration::from_millis(200)));
     // Stopped from the start: it runs one turn (the next piece goes out), then stops.
-    r.host.clone().run_destager(|| true).await;
+    let destager = tokio::spawn(r.host.clone().run_destager(|| true));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !destager.is_finished(),
+        "the destager returned with a piece's writes in flight"
+    );
+    // The next piece's writes slow (200 ms): they too must be in before it returns.
+    r.store.set_write_delay(Some(Duration::from_millis(200)));
+    r.store.hold_writes_after(None);
+    destager.await.unwrap();
     let stopped = r.store.image();
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert!(
+        stopped != r.image(first),
+        "the destager's last turn sent no piece"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         r.store.image() == stopped,
         "a write landed after the destager returned"
@@ -409,43 +445,44 @@ async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
 }
 
 /// A delete or relocation gives up stopping the destager after a limit, rather than wait for
-/// ever on a datastore that stopped answering: whether a window holds the destager (its writes
-/// slow) or a piece left its writes in flight, `stop_destaging_within` says false in about
-/// its limit; given time, it says true and nothing lands after. Nothing is lost either way.
+/// ever on a datastore that stopped answering: whether a window holds the destager or a piece
+/// left its writes in flight, `stop_destaging_within` says false in about its limit; once
+/// the writes are in, it says true and nothing lands after. Nothing is lost either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stopping_the_destager_gives_up_after_its_limit_and_loses_nothing() {
     use std::time::{Duration, Instant};
     let n = REPLAY_WRITES;
-    // A window writing: every write takes 300 ms.
+    // A window writing, its writes held.
     let r = replaying_rig().await;
     let c = r.vol.cache().expect("cached");
-    r.store.set_write_delay(Some(Duration::from_millis(300)));
+    r.store.hold_writes_after(Some(0));
     let turn = {
         let host = r.host.clone();
         tokio::spawn(async move { host.destage_turn(0).await })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    until("a write of the window held", || r.store.writes_held() > 0).await;
     let t0 = Instant::now();
     assert!(
         !c.stop_destaging_within(Duration::from_millis(50)).await,
         "the destager stopped while its window was writing"
     );
     assert!(
-        t0.elapsed() < Duration::from_millis(250),
+        t0.elapsed() < Duration::from_secs(2),
         "it waited past its limit"
     );
+    r.store.hold_writes_after(None);
     turn.await.unwrap();
-    r.store.set_write_delay(None);
     c.resume_destaging();
     r.destage_checking().await;
     assert!(r.store.image() == r.image(n), "the replay lost a write");
-    // A piece's writes left in flight (for about 150 ms more).
-    let (r, mut turn, _) = rig_with_a_piece_in_flight().await;
+    // A piece's writes left in flight, held.
+    let (r, mut turn, _) = rig_with_a_piece_held().await;
     let c = r.vol.cache().expect("cached");
     assert!(
         !c.stop_destaging_within(Duration::from_millis(10)).await,
         "the destager stopped with a piece's writes in flight"
     );
+    r.store.hold_writes_after(None);
     assert!(c.stop_destaging_within(Duration::from_secs(5)).await);
     let stopped = r.store.image();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -464,19 +501,26 @@ async fn stopping_the_destager_gives_up_after_its_limit_and_loses_nothing() {
 
 /// Detaching a volume (it is deleted) with a replay's piece still writing its datastore
 /// waits for those writes, so none lands in storage the delete frees next; the records stay
-/// for the next start, since the volume is dirty.
+/// for the next start, since the volume is dirty. The piece's writes are held in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn detaching_waits_for_the_writes_a_replays_piece_left_in_flight() {
-    let (r, _, first) = rig_with_a_piece_in_flight().await;
+    let (r, _, first) = rig_with_a_piece_held().await;
     let c = r.vol.cache().expect("cached");
     assert!(!c.clean());
-    r.host.detach(&c).await.expect("detach");
-    let detached = r.store.image();
+    let detach = {
+        let (host, c) = (r.host.clone(), c.clone());
+        tokio::spawn(async move { host.detach(&c).await })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(
-        detached == r.image(first),
-        "detach returned before the piece's writes were in"
+        !detach.is_finished(),
+        "detach returned with the piece's writes in flight"
     );
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    r.store.hold_writes_after(None);
+    detach.await.unwrap().expect("detach");
+    let detached = r.store.image();
+    assert!(detached == r.image(first), "the piece's writes are not in");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert!(
         r.store.image() == detached,
         "a write landed after the volume left the cache"

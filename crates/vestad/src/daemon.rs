@@ -281,7 +281,8 @@ const LEFTOVER_LIST_WAIT: Duration = Duration::from_secs(10);
 /// Stops the destager and revokes the volume before its storage is freed or copied: true
 /// once neither the destager nor a client has a datastore IO in flight, false if some are
 /// still in flight after [`FORCE_DETACH_WAIT`] in all (a datastore that stopped answering).
-/// Then the destager stays stopped and the volume revoked, for the caller to undo.
+/// Then the destager stays stopped and the volume may be revoked: the caller undoes both
+/// (`unrevoke`, which also resumes the destager if asked).
 async fn quiesce_for_storage(volume: &Volume) -> bool {
     let deadline = std::time::Instant::now() + FORCE_DETACH_WAIT;
     volume.stop_destaging_within(FORCE_DETACH_WAIT).await
@@ -1955,8 +1956,10 @@ impl Daemon {
                 )),
             );
         }
+        // A relocation that fails leaves the destager as it found it, as a delete does.
+        let destaging = !volume.destaging_stopped();
         let restore = |why: String| {
-            volume.unrevoke(true);
+            volume.unrevoke(destaging);
             self.reinstate(&entry, Ok(volume.clone()));
             why
         };
