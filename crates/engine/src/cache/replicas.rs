@@ -524,7 +524,13 @@ impl CacheHost {
         let recorded = self.append_meta_for(volume, last.max(set.checkpoint), set.gen, 0);
         set.release(&self.shared.log, u64::MAX);
         if !lock(&self.vols).iter().any(|v| v.id == volume) {
-            self.shared.log.forget(volume);
+            // Under the lock, and only with no set again: the owner's open of the next
+            // generation may have come meanwhile (on another connection), and its record
+            // must keep the segments that hold it (`replica_open` appends under this lock).
+            let sets = lock(&self.replicas);
+            if !sets.contains_key(&volume) {
+                self.shared.log.forget(volume);
+            }
         }
         info!(
             "dropped the replicas of volume {volume} (generation {}, up to write {last})",
