@@ -137,6 +137,9 @@ const PAUSE_WAIT: Duration = Duration::from_secs(if cfg!(test) { 1 } else { 5 })
 /// read, an append into a dying device) with the volume paused.
 const REROUTE_PAUSE: Duration = Duration::from_secs(1);
 
+/// How long [`Volume::accept_loss`] waits for the destager's datastore writes in flight.
+const ACCEPT_LOSS_DESTAGER_WAIT: Duration = Duration::from_secs(10);
+
 /// Whether an IO `op` on `c` waits to be rerouted once the host's cache device has failed
 /// (see [`Volume::stalls`]): any IO of a volume with peers, or anything but a read of a `wb`
 /// volume with every write destaged (a read then comes from the datastore, which holds
@@ -622,9 +625,19 @@ impl Volume {
             unreachable!("loss() answers only for a cached volume");
         };
         // A window the destager is writing ends first: none of it may land on the datastore
-        // after a write the volume does uncached.
+        // after a write the volume does uncached. A datastore that does not answer its writes
+        // fails this (the operator retries) rather than hold the command for ever.
         let was_stopped = c.destaging_stopped();
-        c.stop_destaging().await;
+        if !c.stop_destaging_within(ACCEPT_LOSS_DESTAGER_WAIT).await {
+            if !was_stopped {
+                c.resume_destaging();
+            }
+            return Err(Error::Cache(format!(
+                "the destager's writes to the datastore did not end within \
+                 {ACCEPT_LOSS_DESTAGER_WAIT:?} (is the datastore answering?); nothing changed, \
+                 retry"
+            )));
+        }
         self.paused.store(true, Ordering::SeqCst);
         let r = async {
             if !self.quiesce(REROUTE_PAUSE).await {

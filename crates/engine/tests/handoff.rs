@@ -572,6 +572,56 @@ async fn an_accepted_loss_waits_for_the_window_in_flight() {
     );
 }
 
+/// The same with the datastore not answering the window's writes at all: accepting the loss
+/// fails after its wait (10 s) and changes nothing, instead of holding the operator's command
+/// for ever; once the datastore answers, it goes through, and the window's older write does
+/// not land over the uncached one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_loss_gives_up_on_a_window_the_datastore_holds() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let (store, vol, host) = wb_volume(cache.clone(), false).await;
+    store.hold_writes_after(Some(0));
+    let destaging = {
+        let host = host.clone();
+        tokio::spawn(async move { host.destage_turn(0).await })
+    };
+    for _ in 0..10_000 {
+        if store.writes_held() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        store.writes_held() > 0,
+        "the window's write never reached the datastore"
+    );
+    fail(&cache, &host);
+    let ran = Arc::new(std::sync::Mutex::new(None));
+    let t0 = std::time::Instant::now();
+    let e = tokio::time::timeout(
+        Duration::from_secs(30),
+        vol.accept_loss(recording_hook(&ran)),
+    )
+    .await
+    .expect("accepting the loss waited for the datastore past its limit")
+    .unwrap_err();
+    assert!(e.to_string().contains("did not end within"), "{e}");
+    assert!(t0.elapsed() >= Duration::from_secs(9), "it gave up early");
+    assert!(ran.lock().unwrap().is_none(), "the hook ran");
+    assert!(vol.loss().is_ok(), "the loss is no longer there to accept");
+    assert_eq!(vol.policy(), Policy::Wb);
+    store.hold_writes_after(None);
+    vol.accept_loss(recording_hook(&ran)).await.unwrap();
+    vol.write(0, Bytes::from(vec![0x43; BLOCK]), true)
+        .await
+        .unwrap();
+    within(destaging, "the destage turn").await;
+    assert!(
+        store.image()[..BLOCK] == [0x43; BLOCK],
+        "the destager's older write landed over the uncached one"
+    );
+}
+
 /// Peers that fail every write and flush, and cannot be taken out of the vault (the
 /// coordinator is down, or the daemon no longer writes the vault: it handed the volume off).
 struct Unexcludable;
