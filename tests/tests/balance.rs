@@ -461,6 +461,18 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
     wait_for(Duration::from_secs(30), "the copy to start", || {
         v.log().contains("relocating volume \"k\"").then_some(())
     });
+    // `volume show` says how far the copy is: some of it, not all, with the target's writes
+    // taking a second each.
+    wait_for(
+        Duration::from_secs(30),
+        "the copy's progress in the status",
+        || {
+            let s = v.vesta_json(&["volume", "show", "k"]);
+            let st = s["status"].as_str()?.to_owned();
+            (st.contains(" of 64 MiB copied, ") && !st.contains("(0 B of") && !st.contains("100 %"))
+                .then_some(())
+        },
+    );
     // Meanwhile the volume refuses policy changes, a second relocation and a delete, saying
     // why, while other admin operations go on.
     let e = v.vesta_err(&["volume", "policy", "k", "wt"]);

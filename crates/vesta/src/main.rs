@@ -919,8 +919,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             if !cli.json {
                 eprintln!(
-                    "copying volume {name} to datastore {datastore}; vestad logs progress, and \
-                     the volume serves again when this returns"
+                    "copying volume {name} to datastore {datastore}; `vesta volume show {name}` \
+                     shows how far it is, and the volume serves again when this returns"
                 );
             }
             let started = std::time::Instant::now();

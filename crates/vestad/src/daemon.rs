@@ -103,6 +103,8 @@ pub struct VolumeEntry {
     /// A placeholder standing in for the volume while an operation holds it open (a
     /// relocation): it keeps the vault lock the volume was opened under.
     stands_in: bool,
+    /// A relocation's bytes copied so far, shown with its status.
+    copied: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
 
 /// A relocation whose record update failed and whose record could not be read back: the
@@ -132,6 +134,7 @@ impl VolumeEntry {
             retry: true,
             unconfirmed: None,
             stands_in: false,
+            copied: None,
         }
     }
 
@@ -1250,7 +1253,18 @@ impl Daemon {
                     ),
                     _ => "ok".into(),
                 },
-                Err(m) => m.clone(),
+                Err(m) => match &e.copied {
+                    Some(c) => {
+                        let copied = c.load(Ordering::Relaxed).min(e.record.size);
+                        format!(
+                            "{m} ({} of {} copied, {:.0} %)",
+                            api::format_size(copied),
+                            api::format_size(e.record.size),
+                            100.0 * copied as f64 / e.record.size.max(1) as f64
+                        )
+                    }
+                    None => m.clone(),
+                },
             },
             connections: e.connections(),
             created_unix: e.record.created_unix,
@@ -1938,6 +1952,7 @@ impl Daemon {
                 )));
             }
         }
+        let progress = Arc::new(std::sync::atomic::AtomicU64::new(0));
         {
             let mut v = self.volumes.write().expect("lock");
             if v.get(name).is_some_and(|e| e.connections() > 0) {
@@ -1945,15 +1960,20 @@ impl Daemon {
                     "volume {name:?} was attached meanwhile; retry"
                 )));
             }
-            // Until the copy is done the volume is shown, and refused, as relocating.
+            // Until the copy is done the volume is shown, and refused, as relocating, with
+            // how far the copy is.
             v.insert(
                 name.to_owned(),
-                Arc::new(VolumeEntry::placeholder(
-                    entry.current_record(),
-                    format!(
-                        "relocating to datastore {to:?}; it serves again when the copy is done"
-                    ),
-                )),
+                Arc::new(VolumeEntry {
+                    copied: Some(progress.clone()),
+                    ..VolumeEntry::placeholder(
+                        entry.current_record(),
+                        format!(
+                            "relocating to datastore {to:?}; it serves again when the copy is \
+                             done"
+                        ),
+                    )
+                }),
             );
         }
         // A relocation that fails leaves the destager as it found it, as a delete does.
@@ -2021,7 +2041,7 @@ impl Daemon {
         );
         let started = std::time::Instant::now();
         drop(admin);
-        let copied = copy_extent(&src, &dst, &self.stopping).await;
+        let copied = copy_extent(&src, &dst, &self.stopping, &progress).await;
         let _admin = self.admin.lock().await;
         let copy_spec = rec.spec();
         let drop_copy = || self.free_storage(&to, &copy_spec);
@@ -2873,23 +2893,22 @@ async fn copy_extent(
     src: &datastore::Extent,
     dst: &datastore::Extent,
     stop: &std::sync::atomic::AtomicBool,
+    copied: &std::sync::atomic::AtomicU64,
 ) -> std::io::Result<()> {
     async fn chunk(
         src: datastore::Extent,
         dst: datastore::Extent,
         off: u64,
         len: u64,
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<u64> {
         let data = src.read(off, len as usize).await?;
-        if data.iter().all(|b| *b == 0) {
-            Ok(())
-        } else {
-            dst.write(off, data, false).await
+        if !data.iter().all(|b| *b == 0) {
+            dst.write(off, data, false).await?;
         }
+        Ok(len)
     }
     let size = src.size();
     let mut next = 0;
-    let mut done = 0;
     let mut told = std::time::Instant::now();
     let mut running = tokio::task::JoinSet::new();
     let mut failed = None;
@@ -2909,13 +2928,15 @@ async fn copy_extent(
         };
         // After an error the chunks in flight still finish (none is abandoned mid-write: the
         // copy is deleted next, and no late write may land in what replaces it).
-        if let Err(e) = r.map_err(std::io::Error::other).and_then(|r| r) {
-            failed.get_or_insert(e);
-            continue;
-        }
-        done += 1;
+        match r.map_err(std::io::Error::other).and_then(|r| r) {
+            Ok(len) => copied.fetch_add(len, Ordering::Relaxed),
+            Err(e) => {
+                failed.get_or_insert(e);
+                continue;
+            }
+        };
         if told.elapsed() >= std::time::Duration::from_secs(5) {
-            let copied = (done * RELOCATE_CHUNK).min(size);
+            let copied = copied.load(Ordering::Relaxed);
             info!(
                 "relocation: {} of {} copied ({:.0} %)",
                 api::format_size(copied),
