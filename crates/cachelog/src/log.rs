@@ -386,9 +386,17 @@ impl Log {
                 ..Seg::default()
             });
         }
-        // A new epoch for this run, durable before any segment is started in it.
+        // A new epoch for this run, durable before any segment is started in it. The first
+        // sector, which says everything and carries its own checksum, goes first and on its
+        // own: a superblock written before that checksum existed has only the whole-block
+        // one, and a cut that kept the rest of a whole-block write but not its first sector
+        // would leave neither checksum right, and the log unreadable.
         sb.epoch += 1;
-        dev.write_at(0, &sb.encode()).map_err(io)?;
+        let enc = sb.encode();
+        dev.write_at(0, &enc[..format::SECTOR as usize])
+            .map_err(io)?;
+        dev.sync().map_err(io)?;
+        dev.write_at(0, &enc).map_err(io)?;
         dev.sync().map_err(io)?;
         let next = (max_seq + 1).max(sb.epoch << 32);
         let log = Log::new(dev, sb, next);
@@ -1708,6 +1716,54 @@ mod tests {
         }
     }
 
+    /// A log whose superblock an older build wrote (no checksum of its own in the first
+    /// sector, only the whole block's) is opened, and the open's rewrite of it is cut so that
+    /// every sector but the first few reaches the media (a device does not order the sectors
+    /// of one write): it still opens, with its records. Before, the rewrite was one write of
+    /// the whole block, and keeping its tail but not its first sector left no checksum right.
+    #[test]
+    fn an_older_superblock_rewrite_torn_at_its_head_still_opens() {
+        for lost in 1..8usize {
+            let sim = Arc::new(SimDevice::new(format::SEGMENTS_START + 4 * SEG));
+            let l = Log::format(sim.clone(), SEG).unwrap();
+            let v = Uuid::new_v4();
+            add(&l, &data(v, 1, 0, 4096), &[5u8; 4096]);
+            l.sync().unwrap();
+            // As an older build wrote it: the first sector's checksum zero.
+            let mut old = l.superblock().encode();
+            drop(l);
+            let s = format::SECTOR as usize;
+            old[s - 4..s].fill(0);
+            let whole = crc32c::crc32c(&old[..old.len() - 4]);
+            let n = old.len();
+            old[n - 4..].copy_from_slice(&whole.to_le_bytes());
+            sim.write_at(0, &old).unwrap();
+            sim.sync().unwrap();
+            // The open's first write is cut; of it, all but the first `lost` sectors land.
+            let dev = Arc::new(CutAfter {
+                sim: sim.clone(),
+                left: std::sync::atomic::AtomicI64::new(0),
+                refused: Mutex::new(None),
+            });
+            assert!(Log::open(dev.clone() as Arc<dyn CacheDevice>).is_err());
+            sim.power_loss(|_, _| Fate::Lost);
+            let (off, data) = dev.refused.lock().unwrap().take().expect("a write was cut");
+            if data.len() > lost * s {
+                sim.write_at(off + (lost * s) as u64, &data[lost * s..])
+                    .unwrap();
+                sim.sync().unwrap();
+            }
+            let (_, scanned) = Log::open(sim.clone() as Arc<dyn CacheDevice>)
+                .unwrap_or_else(|e| panic!("first {lost} sector(s) lost: {e}"));
+            assert!(
+                scanned
+                    .iter()
+                    .any(|s| s.header.volume == v && s.header.ser == 1),
+                "first {lost} sector(s) lost: the record is gone"
+            );
+        }
+    }
+
     #[test]
     fn an_erased_owner_leaves_nothing_for_a_scan_even_after_a_power_loss() {
         let (d, l) = log(8);
@@ -1749,6 +1805,8 @@ mod tests {
     struct CutAfter {
         sim: Arc<SimDevice>,
         left: std::sync::atomic::AtomicI64,
+        /// The write the cut refused: where, and what.
+        refused: Mutex<Option<(u64, Vec<u8>)>>,
     }
 
     impl CacheDevice for CutAfter {
@@ -1764,6 +1822,10 @@ mod tests {
         fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
             if self.left.fetch_sub(1, Ordering::SeqCst) <= 0 {
                 self.sim.fail();
+                let mut r = self.refused.lock().unwrap();
+                if r.is_none() {
+                    *r = Some((offset, data.to_vec()));
+                }
                 return Err(std::io::Error::other("power cut"));
             }
             self.sim.write_at(offset, data)
@@ -1786,6 +1848,7 @@ mod tests {
             let dev = Arc::new(CutAfter {
                 sim: sim.clone(),
                 left: std::sync::atomic::AtomicI64::new(i64::MAX),
+                refused: Mutex::new(None),
             });
             let l = Log::format(dev.clone(), SEG).unwrap();
             let a = Uuid::new_v4();
