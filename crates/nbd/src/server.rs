@@ -250,6 +250,13 @@ impl StdConn {
         }
     }
 
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            StdConn::Tcp(s) => s.set_read_timeout(t),
+            StdConn::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
     fn shutdown(&self, how: std::net::Shutdown) -> io::Result<()> {
         match self {
             StdConn::Tcp(s) => s.shutdown(how),
@@ -1168,10 +1175,32 @@ fn transmission<X: ExportSet>(
             // A payload not here yet may take long to come (a large write on a slow link, a
             // client that sends it only once it has its answers): the replies written so far
             // go first, as before a header.
-            if rd.buffer().len() < req.len as usize {
+            // And one that stops coming ends the connection after the reply timeout: it holds
+            // budget every connection shares, which a client frozen mid-payload would
+            // otherwise keep for ever. (A payload already buffered, as small ones are, costs
+            // no system call here.)
+            let got = if rd.buffer().len() < req.len as usize {
                 send_buffered(&out, &mut unflushed);
-            }
-            match read_payload(&mut rd, req.len as usize) {
+                let _ = rd.get_ref().set_read_timeout(Some(reply_timeout));
+                let got = read_payload(&mut rd, req.len as usize).map_err(|e| {
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) {
+                        io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("a WRITE's payload stopped coming for {reply_timeout:?}"),
+                        )
+                    } else {
+                        e
+                    }
+                });
+                let _ = rd.get_ref().set_read_timeout(None);
+                got
+            } else {
+                read_payload(&mut rd, req.len as usize)
+            };
+            match got {
                 Ok(buf) => Some(Bytes::from(buf)),
                 Err(e) => break End::Io(e),
             }
@@ -1700,6 +1729,77 @@ mod budget_tests {
             NbdUri::parse(&format!("nbd+unix:///{name}?socket={}", sock.display())).unwrap()
         };
         (dir, uri, server)
+    }
+
+    /// A client that stops sending a WRITE's payload midway (frozen, or its link gone with
+    /// no error) holds budget every connection shares: the connection ends once the payload
+    /// has not come for the reply timeout (1 s here), and the budget goes back. Before, it
+    /// waited for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_whose_payload_stops_coming_ends_its_connection() {
+        use std::io::{Read, Write};
+        let total = IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT;
+        let shared = Arc::new(Semaphore::new(total));
+        let (dir, _uri, server) =
+            serve_exports_with("payload", shared.clone(), Duration::from_secs(1));
+        let sock = dir.join("s.sock");
+        let ended = tokio::task::spawn_blocking(move || {
+            let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+            let mut greeting = [0u8; 18];
+            s.read_exact(&mut greeting).unwrap();
+            s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+            let name = b"slow";
+            let mut go = Vec::new();
+            go.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+            go.extend_from_slice(&proto::OPT_GO.to_be_bytes());
+            go.extend_from_slice(&(4 + name.len() as u32 + 2).to_be_bytes());
+            go.extend_from_slice(&(name.len() as u32).to_be_bytes());
+            go.extend_from_slice(name);
+            go.extend_from_slice(&0u16.to_be_bytes());
+            s.write_all(&go).unwrap();
+            loop {
+                let mut h = [0u8; 20];
+                s.read_exact(&mut h).unwrap();
+                let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+                let mut d = vec![0u8; len];
+                s.read_exact(&mut d).unwrap();
+                if u32::from_be_bytes(h[12..16].try_into().unwrap()) == proto::REP_ACK {
+                    break;
+                }
+            }
+            // A 16 MiB WRITE, of which 1 MiB comes; then nothing, the socket open.
+            let len = 16u32 << 20;
+            let mut req = Vec::new();
+            req.extend_from_slice(&proto::REQUEST_MAGIC.to_be_bytes());
+            req.extend_from_slice(&0u16.to_be_bytes());
+            req.extend_from_slice(&proto::CMD_WRITE.to_be_bytes());
+            req.extend_from_slice(&7u64.to_be_bytes());
+            req.extend_from_slice(&0u64.to_be_bytes());
+            req.extend_from_slice(&len.to_be_bytes());
+            s.write_all(&req).unwrap();
+            s.write_all(&vec![1u8; 1 << 20]).unwrap();
+            let t = std::time::Instant::now();
+            let mut b = [0u8; 64];
+            let r = s.read(&mut b);
+            (r.map_err(|e| e.kind()), t.elapsed(), s)
+        });
+        let (r, took, _s) = ended.await.unwrap();
+        assert!(
+            matches!(r, Ok(0) | Err(io::ErrorKind::ConnectionReset)),
+            "the connection did not end: {r:?} after {took:?}"
+        );
+        assert!(took < Duration::from_secs(10), "it ended after {took:?}");
+        // Its budget is back.
+        for _ in 0..100 {
+            if shared.available_permits() == total {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(shared.available_permits(), total);
+        server.abort();
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     /// A FLUSH goes to every connection of the client's pool that holds unflushed writes; if
