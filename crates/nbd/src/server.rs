@@ -82,7 +82,8 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const KEEPALIVE_PROBES: u32 = 6;
 /// A client that has not finished negotiating by then is disconnected (slow-loris guard).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// Options one client may send before entering transmission; beyond that it is looping.
+/// Options one client may send before entering transmission, besides two per export (a
+/// listing client asks `NBD_OPT_INFO` of each); beyond that it is looping.
 const OPTIONS_MAX: usize = 256;
 /// Option payloads larger than this are not read (the longest legal one is a 4 KiB name).
 const OPTION_LEN_MAX: u32 = 64 * 1024;
@@ -550,7 +551,8 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
     }
     let no_zeroes = client_flags & proto::FLAG_C_NO_ZEROES != 0;
 
-    for _ in 0..OPTIONS_MAX {
+    let options_max = OPTIONS_MAX + 2 * exports.list().len();
+    for _ in 0..options_max {
         let magic = s.read_u64().await?;
         if magic != proto::IHAVEOPT {
             return Err(invalid(format!("bad option magic {magic:#x}")));
@@ -700,7 +702,7 @@ async fn negotiate<X: ExportSet, S: AsyncRead + AsyncWrite + Unpin>(
         s.write_all(&out).await?;
         s.flush().await?;
     }
-    Err(invalid(format!("more than {OPTIONS_MAX} options")))
+    Err(invalid(format!("more than {options_max} options")))
 }
 
 /// A request's share of the server-wide budget: from the connection's reserve
@@ -1620,6 +1622,9 @@ mod budget_tests {
         stop: Stop,
     }
 
+    /// Exports the test server lists.
+    const LISTED: usize = 300;
+
     /// The FLUSHes the `firstflush` export has received (one test uses it).
     static FIRST_FLUSHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -1663,8 +1668,11 @@ mod budget_tests {
 
     impl ExportSet for Exports {
         type Export = Exp;
+        /// As many as a host with many volumes serves.
         fn list(&self) -> Vec<(String, String)> {
-            Vec::new()
+            (0..LISTED)
+                .map(|i| (format!("v{i}"), String::new()))
+                .collect()
         }
         fn info(&self, name: &str) -> Result<ExportInfo, String> {
             Ok(info(name))
@@ -1731,6 +1739,69 @@ mod budget_tests {
         (dir, uri, server)
     }
 
+    /// A raw client past the greeting (fixed newstyle, no zeroes), for what the crate's own
+    /// client never sends.
+    fn raw_hello(sock: &std::path::Path) -> std::os::unix::net::UnixStream {
+        use std::io::{Read, Write};
+        let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut greeting = [0u8; 18];
+        s.read_exact(&mut greeting).unwrap();
+        s.write_all(&3u32.to_be_bytes()).unwrap();
+        s
+    }
+
+    /// Sends `NBD_OPT_INFO` or `NBD_OPT_GO` for `name` and reads the replies to the last:
+    /// its type (`REP_ACK` if the export is there).
+    fn raw_option(s: &mut std::os::unix::net::UnixStream, opt: u32, name: &str) -> io::Result<u32> {
+        use std::io::{Read, Write};
+        let mut o = Vec::new();
+        o.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+        o.extend_from_slice(&opt.to_be_bytes());
+        o.extend_from_slice(&(4 + name.len() as u32 + 2).to_be_bytes());
+        o.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        o.extend_from_slice(name.as_bytes());
+        o.extend_from_slice(&0u16.to_be_bytes());
+        s.write_all(&o)?;
+        loop {
+            let mut h = [0u8; 20];
+            s.read_exact(&mut h)?;
+            let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+            let mut d = vec![0u8; len];
+            s.read_exact(&mut d)?;
+            let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+            if kind != proto::REP_INFO {
+                return Ok(kind);
+            }
+        }
+    }
+
+    /// A client listing a host's exports asks `NBD_OPT_INFO` of each on one connection
+    /// (`nbdinfo --list`): with 300 exports it gets every answer, and its `NBD_OPT_GO` after.
+    /// Before, the connection was cut after 256 options.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_may_ask_about_every_export_on_one_connection() {
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let (dir, _uri, server) = serve_exports("listing", shared);
+        let sock = dir.join("s.sock");
+        tokio::task::spawn_blocking(move || {
+            let mut s = raw_hello(&sock);
+            for i in 0..LISTED {
+                let kind = raw_option(&mut s, proto::OPT_INFO, &format!("v{i}"))
+                    .unwrap_or_else(|e| panic!("option {i}: {e}"));
+                assert_eq!(kind, proto::REP_ACK, "option {i}");
+            }
+            assert_eq!(
+                raw_option(&mut s, proto::OPT_GO, "v0").unwrap(),
+                proto::REP_ACK
+            );
+        })
+        .await
+        .unwrap();
+        server.abort();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     /// A client that stops sending a WRITE's payload midway (frozen, or its link gone with
     /// no error) holds budget every connection shares: the connection ends once the payload
     /// has not come for the reply timeout (1 s here), and the budget goes back. Before, it
@@ -1744,30 +1815,8 @@ mod budget_tests {
             serve_exports_with("payload", shared.clone(), Duration::from_secs(1));
         let sock = dir.join("s.sock");
         let ended = tokio::task::spawn_blocking(move || {
-            let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-            let mut greeting = [0u8; 18];
-            s.read_exact(&mut greeting).unwrap();
-            s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-            let name = b"slow";
-            let mut go = Vec::new();
-            go.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
-            go.extend_from_slice(&proto::OPT_GO.to_be_bytes());
-            go.extend_from_slice(&(4 + name.len() as u32 + 2).to_be_bytes());
-            go.extend_from_slice(&(name.len() as u32).to_be_bytes());
-            go.extend_from_slice(name);
-            go.extend_from_slice(&0u16.to_be_bytes());
-            s.write_all(&go).unwrap();
-            loop {
-                let mut h = [0u8; 20];
-                s.read_exact(&mut h).unwrap();
-                let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
-                let mut d = vec![0u8; len];
-                s.read_exact(&mut d).unwrap();
-                if u32::from_be_bytes(h[12..16].try_into().unwrap()) == proto::REP_ACK {
-                    break;
-                }
-            }
+            let mut s = raw_hello(&sock);
+            raw_option(&mut s, proto::OPT_GO, "slow").unwrap();
             // A 16 MiB WRITE, of which 1 MiB comes; then nothing, the socket open.
             let len = 16u32 << 20;
             let mut req = Vec::new();
