@@ -133,6 +133,18 @@ impl Rig {
         panic!("the destager made no progress");
     }
 
+    /// Asserts that no write lands on the datastore for 300 ms after `what` returned; the
+    /// datastore's image as `what` left it.
+    async fn nothing_lands_after(&self, what: &str) -> Vec<u8> {
+        let then = self.store.image();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(
+            self.store.image() == then,
+            "a write landed after {what} returned"
+        );
+        then
+    }
+
     /// [`Rig::destage_checking`] while the volume drains. The hold time has not passed, so
     /// nothing is due until then; a drain (a policy change's, a replay's) makes the held
     /// window ready at once.
@@ -363,12 +375,8 @@ async fn stopping_the_destager_waits_for_a_pieces_writes_and_hears_of_their_erro
         // The writes in flight fail once their delay is over.
         r.store.fail_writes(fail);
         c.stop_destaging().await;
-        let stopped = r.store.image();
-        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-        assert!(
-            r.store.image() == stopped,
-            "a write landed after the destager stopped (fail: {fail})"
-        );
+        r.nothing_lands_after(&format!("stop_destaging (fail: {fail})"))
+            .await;
         if !fail {
             assert!(
                 r.store.image() == r.image(first),
@@ -411,8 +419,7 @@ async fn until(what: &str, f: impl Fn() -> bool) {
 async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
     use std::time::Duration;
     let n = REPLAY_WRITES;
-    let (r, turn, first) = rig_with_a_piece_held().await;
-    let c = r.vol.cache().expect("cached");
+    let (r, _, first) = rig_with_a_piece_held().await;
     // Stopped from the start: it runs one turn (the next piece goes out), then stops.
     let destager = tokio::spawn(r.host.clone().run_destager(|| true));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -424,23 +431,13 @@ async fn a_stopping_destager_returns_only_once_its_pieces_writes_are_in() {
     r.store.set_write_delay(Some(Duration::from_millis(200)));
     r.store.hold_writes_after(None);
     destager.await.unwrap();
-    let stopped = r.store.image();
+    let stopped = r.nothing_lands_after("the destager").await;
     assert!(
         stopped != r.image(first),
         "the destager's last turn sent no piece"
     );
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        r.store.image() == stopped,
-        "a write landed after the destager returned"
-    );
     r.store.set_write_delay(None);
-    let mut turn = turn;
-    while !c.clean() {
-        assert!(turn < 10_000, "the replay made no progress");
-        r.host.destage_turn(turn).await;
-        turn += 1;
-    }
+    r.destage_checking().await;
     assert!(r.store.image() == r.image(n), "the replay lost a write");
 }
 
@@ -476,7 +473,7 @@ async fn stopping_the_destager_gives_up_after_its_limit_and_loses_nothing() {
     r.destage_checking().await;
     assert!(r.store.image() == r.image(n), "the replay lost a write");
     // A piece's writes left in flight, held.
-    let (r, mut turn, _) = rig_with_a_piece_held().await;
+    let (r, _, _) = rig_with_a_piece_held().await;
     let c = r.vol.cache().expect("cached");
     assert!(
         !c.stop_destaging_within(Duration::from_millis(10)).await,
@@ -484,18 +481,9 @@ async fn stopping_the_destager_gives_up_after_its_limit_and_loses_nothing() {
     );
     r.store.hold_writes_after(None);
     assert!(c.stop_destaging_within(Duration::from_secs(5)).await);
-    let stopped = r.store.image();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        r.store.image() == stopped,
-        "a write landed after the destager stopped"
-    );
+    r.nothing_lands_after("stop_destaging_within").await;
     c.resume_destaging();
-    while !c.clean() {
-        assert!(turn < 10_000, "the replay made no progress");
-        r.host.destage_turn(turn).await;
-        turn += 1;
-    }
+    r.destage_checking().await;
     assert!(r.store.image() == r.image(n), "the replay lost a write");
 }
 
@@ -518,13 +506,8 @@ async fn detaching_waits_for_the_writes_a_replays_piece_left_in_flight() {
     );
     r.store.hold_writes_after(None);
     detach.await.unwrap().expect("detach");
-    let detached = r.store.image();
+    let detached = r.nothing_lands_after("detach").await;
     assert!(detached == r.image(first), "the piece's writes are not in");
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    assert!(
-        r.store.image() == detached,
-        "a write landed after the volume left the cache"
-    );
 }
 
 /// A write a piece left in flight fails (the datastore lost it): the next piece hears of it
