@@ -523,22 +523,69 @@ fn status_reports_addresses_and_counts() {
     assert!(out.contains("coordinator  local"), "{out}");
 }
 
+/// An nbdkit LUN behind its pause filter: paused, it holds every request until resumed (a
+/// SAN that stopped answering).
+struct PausableLun {
+    lun: Nbdkit,
+    ctl: std::os::unix::net::UnixStream,
+    _dir: Scratch,
+}
+
+impl PausableLun {
+    fn start() -> PausableLun {
+        let dir = Scratch::new("pausectl");
+        let path = dir.join("pause.sock");
+        let lun = Nbdkit::start(
+            64 << 20,
+            &["--filter=pause"],
+            &[&format!("pause-control={}", path.display())],
+        );
+        let ctl = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        PausableLun {
+            lun,
+            ctl,
+            _dir: dir,
+        }
+    }
+
+    fn pause(&mut self) {
+        self.say(b'p', b'P');
+    }
+
+    fn resume(&mut self) {
+        self.say(b'r', b'R');
+    }
+
+    fn say(&mut self, ask: u8, answer: u8) {
+        use std::io::{Read, Write};
+        let mut said = [0u8; 1];
+        self.ctl.write_all(&[ask]).unwrap();
+        self.ctl.read_exact(&mut said).unwrap();
+        assert_eq!(said[0], answer, "nbdkit's pause filter answered");
+    }
+}
+
+/// Waits until datastore `ds` has an IO of `volume`'s outstanding (`vesta stats`).
+fn wait_outstanding(v: &Vestad, volume: &str, ds: &str, what: &str) {
+    wait_for(Duration::from_secs(10), what, || {
+        let s = v.vesta_json(&["stats", volume]);
+        let io = &s["datastores"]
+            .as_array()?
+            .iter()
+            .find(|d| d["name"] == ds)?["io"];
+        (io["outstanding"].as_u64()? >= 1).then_some(())
+    });
+}
+
 /// A forced delete whose volume still has a write in flight at the datastore after the
 /// wait (a SAN that stopped answering) frees nothing: the same volume goes back into service
 /// and serves again, and a delete once the write is done frees the storage. nbdkit's pause
 /// filter holds the write.
 #[test]
 fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
-    use std::io::{Read, Write};
-    let dir = Scratch::new("pausectl");
-    let ctl = dir.join("pause.sock");
-    let lun = Nbdkit::start(
-        64 << 20,
-        &["--filter=pause"],
-        &[&format!("pause-control={}", ctl.display())],
-    );
+    let mut lun = PausableLun::start();
     let v = Vestad::start();
-    v.add_lun("san", &lun, 4);
+    v.add_lun("san", &lun.lun, 4);
     v.vesta_ok(&[
         "volume",
         "create",
@@ -548,33 +595,20 @@ fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
         "--datastore",
         "san",
     ]);
-    let mut pause = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
-    let mut said = [0u8; 1];
-    pause.write_all(b"p").unwrap();
-    pause.read_exact(&mut said).unwrap();
-    assert_eq!(&said, b"P", "nbdkit paused");
+    lun.pause();
     let mut writer = Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write -P 0x5a 0 4k", &v.url("stuck")])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_for(Duration::from_secs(10), "the write to be in flight", || {
-        let s = v.vesta_json(&["stats", "stuck"]);
-        let ds = &s["datastores"]
-            .as_array()?
-            .iter()
-            .find(|d| d["name"] == "san")?["io"];
-        (ds["outstanding"].as_u64()? >= 1).then_some(())
-    });
+    wait_outstanding(&v, "stuck", "san", "the write to be in flight");
     let e = v.vesta_err(&["volume", "delete", "stuck", "--force"]);
     assert!(
         e.contains("still has IO in flight") && e.contains("storage was kept"),
         "{e}"
     );
-    pause.write_all(b"r").unwrap();
-    pause.read_exact(&mut said).unwrap();
-    assert_eq!(&said, b"R", "nbdkit resumed");
+    lun.resume();
     let _ = writer.wait();
     // The same volume serves again, with its data.
     let s = v.vesta_json(&["volume", "show", "stuck"]);
@@ -594,16 +628,9 @@ fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
 /// and its dirty data stay; once the LUN answers, the data reaches it and the delete works.
 #[test]
 fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() {
-    use std::io::{Read, Write};
-    let dir = Scratch::new("pausectl");
-    let ctl = dir.join("pause.sock");
-    let lun = Nbdkit::start(
-        64 << 20,
-        &["--filter=pause"],
-        &[&format!("pause-control={}", ctl.display())],
-    );
+    let mut lun = PausableLun::start();
     let v = Vestad::start();
-    v.add_lun("san", &lun, 4);
+    v.add_lun("san", &lun.lun, 4);
     v.vesta_ok(&[
         "volume",
         "create",
@@ -615,31 +642,10 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
         "--policy",
         "wb",
     ]);
-    let mut pause = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
-    let mut said = [0u8; 1];
-    pause.write_all(b"p").unwrap();
-    pause.read_exact(&mut said).unwrap();
-    assert_eq!(&said, b"P", "nbdkit paused");
+    lun.pause();
     // Completes in the cache; its destaging is what waits at the LUN.
     vesta_tests::qemu_io(&v.url("stuckwb"), &["write -P 0x5a 0 64k"]);
-    wait_for(
-        Duration::from_secs(10),
-        "the destager's write in flight",
-        || {
-            let s = v.vesta_json(&["stats", "stuckwb"]);
-            let ds = &s["datastores"]
-                .as_array()?
-                .iter()
-                .find(|d| d["name"] == "san")?["io"];
-            (ds["outstanding"].as_u64()? >= 1).then_some(())
-        },
-    );
-    let resume = |pause: &mut std::os::unix::net::UnixStream| {
-        let mut said = [0u8; 1];
-        pause.write_all(b"r").unwrap();
-        pause.read_exact(&mut said).unwrap();
-        assert_eq!(&said, b"R", "nbdkit resumed");
-    };
+    wait_outstanding(&v, "stuckwb", "san", "the destager's write in flight");
     std::thread::scope(|s| {
         let (tx, rx) = std::sync::mpsc::channel();
         let v = &v;
@@ -652,7 +658,7 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
                 "{e}"
             ),
             Err(_) => {
-                resume(&mut pause); // lets the delete end, so the test does too
+                lun.resume(); // lets the delete end, so the test does too
                 panic!("the delete waited for the paused datastore past its limit");
             }
         }
@@ -663,7 +669,7 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
         s["cache"]["dirty_bytes"].as_u64().unwrap() >= 65536,
         "{s:#}"
     );
-    resume(&mut pause);
+    lun.resume();
     wait_for(Duration::from_secs(30), "the volume to be clean", || {
         let s = v.vesta_json(&["volume", "show", "stuckwb"]);
         (s["cache"]["dirty_bytes"] == 0).then_some(())
