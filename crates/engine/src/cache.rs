@@ -1042,6 +1042,17 @@ impl CacheHost {
     }
 }
 
+/// `f`'s output, unless `deadline` passes first.
+async fn by<T>(
+    deadline: Option<tokio::time::Instant>,
+    f: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    match deadline {
+        None => Some(f.await),
+        Some(at) => tokio::time::timeout_at(at, f).await.ok(),
+    }
+}
+
 /// A destage window: the writes it carries (a prefix of the staging queue), the ser its
 /// checkpoint moves to, the log ticket that makes its records durable, its datastore IOs
 /// ([`window::coalesce`], [`window::runs`]) and the records they read (pinned until read).
@@ -2585,24 +2596,13 @@ impl VolCache {
 
     async fn stop_destaging_by(&self, deadline: Option<tokio::time::Instant>) -> bool {
         self.destage_stopped.store(true, Ordering::SeqCst);
-        let mut d = match deadline {
-            None => self.destaging.lock().await,
-            Some(at) => match tokio::time::timeout_at(at, self.destaging.lock()).await {
-                Ok(d) => d,
-                Err(_) => return false, // a window is still writing
-            },
+        let Some(mut d) = by(deadline, self.destaging.lock()).await else {
+            return false; // a window is still writing
         };
         if let Some(a) = d.ahead.take() {
             // A read of the cache log, not of the datastore (it unpins its records itself).
-            match deadline {
-                None => {
-                    let _ = a.read.await;
-                }
-                Some(at) => {
-                    if tokio::time::timeout_at(at, a.read).await.is_err() {
-                        return false;
-                    }
-                }
+            if by(deadline, a.read).await.is_none() {
+                return false;
             }
         }
         // No write of this volume may be in flight once this returns true.
@@ -2629,15 +2629,9 @@ impl VolCache {
         let mut first_err = None;
         loop {
             // (`join_next` is cancel safe: a write whose end the timeout cut stays in `t`.)
-            let r = match deadline {
-                None => t.set.join_next().await,
-                Some(at) => match tokio::time::timeout_at(at, t.set.join_next()).await {
-                    Ok(r) => r,
-                    Err(_) => {
-                        self.slabs_back(t);
-                        return (false, first_err);
-                    }
-                },
+            let Some(r) = by(deadline, t.set.join_next()).await else {
+                self.slabs_back(t);
+                return (false, first_err);
             };
             let Some(r) = r else { break };
             self.note_write(Some(r), t, &mut first_err);
