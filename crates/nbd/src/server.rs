@@ -20,11 +20,19 @@
 //!
 //! # Ending a connection
 //!
-//! On `NBD_CMD_DISC`, end of stream, a protocol violation, or a stop signal (daemon shutdown,
-//! volume deleted with `--force`, which shut the socket's read side), the connection thread
-//! stops taking requests; the reply thread keeps sending replies until every in-flight request
-//! has finished, and then the socket closes. In-flight writes are thus always completed, never
+//! On `NBD_CMD_DISC`, end of stream or a protocol violation, the connection thread stops
+//! taking requests; the reply thread keeps sending replies until every in-flight request has
+//! finished, and then the socket closes. In-flight writes are thus always completed, never
 //! abandoned.
+//!
+//! When the server stops (daemon shutdown), it does what the protocol asks of a server
+//! shutting down: requests in flight are served and answered; requests that come after are
+//! answered `ESHUTDOWN` (a client then disconnects softly, with `NBD_CMD_DISC`); once nothing
+//! is in flight and every reply is on the socket, the server closes the connection. The
+//! client can send until then: the socket is not cut half-way (a client on a Unix socket whose
+//! reading side the server had shut would fail its next send with `EPIPE`, and with it every
+//! request it had in flight). When an export is removed (a volume deleted with `--force`),
+//! the socket is shut down both ways at once.
 //!
 //! # Bad input
 //!
@@ -70,6 +78,8 @@ pub const IN_FLIGHT_BYTES_RESERVED: usize = 2 << 20;
 /// A reply the client does not read within this long ends the connection, so a client that
 /// stops reading cannot hold its budget (and a connection thread) forever.
 pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a stopping connection looks whether its requests in flight are done.
+const DRAIN_POLL: Duration = Duration::from_millis(10);
 /// Rejected requests logged in full per connection; later ones are only counted.
 const REJECTIONS_LOGGED: u64 = 8;
 /// Unit in which the byte budget is counted (semaphore permits are `u32`).
@@ -439,10 +449,12 @@ fn spawn_conn<X: ExportSet, S: Stream>(
 /// Serves one connection from negotiation to close.
 ///
 /// Negotiation runs here, on the reactor. The transmission phase runs on a thread of its own
-/// ([`transmission`]); this task only waits for it. When the server stops it cuts off the
-/// connection's reading, so in-flight requests still complete and reply; when the export is
-/// removed it shuts the socket down both ways, so not even a reply blocked on a client that
-/// stopped reading keeps the connection alive.
+/// ([`transmission`]); this task only waits for it. When the server stops, the connection
+/// thread answers new requests `ESHUTDOWN`, and this task waits for every request in flight
+/// (it takes all of the connection's request slots), sends what replies are buffered and
+/// closes the connection ([`drain_and_close`]); when the export is removed it shuts the socket
+/// down both ways at once, so not even a reply blocked on a client that stopped reading keeps
+/// the connection alive.
 pub async fn serve_connection<X: ExportSet, S: Stream>(
     mut s: S,
     peer: Peer,
@@ -490,16 +502,36 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
             return;
         }
     };
+    let wr = match conn
+        .set_write_timeout(reply_timeout)
+        .and_then(|_| conn.try_clone())
+    {
+        Ok(w) => w,
+        Err(e) => {
+            warn!("nbd {peer}: cannot duplicate the socket: {e}");
+            return;
+        }
+    };
+    let out = Arc::new(StdMutex::new(Out::new(wr, peer.clone(), reply_timeout)));
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT_REQUESTS_MAX));
+    let stopping = Arc::new(StdMutex::new(false));
     let mut gone = export.stop_signal();
     let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
-    let handle = tokio::runtime::Handle::current();
+    let conn_thread = Conn {
+        rd: conn,
+        out: out.clone(),
+        slots: slots.clone(),
+        stopping: stopping.clone(),
+        total_bytes,
+        reply_timeout,
+        handle: tokio::runtime::Handle::current(),
+    };
     let p = peer.clone();
     let n = name.clone();
     let spawned = std::thread::Builder::new()
         .name("nbd-conn".into())
         .spawn(move || {
-            let (bytes, timeout) = (total_bytes, reply_timeout);
-            transmission(conn, p, n, info, export, exports, bytes, timeout, handle);
+            transmission(conn_thread, p, n, info, export, exports);
             let _ = done_tx.send(());
         });
     if let Err(e) = spawned {
@@ -507,19 +539,58 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
         return;
     }
     let mut stop = stop;
-    let how = tokio::select! {
+    tokio::select! {
         _ = &mut done_rx => return,
         _ = stop.wait() => {
             info!("nbd {peer}: closing connection to {name:?}: server stopping");
-            std::net::Shutdown::Read
+            tokio::select! {
+                _ = &mut done_rx => return,
+                _ = drain_and_close(&slots, &stopping, &out) => {}
+                _ = gone.wait() => {
+                    let _ = closer.shutdown(std::net::Shutdown::Both);
+                }
+            }
         }
         _ = gone.wait() => {
             info!("nbd {peer}: closing connection to {name:?}: export removed");
-            std::net::Shutdown::Both
+            let _ = closer.shutdown(std::net::Shutdown::Both);
         }
     };
-    let _ = closer.shutdown(how);
     let _ = done_rx.await;
+}
+
+/// A stopping server's end of a connection: marks it `stopping` (its thread then answers each
+/// new request `ESHUTDOWN`), waits until no request holds a slot, writes out the replies still
+/// buffered, and closes the socket.
+///
+/// The connection thread takes a request's slot before it looks at `stopping`, and both
+/// sides look under `stopping`'s lock: so a request either holds its slot when this finds
+/// none held (and is waited for), or was taken after, saw `stopping` and did not run. New
+/// requests are answered all along, not held up behind the ones in flight.
+async fn drain_and_close(
+    slots: &Arc<Semaphore>,
+    stopping: &Arc<StdMutex<bool>>,
+    out: &Arc<StdMutex<Out>>,
+) {
+    *lock(stopping) = true;
+    loop {
+        if slots.available_permits() == IN_FLIGHT_REQUESTS_MAX {
+            let _held = lock(stopping);
+            if slots.available_permits() == IN_FLIGHT_REQUESTS_MAX {
+                break;
+            }
+        }
+        tokio::time::sleep(DRAIN_POLL).await;
+    }
+    // Every reply was put in the buffer before its slot came back; flushing may block on a
+    // client slow to read (for at most the reply timeout), so not on a reactor thread.
+    let out = out.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        let mut o = lock(&out);
+        o.flush();
+        let _ = o.w.get_ref().shutdown(std::net::Shutdown::Both);
+    })
+    .await;
 }
 
 type Negotiated<E> = Option<(String, ExportInfo, E)>;
@@ -951,8 +1022,8 @@ impl Out {
     }
 }
 
-fn lock(out: &StdMutex<Out>) -> std::sync::MutexGuard<'_, Out> {
-    out.lock().unwrap_or_else(|e| e.into_inner())
+fn lock<T>(m: &StdMutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Sends the replies the connection thread has buffered, if any: before it may block.
@@ -961,6 +1032,20 @@ fn send_buffered(out: &StdMutex<Out>, unflushed: &mut bool) {
         lock(out).flush();
         *unflushed = false;
     }
+}
+
+/// What the connection thread works with besides the export: the socket's reading side,
+/// the writing side it shares ([`Out`]), the request slots the serving task waits for on a
+/// stop and the flag it sets then ([`drain_and_close`]), the budget every connection shares,
+/// and the runtime.
+struct Conn {
+    rd: StdConn,
+    out: Arc<StdMutex<Out>>,
+    slots: Arc<Semaphore>,
+    stopping: Arc<StdMutex<bool>>,
+    total_bytes: Arc<Semaphore>,
+    reply_timeout: Duration,
+    handle: tokio::runtime::Handle,
 }
 
 /// Why the connection thread stopped taking requests.
@@ -1030,31 +1115,28 @@ async fn execute<E: Export>(
 /// write) is answered directly, with no thread hop at all; one that is still pending (network
 /// IO, a wait) is handed to the runtime and answered by the reply thread when it completes, so
 /// it never holds up the requests behind it.
-#[allow(clippy::too_many_arguments)]
+///
+/// Once the server stops, each request read is answered `ESHUTDOWN` instead (after its
+/// request slot is taken, so that [`drain_and_close`] waits for every request that runs).
 fn transmission<X: ExportSet>(
-    conn: StdConn,
+    conn: Conn,
     peer: Peer,
     name: String,
     info: ExportInfo,
     export: X::Export,
     exports: Arc<X>,
-    total_bytes: Arc<Semaphore>,
-    reply_timeout: Duration,
-    handle: tokio::runtime::Handle,
 ) {
+    let Conn {
+        rd,
+        out,
+        slots,
+        stopping,
+        total_bytes,
+        reply_timeout,
+        handle,
+    } = conn;
     let _rt = handle.enter();
     let export = Arc::new(export);
-    let (rd, wr) = match conn
-        .set_write_timeout(reply_timeout)
-        .and_then(|_| conn.try_clone())
-    {
-        Ok(w) => (conn, w),
-        Err(e) => {
-            warn!("nbd {peer}: cannot duplicate the socket: {e}");
-            return;
-        }
-    };
-    let out = Arc::new(StdMutex::new(Out::new(wr, peer.clone(), reply_timeout)));
     let (tx, rx) = std_mpsc::channel::<Outgoing>();
     let reply_thread = {
         let out = out.clone();
@@ -1081,7 +1163,6 @@ fn transmission<X: ExportSet>(
             return;
         }
     };
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT_REQUESTS_MAX));
     let bytes = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_MAX / BUDGET_UNIT));
     let reserve = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_RESERVED / BUDGET_UNIT));
     let mut rd = std::io::BufReader::with_capacity(128 * 1024, rd);
@@ -1154,13 +1235,38 @@ fn transmission<X: ExportSet>(
         let units = payload_len.div_ceil(BUDGET_UNIT).max(1) as u32;
         // Each wait for budget first sends the replies written so far: the requests holding
         // that budget may be stalled (a failed datastore), and the client waits for those.
+        let slot = slots.clone().try_acquire_owned().unwrap_or_else(|_| {
+            send_buffered(&out, &mut unflushed);
+            handle
+                .block_on(slots.clone().acquire_owned())
+                .expect("never closed")
+        });
+        if *lock(&stopping) {
+            // The server is stopping: nothing new runs. The reply is in the buffer before
+            // the slot goes back, so the drain that waits for the slots sends it.
+            if req.kind == proto::CMD_WRITE {
+                let len = req.len as usize;
+                if rd.buffer().len() < len {
+                    send_buffered(&out, &mut unflushed);
+                }
+                let skipped = read_within(&mut rd, len, reply_timeout, |rd| {
+                    let n = io::copy(&mut rd.take(len as u64), &mut io::sink())?;
+                    if n < len as u64 {
+                        return Err(io::ErrorKind::UnexpectedEof.into());
+                    }
+                    Ok(())
+                });
+                if let Err(e) = skipped {
+                    break End::Io(e);
+                }
+            }
+            lock(&out).put(&Reply::error(Errno::ESHUTDOWN, req.cookie, None));
+            unflushed = true;
+            drop(slot);
+            continue;
+        }
         let budget = Budget {
-            _slot: slots.clone().try_acquire_owned().unwrap_or_else(|_| {
-                send_buffered(&out, &mut unflushed);
-                handle
-                    .block_on(slots.clone().acquire_owned())
-                    .expect("never closed")
-            }),
+            _slot: slot,
             _bytes: bytes
                 .clone()
                 .try_acquire_many_owned(units)
@@ -1181,28 +1287,11 @@ fn transmission<X: ExportSet>(
             // budget every connection shares, which a client frozen mid-payload would
             // otherwise keep for ever. (A payload already buffered, as small ones are, costs
             // no system call here.)
-            let got = if rd.buffer().len() < req.len as usize {
+            let len = req.len as usize;
+            if rd.buffer().len() < len {
                 send_buffered(&out, &mut unflushed);
-                let _ = rd.get_ref().set_read_timeout(Some(reply_timeout));
-                let got = read_payload(&mut rd, req.len as usize).map_err(|e| {
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) {
-                        io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            format!("a WRITE's payload stopped coming for {reply_timeout:?}"),
-                        )
-                    } else {
-                        e
-                    }
-                });
-                let _ = rd.get_ref().set_read_timeout(None);
-                got
-            } else {
-                read_payload(&mut rd, req.len as usize)
-            };
-            match got {
+            }
+            match read_within(&mut rd, len, reply_timeout, |rd| read_payload(rd, len)) {
                 Ok(buf) => Some(Bytes::from(buf)),
                 Err(e) => break End::Io(e),
             }
@@ -1286,6 +1375,36 @@ fn unread(conn: &StdConn) -> usize {
         return usize::MAX;
     }
     n.max(0) as usize
+}
+
+/// Runs `read`, which consumes a WRITE's payload of `len` bytes, with the socket's read timeout
+/// set to `timeout` unless the whole payload is buffered already (no system call then). A
+/// payload that stops coming for that long fails with `TimedOut`.
+fn read_within<T>(
+    rd: &mut std::io::BufReader<StdConn>,
+    len: usize,
+    timeout: Duration,
+    read: impl FnOnce(&mut std::io::BufReader<StdConn>) -> io::Result<T>,
+) -> io::Result<T> {
+    if rd.buffer().len() >= len {
+        return read(rd);
+    }
+    let _ = rd.get_ref().set_read_timeout(Some(timeout));
+    let got = read(rd).map_err(|e| {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("a WRITE's payload stopped coming for {timeout:?}"),
+            )
+        } else {
+            e
+        }
+    });
+    let _ = rd.get_ref().set_read_timeout(None);
+    got
 }
 
 /// Reads a WRITE's payload of `len` bytes into a new buffer, without zeroing the buffer first
@@ -1610,7 +1729,8 @@ mod budget_tests {
 
     /// Writes to `stuck` never complete (a datastore that does not answer), nor do FLUSHes
     /// to `stuckflush` (which allows several connections), nor the first FLUSH to
-    /// `firstflush` ([`FIRST_FLUSHES`] counts its FLUSHes); everything else completes at once.
+    /// `firstflush` ([`FIRST_FLUSHES`] counts its FLUSHes); a write to `gated` waits for a
+    /// permit of [`GATE`] and is counted in [`GATED_DONE`]; everything else completes at once.
     struct Exports {
         stop: StopHandle,
     }
@@ -1619,8 +1739,16 @@ mod budget_tests {
         stuck: bool,
         stuck_flush: bool,
         first_flush: bool,
+        gated: bool,
         stop: Stop,
     }
+
+    /// What writes to the `gated` export wait for (one test uses it).
+    static GATE: Semaphore = Semaphore::const_new(0);
+    /// Writes to the `gated` export that started.
+    static GATED_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    /// Writes to the `gated` export that completed.
+    static GATED_DONE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
     /// Exports the test server lists.
     const LISTED: usize = 300;
@@ -1635,6 +1763,11 @@ mod budget_tests {
         async fn write(&self, _offset: u64, _data: Bytes, _fua: bool) -> CmdResult<()> {
             if self.stuck {
                 std::future::pending::<()>().await;
+            }
+            if self.gated {
+                GATED_STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                GATE.acquire().await.unwrap().forget();
+                GATED_DONE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             Ok(())
         }
@@ -1682,6 +1815,7 @@ mod budget_tests {
                 stuck: name == "stuck",
                 stuck_flush: name == "stuckflush",
                 first_flush: name == "firstflush",
+                gated: name == "gated",
                 stop: self.stop.subscribe(),
             };
             Ok((info(name), e))
@@ -1711,6 +1845,20 @@ mod budget_tests {
         impl Fn(&str) -> NbdUri,
         tokio::task::JoinHandle<()>,
     ) {
+        serve_exports_until(tag, shared, reply_timeout, Stop::never())
+    }
+
+    /// [`serve_exports_with`], the server stopping when `stop` fires.
+    fn serve_exports_until(
+        tag: &str,
+        shared: Arc<Semaphore>,
+        reply_timeout: Duration,
+        stop: Stop,
+    ) -> (
+        std::path::PathBuf,
+        impl Fn(&str) -> NbdUri,
+        tokio::task::JoinHandle<()>,
+    ) {
         let dir = std::env::temp_dir().join(format!("nbd-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let sock = dir.join("s.sock");
@@ -1727,7 +1875,7 @@ mod budget_tests {
                     s,
                     Peer("test".into()),
                     exports,
-                    Stop::never(),
+                    stop.clone(),
                     shared,
                     reply_timeout,
                 ));
@@ -1798,6 +1946,99 @@ mod budget_tests {
         })
         .await
         .unwrap();
+        server.abort();
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A raw request header.
+    fn raw_request(kind: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+        let mut req = Vec::new();
+        req.extend_from_slice(&proto::REQUEST_MAGIC.to_be_bytes());
+        req.extend_from_slice(&0u16.to_be_bytes());
+        req.extend_from_slice(&kind.to_be_bytes());
+        req.extend_from_slice(&cookie.to_be_bytes());
+        req.extend_from_slice(&offset.to_be_bytes());
+        req.extend_from_slice(&len.to_be_bytes());
+        req
+    }
+
+    /// Reads one simple reply: its error and cookie.
+    fn raw_reply(s: &mut std::os::unix::net::UnixStream) -> io::Result<(u32, u64)> {
+        use std::io::Read;
+        let mut r = [0u8; proto::SIMPLE_REPLY_LEN];
+        s.read_exact(&mut r)?;
+        assert_eq!(proto::be32(&r[0..4]), proto::SIMPLE_REPLY_MAGIC);
+        let cookie = u64::from_be_bytes(r[8..16].try_into().unwrap());
+        Ok((proto::be32(&r[4..8]), cookie))
+    }
+
+    /// A server that stops does what the protocol asks (a client on a Unix socket used to
+    /// fail its next send with `EPIPE`, the socket's reading side shut under it): a write in
+    /// flight is served and answered OK; a write sent after the stop, payload and all, is
+    /// answered `ESHUTDOWN` and never runs; and once nothing is in flight the connection
+    /// closes, with no `NBD_CMD_DISC` needed. A second connection that sends nothing is
+    /// closed at the stop.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stopping_server_answers_what_is_in_flight_and_eshutdown_after() {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::SeqCst;
+        let shared = Arc::new(Semaphore::new(IN_FLIGHT_BYTES_TOTAL_MAX / BUDGET_UNIT));
+        let stop = StopHandle::new();
+        let (dir, _uri, server) =
+            serve_exports_until("stopping", shared, REPLY_WRITE_TIMEOUT, stop.subscribe());
+        let sock = dir.join("s.sock");
+        let (mut s, mut idle) = tokio::task::spawn_blocking({
+            let sock = sock.clone();
+            move || {
+                let mut s = raw_hello(&sock);
+                assert_eq!(
+                    raw_option(&mut s, proto::OPT_GO, "gated").unwrap(),
+                    proto::REP_ACK
+                );
+                let mut idle = raw_hello(&sock);
+                assert_eq!(
+                    raw_option(&mut idle, proto::OPT_GO, "v1").unwrap(),
+                    proto::REP_ACK
+                );
+                let mut w = raw_request(proto::CMD_WRITE, 1, 0, 4096);
+                w.extend_from_slice(&[7u8; 4096]);
+                s.write_all(&w).unwrap();
+                (s, idle)
+            }
+        })
+        .await
+        .unwrap();
+        while GATED_STARTED.load(SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stop.stop();
+        let ended = tokio::task::spawn_blocking(move || {
+            // The idle connection closes at the stop: the server has seen it.
+            let mut b = [0u8; 16];
+            let idle_end = idle.read(&mut b).map_err(|e| e.kind());
+            // Sent after the stop: a 64 KiB write whose payload the server must skip, then a
+            // FLUSH behind it, to show the stream stayed in step.
+            let mut w = raw_request(proto::CMD_WRITE, 2, 0, 65536);
+            w.extend_from_slice(&[8u8; 65536]);
+            w.extend_from_slice(&raw_request(proto::CMD_FLUSH, 3, 0, 0));
+            s.write_all(&w).expect("a send after the stop");
+            let shut = Errno::ESHUTDOWN.0;
+            assert_eq!(raw_reply(&mut s).unwrap(), (shut, 2));
+            assert_eq!(raw_reply(&mut s).unwrap(), (shut, 3));
+            // The write in flight runs to its end and is answered.
+            assert_eq!(GATED_DONE.load(SeqCst), 0);
+            GATE.add_permits(1);
+            assert_eq!(raw_reply(&mut s).unwrap(), (0, 1));
+            // Then the connection ends.
+            let end = s.read(&mut b).map_err(|e| e.kind());
+            (end, idle_end)
+        });
+        let (end, idle_end) = ended.await.unwrap();
+        assert_eq!(end, Ok(0), "the connection did not close");
+        assert_eq!(idle_end, Ok(0), "the idle connection did not close");
+        // Only the write that was in flight at the stop ran.
+        assert_eq!(GATED_STARTED.load(SeqCst), 1);
+        assert_eq!(GATED_DONE.load(SeqCst), 1);
         server.abort();
         let _ = std::fs::remove_dir_all(dir);
     }
