@@ -1,5 +1,12 @@
 //! NBD URIs as standardised by the NBD project's `doc/uri.md`, in the two forms Vesta uses:
 //! `nbd://HOST[:PORT]/EXPORT` and `nbd+unix:///EXPORT?socket=PATH`.
+//!
+//! As in RFC 3986, the export name and the socket path are percent-encoded, a query follows
+//! `?` (query parameters other than `socket` are ignored), and a `#fragment` is ignored. A
+//! URI Vesta prints encodes every byte of the export and the path but the unreserved ones and
+//! `/`, so one whose socket lives under a directory named with a space, `&` or `#` still
+//! reaches the socket from QEMU or libnbd (which refuse a space, and would cut the path at
+//! `&` or `#`), and parses back to the same address here.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -31,7 +38,9 @@ impl NbdUri {
             uri: s.to_owned(),
             reason,
         };
-        if let Some(rest) = s.strip_prefix("nbd+unix://") {
+        // A fragment is not part of what is addressed.
+        let whole = s.split_once('#').map_or(s, |(before, _)| before);
+        if let Some(rest) = whole.strip_prefix("nbd+unix://") {
             let (path_part, query) = rest.split_once('?').ok_or(err("missing ?socket=PATH"))?;
             let export = path_part.strip_prefix('/').ok_or(err(
                 "nbd+unix URIs have no host: use nbd+unix:///EXPORT?socket=PATH",
@@ -48,7 +57,8 @@ impl NbdUri {
                 export: percent_decode(export),
             });
         }
-        if let Some(rest) = s.strip_prefix("nbd://") {
+        if let Some(rest) = whole.strip_prefix("nbd://") {
+            let rest = rest.split_once('?').map_or(rest, |(before, _)| before);
             let (authority, export) = match rest.split_once('/') {
                 Some((a, e)) => (a, e),
                 None => (rest, ""),
@@ -88,20 +98,37 @@ impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.address {
             Address::Tcp { host, port } => {
+                let export = percent_encode(self.export.as_bytes());
                 if host.contains(':') {
-                    write!(f, "nbd://[{host}]:{port}/{}", self.export)
+                    write!(f, "nbd://[{host}]:{port}/{export}")
                 } else {
-                    write!(f, "nbd://{host}:{port}/{}", self.export)
+                    write!(f, "nbd://{host}:{port}/{export}")
                 }
             }
-            Address::Unix(p) => write!(
-                f,
-                "nbd+unix:///{}?socket={}",
-                self.export,
-                p.to_string_lossy()
-            ),
+            Address::Unix(p) => {
+                use std::os::unix::ffi::OsStrExt as _;
+                write!(
+                    f,
+                    "nbd+unix:///{}?socket={}",
+                    percent_encode(self.export.as_bytes()),
+                    percent_encode(p.as_os_str().as_bytes())
+                )
+            }
         }
     }
+}
+
+/// `b` with every byte percent-encoded but the unreserved ones of RFC 3986 and `/`.
+fn percent_encode(b: &[u8]) -> String {
+    let mut out = String::with_capacity(b.len());
+    for &c in b {
+        if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~' | b'/') {
+            out.push(c as char);
+        } else {
+            out.push_str(&format!("%{c:02X}"));
+        }
+    }
+    out
 }
 
 fn percent_decode(s: &str) -> String {
@@ -162,6 +189,61 @@ mod tests {
                 port: 99
             }
         );
+    }
+
+    /// What a URI printed from an address holds reaches the same address again, here and in
+    /// other clients: a space, `&`, `#`, `?`, `%` or `+` in a socket path or export name is
+    /// percent-encoded (QEMU refused such a URI, and libnbd cut the path at `&` or `#`).
+    #[test]
+    fn a_printed_uri_parses_back_to_its_address() {
+        for (path, export) in [
+            ("/var/lib/vesta data/nbd.sock", "vol"),
+            ("/srv/a&b/#1/x?y=z/nbd.sock", "v"),
+            ("/tmp/100%/n+b.sock", "a b/c?d#e"),
+            ("/run/vesta/nbd.sock", ""),
+        ] {
+            let u = NbdUri {
+                address: Address::Unix(path.into()),
+                export: export.into(),
+            };
+            let printed = u.to_string();
+            assert!(
+                !printed.contains(' ') && printed.matches('?').count() == 1,
+                "{printed}"
+            );
+            assert!(
+                !printed.contains('#') && !printed.contains('&'),
+                "{printed}"
+            );
+            assert_eq!(NbdUri::parse(&printed).unwrap(), u, "{printed}");
+        }
+        let u = NbdUri {
+            address: Address::Tcp {
+                host: "::1".into(),
+                port: 10809,
+            },
+            export: "a b#c?d".into(),
+        };
+        assert_eq!(u.to_string(), "nbd://[::1]:10809/a%20b%23c%3Fd");
+        assert_eq!(NbdUri::parse(&u.to_string()).unwrap(), u);
+        // Unencoded paths as people type them still parse.
+        let u = NbdUri::parse("nbd+unix:///v?socket=/run/my vesta/nbd.sock").unwrap();
+        assert_eq!(u.address, Address::Unix("/run/my vesta/nbd.sock".into()));
+    }
+
+    /// A query after a TCP export and a fragment after either form are not part of the
+    /// export's name or the socket's path.
+    #[test]
+    fn a_query_or_fragment_is_not_part_of_the_name_or_path() {
+        let u = NbdUri::parse("nbd://h:1/disk?tls=off#frag").unwrap();
+        assert_eq!(u.export, "disk");
+        let u = NbdUri::parse("nbd://h/?x=1").unwrap();
+        assert_eq!(u.export, "");
+        let u = NbdUri::parse("nbd+unix:///disk?socket=/s.sock#frag").unwrap();
+        assert_eq!(u.address, Address::Unix("/s.sock".into()));
+        assert_eq!(u.export, "disk");
+        let u = NbdUri::parse("nbd+unix:///disk?x=1&socket=/a%23b.sock").unwrap();
+        assert_eq!(u.address, Address::Unix("/a#b.sock".into()));
     }
 
     #[test]

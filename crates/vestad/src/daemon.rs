@@ -1019,7 +1019,7 @@ impl Daemon {
                     created_unix: r.created_unix,
                     urls: host
                         .and_then(|h| h.record.nbd.clone())
-                        .map(|a| vec![format!("nbd://{a}/{}", r.name)])
+                        .map(|a| vec![tcp_url(&a, &r.name)])
                         .unwrap_or_default(),
                     tuning: api::TuningInfo {
                         hold_s: r.tuning.hold_s,
@@ -1182,14 +1182,16 @@ impl Daemon {
         Ok((entry.clone(), volume))
     }
 
+    /// The NBD URIs of volume `name` on this host, percent-encoded (a data directory whose
+    /// path holds a space or `&` still gives a URI QEMU and libnbd take).
     pub fn urls(&self, name: &str) -> Vec<String> {
         let mut out = Vec::new();
         if let Some(a) = self.nbd.get() {
             if let Some(p) = &a.unix {
-                out.push(format!("nbd+unix:///{name}?socket={}", p.display()));
+                out.push(nbd_url(nbd::uri::Address::Unix(p.clone()), name));
             }
             if let Some(t) = &a.tcp {
-                out.push(format!("nbd://{t}/{name}"));
+                out.push(tcp_url(t, name));
             }
         }
         out
@@ -2954,3 +2956,20 @@ async fn copy_extent(
 
 #[cfg(test)]
 mod tests;
+
+/// The NBD URI of export `name` at `address`, percent-encoded.
+fn nbd_url(address: nbd::uri::Address, name: &str) -> String {
+    nbd::uri::NbdUri {
+        address,
+        export: name.to_owned(),
+    }
+    .to_string()
+}
+
+/// The NBD URI of export `name` on a host's NBD listener `addr` (`HOST:PORT`).
+fn tcp_url(addr: &impl std::fmt::Display, name: &str) -> String {
+    match nbd::uri::NbdUri::parse(&format!("nbd://{addr}/")) {
+        Ok(u) => nbd_url(u.address, name),
+        Err(_) => format!("nbd://{addr}/{name}"),
+    }
+}
