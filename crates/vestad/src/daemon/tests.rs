@@ -2130,10 +2130,31 @@ fn on_disk(tag: &str) -> PathBuf {
     d
 }
 
-/// Whether the page cache holds the 4 KiB of `file` at `offset`.
+/// Whether the page cache holds the 4 KiB of `file` at `offset` (4 KiB-aligned), asked with
+/// `mincore`, which reads nothing. (A `RWF_NOWAIT` read, as this asked before, starts a
+/// readahead of the range when the page is not there, and on a loaded machine could find that
+/// readahead done and answer yes.)
 fn in_page_cache(file: &Path, offset: u64) -> bool {
+    use std::os::fd::AsRawFd as _;
     let f = std::fs::File::open(file).unwrap();
-    datastore::device::read_cached(&f, &mut [0u8; 4096], offset).is_ok()
+    // SAFETY: a shared read-only mapping of one page of an open file, never dereferenced;
+    // mincore writes one byte to `vec`; the mapping is removed before `f` closes.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            offset as libc::off_t,
+        );
+        assert_ne!(p, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        let mut vec = 0u8;
+        let r = libc::mincore(p, 4096, &mut vec);
+        libc::munmap(p, 4096);
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        vec & 1 == 1
+    }
 }
 
 /// `vesta datastore add --direct`: the datastore is read and written with `O_DIRECT`, so this
