@@ -478,6 +478,43 @@ fn a_peer_refuses_malformed_and_stale_writes() {
     assert_eq!((sets[0].gen, sets[0].writes), (4, 0));
 }
 
+/// A peer says it holds a window's end only if its set records it: not for a generation it
+/// does not hold, nor past what a set held for a replay knows (before, both answered OK
+/// without recording anything, and the owner would have sent a window no replay here
+/// reaches). An end it recorded is still held when asked again.
+#[test]
+fn a_peer_says_it_holds_a_window_end_only_when_it_recorded_it() {
+    let peer = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    let id = Uuid::new_v4();
+    let gen = 3;
+    peer.replica_open("a", id, gen, 0).unwrap();
+    for ser in 1..=4u64 {
+        let data = vec![ser as u8; 4096];
+        peer.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data), false)
+            .unwrap();
+    }
+    peer.replica_window(id, gen, 0, 3).unwrap();
+    // Another generation's window: older (its sender is stale) or newer (never opened here).
+    assert!(matches!(
+        peer.replica_window(id, gen - 1, 0, 4),
+        Err(ReplicaRefusal::Stale(_))
+    ));
+    assert!(matches!(
+        peer.replica_window(id, gen + 1, 0, 4),
+        Err(ReplicaRefusal::Failed(_))
+    ));
+    // A checkpoint alone (no window end) is no promise, and is answered as before.
+    peer.replica_window(id, gen + 1, 2, 0).unwrap();
+    // Held for a replay: what it recorded stands; nothing past it is promised.
+    peer.replica_hold(id, gen);
+    peer.replica_window(id, gen, 0, 3).unwrap();
+    peer.replica_window(id, gen, 1, 2).unwrap();
+    assert!(matches!(
+        peer.replica_window(id, gen, 0, 4),
+        Err(ReplicaRefusal::Failed(m)) if m.contains("held")
+    ));
+}
+
 /// [`replay_all`] in batch windows (the default hold), checking at every checkpoint it records
 /// that the datastore is the volume as of it: `done` are the writes in `ser` order, all of
 /// which the replay must put on the datastore.

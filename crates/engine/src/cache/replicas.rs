@@ -479,6 +479,24 @@ impl CacheHost {
         let ser = ser.max(set.checkpoint);
         let news = ser > set.checkpoint || window_end > set.window_end.max(ser);
         if set.gen != gen || !news || set.held {
+            // A window end is said held only if this set records it: not for another
+            // generation's window, nor one past what a held set (which records nothing more)
+            // knows. Said held, it would let the owner send a window no replay here reaches.
+            let recorded = set.gen == gen && window_end <= set.window_end.max(set.checkpoint);
+            if window_end > ser && !recorded {
+                let (held, set_gen) = (set.held, set.gen);
+                drop(sets);
+                let why = format!(
+                    "cannot hold window end {window_end} of volume {volume} generation {gen}: \
+                     this host holds generation {set_gen}{}",
+                    if held { ", held for a replay" } else { "" }
+                );
+                return Err(if set_gen > gen {
+                    ReplicaRefusal::Stale(why)
+                } else {
+                    ReplicaRefusal::Failed(why)
+                });
+            }
             drop(sets);
             // Asked to hold an end already recorded (a retry after a failed sync, say): it
             // must be durable before the answer.
