@@ -27,12 +27,13 @@
 //!
 //! When the server stops (daemon shutdown), it does what the protocol asks of a server
 //! shutting down: requests in flight are served and answered; requests that come after are
-//! answered `ESHUTDOWN` (a client then disconnects softly, with `NBD_CMD_DISC`); once nothing
-//! is in flight and every reply is on the socket, the server closes the connection. The
-//! client can send until then: the socket is not cut half-way (a client on a Unix socket whose
-//! reading side the server had shut would fail its next send with `EPIPE`, and with it every
-//! request it had in flight). When an export is removed (a volume deleted with `--force`),
-//! the socket is shut down both ways at once.
+//! answered `ESHUTDOWN` and never run (the protocol asks a client that gets it to disconnect
+//! softly, with `NBD_CMD_DISC`); once nothing is in flight and every reply is on the socket,
+//! the server shuts its writing side, and the whole socket once the client has closed its own
+//! (or after [`CLOSE_LINGER`]). The client can send until then: its reading side is never cut
+//! under it (a client on a Unix socket whose reading side the server had shut would fail its
+//! next send with `EPIPE`, and with it every request it had in flight). When an export is
+//! removed (a volume deleted with `--force`), the socket is shut down both ways at once.
 //!
 //! # Bad input
 //!
@@ -80,6 +81,9 @@ pub const IN_FLIGHT_BYTES_RESERVED: usize = 2 << 20;
 pub const REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often a stopping connection looks whether its requests in flight are done.
 const DRAIN_POLL: Duration = Duration::from_millis(10);
+/// How long a stopping connection, its replies all sent and its writing side shut, waits for
+/// the client to close its side before the socket is shut both ways.
+const CLOSE_LINGER: Duration = Duration::from_secs(1);
 /// Rejected requests logged in full per connection; later ones are only counted.
 const REJECTIONS_LOGGED: u64 = 8;
 /// Unit in which the byte budget is counted (semaphore permits are `u32`).
@@ -450,9 +454,9 @@ fn spawn_conn<X: ExportSet, S: Stream>(
 ///
 /// Negotiation runs here, on the reactor. The transmission phase runs on a thread of its own
 /// ([`transmission`]); this task only waits for it. When the server stops, the connection
-/// thread answers new requests `ESHUTDOWN`, and this task waits for every request in flight
-/// (it takes all of the connection's request slots), sends what replies are buffered and
-/// closes the connection ([`drain_and_close`]); when the export is removed it shuts the socket
+/// thread answers new requests `ESHUTDOWN`, and this task waits until no request is in
+/// flight, sends what replies are buffered and closes the connection ([`drain_and_close`]);
+/// when the export is removed it shuts the socket
 /// down both ways at once, so not even a reply blocked on a client that stopped reading keeps
 /// the connection alive.
 pub async fn serve_connection<X: ExportSet, S: Stream>(
@@ -545,7 +549,14 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
             info!("nbd {peer}: closing connection to {name:?}: server stopping");
             tokio::select! {
                 _ = &mut done_rx => return,
-                _ = drain_and_close(&slots, &stopping, &out) => {}
+                _ = drain_and_close(&slots, &stopping, &out) => {
+                    // Half-closed: the client reads the end of the stream and closes its side,
+                    // which ends the connection thread; one that does not is cut off.
+                    if tokio::time::timeout(CLOSE_LINGER, &mut done_rx).await.is_ok() {
+                        return;
+                    }
+                    let _ = closer.shutdown(std::net::Shutdown::Both);
+                }
                 _ = gone.wait() => {
                     let _ = closer.shutdown(std::net::Shutdown::Both);
                 }
@@ -561,12 +572,19 @@ pub async fn serve_connection<X: ExportSet, S: Stream>(
 
 /// A stopping server's end of a connection: marks it `stopping` (its thread then answers each
 /// new request `ESHUTDOWN`), waits until no request holds a slot, writes out the replies still
-/// buffered, and closes the socket.
+/// buffered, and shuts the socket's writing side ([`Out::close_write`]).
 ///
 /// The connection thread takes a request's slot before it looks at `stopping`, and both
 /// sides look under `stopping`'s lock: so a request either holds its slot when this finds
-/// none held (and is waited for), or was taken after, saw `stopping` and did not run. New
-/// requests are answered all along, not held up behind the ones in flight.
+/// none held (and is waited for), or was taken after, saw `stopping` and did not run (it
+/// gives its slot back at once). New requests are answered all along, not held up behind the
+/// ones in flight.
+///
+/// Only the writing side: the client may still be sending (a request of its own, before it
+/// has read the end of the stream), and the connection thread goes on reading it. With the
+/// reading side shut too, such a send would fail with `EPIPE` on a Unix socket (libnbd and
+/// QEMU then fail every request in flight, replies already received included), and on TCP
+/// the unread bytes would reset the connection and drop replies not yet delivered.
 async fn drain_and_close(
     slots: &Arc<Semaphore>,
     stopping: &Arc<StdMutex<bool>>,
@@ -585,12 +603,7 @@ async fn drain_and_close(
     // Every reply was put in the buffer before its slot came back; flushing may block on a
     // client slow to read (for at most the reply timeout), so not on a reactor thread.
     let out = out.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        let mut o = lock(&out);
-        o.flush();
-        let _ = o.w.get_ref().shutdown(std::net::Shutdown::Both);
-    })
-    .await;
+    let _ = tokio::task::spawn_blocking(move || lock(&out).close_write()).await;
 }
 
 type Negotiated<E> = Option<(String, ExportInfo, E)>;
@@ -956,6 +969,16 @@ impl Out {
         let _ = self.w.get_ref().shutdown(std::net::Shutdown::Both);
     }
 
+    /// Sends what is buffered, then shuts the socket's writing side: the client reads the end
+    /// of the stream after the last reply. Later replies are dropped.
+    fn close_write(&mut self) {
+        self.flush();
+        if !self.broken {
+            self.broken = true;
+            let _ = self.w.get_ref().shutdown(std::net::Shutdown::Write);
+        }
+    }
+
     /// Writes a reply straight to the socket without blocking, for a caller that must not
     /// block (a runtime worker). Only when nothing is buffered ahead of it, and only a reply
     /// small enough that what the socket does not take fits in the buffer without a write.
@@ -1242,8 +1265,9 @@ fn transmission<X: ExportSet>(
                 .expect("never closed")
         });
         if *lock(&stopping) {
-            // The server is stopping: nothing new runs. The reply is in the buffer before
-            // the slot goes back, so the drain that waits for the slots sends it.
+            // The server is stopping: nothing new runs, so the drain need not wait for this
+            // request. Its answer goes out with the replies before the drain's end.
+            drop(slot);
             if req.kind == proto::CMD_WRITE {
                 let len = req.len as usize;
                 if rd.buffer().len() < len {
@@ -1262,7 +1286,6 @@ fn transmission<X: ExportSet>(
             }
             lock(&out).put(&Reply::error(Errno::ESHUTDOWN, req.cookie, None));
             unflushed = true;
-            drop(slot);
             continue;
         }
         let budget = Budget {
@@ -1337,8 +1360,10 @@ fn transmission<X: ExportSet>(
                     "nbd {peer} export {name:?}: {} panicked; answering EIO",
                     proto::command_name(req.kind)
                 );
-                drop(fut);
+                // Answered before the request's budget goes back (with `fut`), so a stopping
+                // server's drain, which waits for the budget, sends the answer.
                 lock(&out).put(&Reply::error(Errno::EIO, req.cookie, None));
+                drop(fut);
                 unflushed = true;
             }
         }
@@ -1975,9 +2000,9 @@ mod budget_tests {
     /// A server that stops does what the protocol asks (a client on a Unix socket used to
     /// fail its next send with `EPIPE`, the socket's reading side shut under it): a write in
     /// flight is served and answered OK; a write sent after the stop, payload and all, is
-    /// answered `ESHUTDOWN` and never runs; and once nothing is in flight the connection
-    /// closes, with no `NBD_CMD_DISC` needed. A second connection that sends nothing is
-    /// closed at the stop.
+    /// answered `ESHUTDOWN` and never runs; and once nothing is in flight the client reads
+    /// the end of the stream, with no `NBD_CMD_DISC` needed, and may still send one. A second
+    /// connection that sends nothing is closed at the stop.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stopping_server_answers_what_is_in_flight_and_eshutdown_after() {
         use std::io::{Read, Write};
@@ -2013,9 +2038,11 @@ mod budget_tests {
         }
         stop.stop();
         let ended = tokio::task::spawn_blocking(move || {
-            // The idle connection closes at the stop: the server has seen it.
+            // The idle connection closes at the stop: the server has seen it (and the other
+            // connection's task, woken by the same signal, too).
             let mut b = [0u8; 16];
             let idle_end = idle.read(&mut b).map_err(|e| e.kind());
+            std::thread::sleep(Duration::from_millis(50));
             // Sent after the stop: a 64 KiB write whose payload the server must skip, then a
             // FLUSH behind it, to show the stream stayed in step.
             let mut w = raw_request(proto::CMD_WRITE, 2, 0, 65536);
@@ -2029,8 +2056,11 @@ mod budget_tests {
             assert_eq!(GATED_DONE.load(SeqCst), 0);
             GATE.add_permits(1);
             assert_eq!(raw_reply(&mut s).unwrap(), (0, 1));
-            // Then the connection ends.
+            // Then the connection ends; the client can still say goodbye (the server shut only
+            // its writing side, so this send does not fail with EPIPE).
             let end = s.read(&mut b).map_err(|e| e.kind());
+            s.write_all(&raw_request(proto::CMD_DISC, 4, 0, 0))
+                .expect("a send after the end of the replies");
             (end, idle_end)
         });
         let (end, idle_end) = ended.await.unwrap();

@@ -9,6 +9,7 @@
 //! `&` or `#`), and parses back to the same address here.
 
 use std::fmt;
+use std::os::unix::ffi::OsStringExt as _;
 use std::path::PathBuf;
 
 pub const DEFAULT_PORT: u16 = 10809;
@@ -53,7 +54,9 @@ impl NbdUri {
                 return Err(err("empty socket path"));
             }
             return Ok(NbdUri {
-                address: Address::Unix(PathBuf::from(percent_decode(socket))),
+                address: Address::Unix(PathBuf::from(std::ffi::OsString::from_vec(
+                    percent_decode_bytes(socket),
+                ))),
                 export: percent_decode(export),
             });
         }
@@ -132,6 +135,11 @@ fn percent_encode(b: &[u8]) -> String {
 }
 
 fn percent_decode(s: &str) -> String {
+    String::from_utf8_lossy(&percent_decode_bytes(s)).into_owned()
+}
+
+/// `s` with each `%XX` turned back into its byte (a path need not be UTF-8).
+fn percent_decode_bytes(s: &str) -> Vec<u8> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -147,7 +155,7 @@ fn percent_decode(s: &str) -> String {
         out.push(b[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 #[cfg(test)]
@@ -225,6 +233,13 @@ mod tests {
             export: "a b#c?d".into(),
         };
         assert_eq!(u.to_string(), "nbd://[::1]:10809/a%20b%23c%3Fd");
+        assert_eq!(NbdUri::parse(&u.to_string()).unwrap(), u);
+        // A socket path need not be UTF-8.
+        let u = NbdUri {
+            address: Address::Unix(std::ffi::OsString::from_vec(b"/run/\xffv/s".to_vec()).into()),
+            export: "v".into(),
+        };
+        assert_eq!(u.to_string(), "nbd+unix:///v?socket=/run/%FFv/s");
         assert_eq!(NbdUri::parse(&u.to_string()).unwrap(), u);
         // Unencoded paths as people type them still parse.
         let u = NbdUri::parse("nbd+unix:///v?socket=/run/my vesta/nbd.sock").unwrap();
