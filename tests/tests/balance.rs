@@ -430,6 +430,7 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
     let dir = Scratch::new("crashcopy");
     let before = contents(&url, &dir, "before");
 
+    let said = dir.path().join("relocate.err");
     let mut relocate = Command::new(vesta_tests::bin("vesta"))
         .args([
             "--api",
@@ -442,7 +443,7 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
             "--offline",
         ])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&said).unwrap())
         .spawn()
         .unwrap();
     wait_for(
@@ -493,6 +494,9 @@ fn a_relocation_cut_by_a_crash_leaves_the_volume_whole_and_can_be_retried() {
     std::thread::sleep(Duration::from_secs(2));
     v.kill9();
     let _ = relocate.wait();
+    // The CLI said how far the copy was while it waited.
+    let said = std::fs::read_to_string(&said).unwrap();
+    assert!(said.contains(" of 64 MiB copied, "), "{said}");
     // nbdkit itself may abort when a client dies with requests in flight (an assertion in
     // its socket code, seen here); the SAN it stands for would still be there, so serve the
     // same images again before vestad comes back.

@@ -679,3 +679,66 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
     let e = v.vesta_err(&["volume", "show", "stuckwb"]);
     assert!(e.contains("no volume named"), "{e}");
 }
+
+/// A policy change that drains dirty data, and an offline relocation, can take minutes: the
+/// CLI says how far they are on stderr while it waits (here not a terminal: a line at the
+/// first look, then at most every 10 s), and prints nothing of it with `--json`.
+#[test]
+fn a_draining_policy_change_reports_its_progress() {
+    // Each datastore write takes 300 ms, one at a time: 12 scattered 4 KiB writes are a drain
+    // of about 4 s, and the CLI looks every second.
+    let k = Nbdkit::start(64 << 20, &["--filter=delay"], &["wdelay=300ms"]);
+    let v = Vestad::start();
+    v.add_lun("slow", &k, 1);
+    for name in ["d", "j"] {
+        v.vesta_ok(&[
+            "volume",
+            "create",
+            name,
+            "--size",
+            "16M",
+            "--datastore",
+            "slow",
+            "--policy",
+            "wb",
+            "--hold",
+            "600",
+        ]);
+        let writes: Vec<String> = (0..12)
+            .map(|i| format!("write -P {} {}k 4k", i + 1, i * 256))
+            .collect();
+        let writes: Vec<&str> = writes.iter().map(String::as_str).collect();
+        vesta_tests::qemu_io(&v.url(name), &writes);
+    }
+    let out = v.vesta(&["volume", "policy", "d", "wt"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("volume d now has policy wt"), "{stdout}");
+    assert!(
+        stderr.contains(" of dirty data left"),
+        "no progress on stderr: {stderr}"
+    );
+    // Scripts get the JSON and no progress.
+    let out = v.vesta(&["--json", "volume", "policy", "j", "wt"]);
+    assert!(out.status.success());
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["policy"], "wt");
+    // Drained: every write is on the datastore and reads back.
+    for name in ["d", "j"] {
+        let reads: Vec<String> = (0..12)
+            .map(|i| format!("read -P {} {}k 4k", i + 1, i * 256))
+            .collect();
+        let reads: Vec<&str> = reads.iter().map(String::as_str).collect();
+        vesta_tests::qemu_io(&v.url(name), &reads);
+        let s = v.vesta_json(&["volume", "show", name]);
+        assert_eq!(s["cache"]["dirty_bytes"], 0, "{s:#}");
+    }
+}

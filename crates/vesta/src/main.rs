@@ -459,6 +459,81 @@ fn rate(bytes_per_s: f64) -> String {
     format!("{:.1}", bytes_per_s / (1 << 20) as f64)
 }
 
+/// How often a long operation's progress is looked up.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+/// How often it is printed when stderr is not a terminal (a log, a script's capture).
+const PROGRESS_LOGGED: Duration = Duration::from_secs(10);
+
+/// Runs `op`, a long request about volume `name` (a drain, a copy), and meanwhile, if `show`,
+/// reports on stderr how far it is: `line` of the volume as vestad shows it, looked up every
+/// [`PROGRESS_EVERY`]. On a terminal one line is rewritten in place; elsewhere a line is
+/// printed at most every [`PROGRESS_LOGGED`], and only when it says something new. A lookup
+/// that fails is skipped: progress never fails the operation.
+fn with_progress<T: Send>(
+    c: &Client,
+    name: &str,
+    show: bool,
+    line: impl Fn(&api::VolumeInfo) -> Option<String> + Sync,
+    op: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    use std::io::IsTerminal as _;
+    if !show {
+        return op();
+    }
+    let terminal = std::io::stderr().is_terminal();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        let line = &line;
+        let poller = scope.spawn(move || {
+            let path = format!("/v1/volumes/{}", seg(name));
+            let mut last = String::new();
+            let mut printed: Option<std::time::Instant> = None;
+            let mut rewritten = false;
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                wait.recv_timeout(PROGRESS_EVERY)
+            {
+                let Some(now) = c.get::<api::VolumeInfo>(&path).ok().and_then(|v| line(&v)) else {
+                    continue;
+                };
+                if terminal {
+                    eprint!("\r  {now}\x1b[K");
+                    rewritten = true;
+                } else if now != last && printed.is_none_or(|t| t.elapsed() >= PROGRESS_LOGGED) {
+                    eprintln!("  {now}");
+                    printed = Some(std::time::Instant::now());
+                }
+                last = now;
+            }
+            if rewritten {
+                eprintln!();
+            }
+        });
+        let r = op();
+        drop(done);
+        let _ = poller.join();
+        r
+    })
+}
+
+/// A draining policy change's progress: the dirty data left, and the destage rate once one
+/// was measured.
+fn drain_left(v: &api::VolumeInfo) -> Option<String> {
+    let c = v.cache.as_ref()?;
+    let left = format!("{} of dirty data left", format_size(c.dirty_bytes));
+    Some(if c.destage_bytes_per_s > 0.0 {
+        format!("{left}, destaging at {} MiB/s", rate(c.destage_bytes_per_s))
+    } else {
+        left
+    })
+}
+
+/// A relocation's progress, from the volume's status ("… (48 MiB of 64 MiB copied, 75 %)").
+fn copied_so_far(v: &api::VolumeInfo) -> Option<String> {
+    let (_, rest) = v.status.rsplit_once('(')?;
+    let inner = rest.strip_suffix(')')?;
+    inner.contains("copied").then(|| inner.to_owned())
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let c = Client::new(&cli.api);
     match cli.cmd {
@@ -610,11 +685,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             // Leaving write-back drains dirty data first, which can take a while: say so
             // (only for the policies that do; a misspelt one is refused at once).
-            if !cli.json && matches!(req.policy.as_str(), "uncached" | "wt") {
+            let drains = matches!(req.policy.as_str(), "uncached" | "wt");
+            if !cli.json && drains {
                 eprintln!("changing the policy of {name} (dirty data destages first)…");
             }
             let v: api::VolumeInfo =
-                c.post_long(&format!("/v1/volumes/{}/policy", seg(&name)), &req)?;
+                with_progress(&c, &name, !cli.json && drains, drain_left, || {
+                    c.post_long(&format!("/v1/volumes/{}/policy", seg(&name)), &req)
+                })?;
             if cli.json {
                 return print_json(&v);
             }
@@ -924,10 +1002,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             let started = std::time::Instant::now();
-            let v: api::VolumeInfo = c.post_long(
-                &format!("/v1/volumes/{}/relocate", seg(&name)),
-                &api::Relocate { datastore, offline },
-            )?;
+            let v: api::VolumeInfo = with_progress(&c, &name, !cli.json, copied_so_far, || {
+                c.post_long(
+                    &format!("/v1/volumes/{}/relocate", seg(&name)),
+                    &api::Relocate { datastore, offline },
+                )
+            })?;
             if cli.json {
                 return print_json(&v);
             }
