@@ -222,9 +222,26 @@ pub struct FileDevice {
     /// Flushes that failed ([`Device::losses`]): the kernel reports a write-back error to one
     /// `fsync` of the file only, and every user of the device must hear of it.
     failed_flushes: std::sync::atomic::AtomicU64,
+    /// Tests: every `fsync` fails with EIO while set (a write-back error no file here can
+    /// be made to have).
+    #[cfg(test)]
+    fail_syncs: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FileDevice {
+    /// What syncs the file's data (`fdatasync`), for a blocking thread.
+    fn sync_fn(&self) -> impl FnOnce(&FileIo) -> io::Result<()> + Send + 'static {
+        #[cfg(test)]
+        let fail = self.fail_syncs.clone();
+        move |f: &FileIo| {
+            #[cfg(test)]
+            if fail.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            f.sync_data()
+        }
+    }
+
     /// Counts a flush that failed (see [`Device::losses`] for this device), before its
     /// caller hears of it.
     fn flushed(&self, r: io::Result<()>) -> io::Result<()> {
@@ -273,6 +290,8 @@ impl FileDevice {
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
             no_cached_reads: Default::default(),
+            #[cfg(test)]
+            fail_syncs: Default::default(),
             failed_flushes: Default::default(),
             regular,
         })
@@ -322,6 +341,8 @@ impl FileDevice {
             path: path.to_owned(),
             fence: std::sync::OnceLock::new(),
             no_cached_reads: Default::default(),
+            #[cfg(test)]
+            fail_syncs: Default::default(),
             failed_flushes: Default::default(),
             regular: true,
         })
@@ -428,11 +449,17 @@ impl Device for FileDevice {
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
         let f = self.file.clone();
         if fua {
-            return on_pool(move || {
+            // Its sync is a flush like any other: a failure is a loss every user of the device
+            // hears of ([`FileDevice::flushed`]). Uncounted, a FUA write of one volume could
+            // take the kernel's one report of another volume's lost write-back, and that
+            // volume's next FLUSH would answer OK.
+            let sync = self.sync_fn();
+            let synced = on_pool(move || {
                 f.write_all_at(&data, offset)?;
-                f.sync_data()
+                Ok(sync(&f))
             })
-            .await;
+            .await?;
+            return self.flushed(synced);
         }
         if f.direct() && inline_here() != Inline::Any {
             // A direct write waits for the device, as a read of the disk does.
@@ -443,7 +470,8 @@ impl Device for FileDevice {
 
     async fn flush(&self) -> io::Result<()> {
         let f = self.file.clone();
-        let r = on_pool(move || f.sync_data()).await;
+        let sync = self.sync_fn();
+        let r = on_pool(move || sync(&f)).await;
         self.flushed(r)
     }
 
@@ -931,6 +959,42 @@ mod tests {
             .await
             .unwrap();
         b.flush().await.expect("nothing lost since");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The sync of a FUA write is a flush like any other: when it fails, every extent of the
+    /// device hears of the loss at its next flush, as after a failed FLUSH (it went
+    /// uncounted before, and the other extent's flush answered OK after the kernel had told
+    /// the FUA write of its lost write-back).
+    #[tokio::test]
+    async fn a_fua_write_whose_sync_fails_is_a_loss_every_extent_hears_of() {
+        let dir = std::env::temp_dir().join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = Arc::new(FileDevice::create(&dir.join("lun.raw"), 1 << 20).unwrap());
+        let gate = || Arc::new(crate::Gate::new(4));
+        let a = crate::Extent::new(d.clone(), 0, 1 << 19, gate());
+        let b = crate::Extent::new(d.clone(), 1 << 19, 1 << 19, gate());
+        b.write(0, Bytes::from(vec![2u8; 4096]), false)
+            .await
+            .unwrap();
+        d.fail_syncs
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let e = a
+            .write(0, Bytes::from(vec![1u8; 4096]), true)
+            .await
+            .expect_err("its sync failed");
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        d.fail_syncs
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(d.losses(), 1);
+        let e = b.flush().await.expect_err("b's writes may be lost too");
+        assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        b.flush().await.expect("told once");
+        // A FUA write whose sync works is no loss.
+        a.write(4096, Bytes::from(vec![3u8; 4096]), true)
+            .await
+            .unwrap();
+        assert_eq!(d.losses(), 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
