@@ -49,7 +49,7 @@
 //! lease): the earlier one is dead, and its locks are adopted.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -109,6 +109,10 @@ struct Session {
     host: Mutex<HostRecord>,
     /// Volumes whose vault lock this host holds.
     held: Mutex<BTreeSet<Uuid>>,
+    /// Re-registrations begun ([`reregister`]), counted under `held`'s lock as each copies
+    /// `held`: a lock taken under a lease that one of them replaced is not held (see
+    /// [`Coordinator::lock_vault`]).
+    reregistrations: AtomicU64,
     /// Volumes whose vault lock is being taken back after a lost lease ([`reregister`]):
     /// until that is decided (see [`retake_lock`]) their vault is not written and their lock
     /// is not taken by anything else of this host. Filled before the new lease is published,
@@ -150,6 +154,7 @@ impl EtcdCoordinator {
                 epoch: Mutex::new((0, 0)),
                 host: Mutex::new(cfg.host),
                 held: Mutex::new(BTreeSet::new()),
+                reregistrations: AtomicU64::new(0),
                 retaking: Mutex::new(BTreeSet::new()),
                 fence: Arc::new(Fence::closed()),
                 stopping: AtomicBool::new(false),
@@ -602,7 +607,11 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
     // renews the lease meanwhile, so retrying on it could outlive it.
     let registered = 'again: loop {
         // Before a new lease can be read: every vault write under it waits for its lock.
-        let held = s.held.lock().expect("lock").clone();
+        let held = {
+            let held = s.held.lock().expect("lock");
+            s.reregistrations.fetch_add(1, Ordering::AcqRel);
+            held.clone()
+        };
         *s.retaking.lock().expect("lock") = held;
         let sent = loop {
             if s.stopping.load(Ordering::Acquire) {
@@ -891,6 +900,7 @@ impl Coordinator for EtcdCoordinator {
     async fn lock_vault(&self, volume: Uuid) -> Result<()> {
         // One being re-taken is decided by the re-registration (which may give its lock up
         // again), not here.
+        let reregistrations = self.session.reregistrations.load(Ordering::Acquire);
         let lease = self.lease_unless_retaking(volume)?;
         take_lock(&self.client, &self.prefix, &self.name, lease, volume)
             .await
@@ -898,8 +908,30 @@ impl Coordinator for EtcdCoordinator {
                 Reg::Etcd(e) => self.unavailable(e),
                 Reg::Taken(m) => Error::Locked(m),
             })?;
-        self.session.held.lock().expect("lock").insert(volume);
-        Ok(())
+        pause(&self.session, "vault lock taken").await;
+        {
+            // A re-registration that copied `held` since the lease was read does not take
+            // this lock back; the lease it was taken under may be gone, and the lock with it
+            // (a lock this host counted as held, with its fence open again, that another host
+            // could take). Counted under this lock, so either this sees the count move or
+            // the re-registration's copy has the volume.
+            let mut held = self.session.held.lock().expect("lock");
+            if self.session.reregistrations.load(Ordering::Acquire) == reregistrations {
+                held.insert(volume);
+                return Ok(());
+            }
+        }
+        // Given back if it is still there under that lease (it was read after the count).
+        let key = self.key("vault-locks", &volume.to_string());
+        let txn = Txn::new()
+            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
+            .and_then([TxnOp::delete(key, None)]);
+        let _ = self.client.kv_client().txn(txn).await;
+        Err(Error::Unavailable(format!(
+            "host {:?} lost its etcd lease while it took the vault lock of volume {volume}; \
+             it is registered again, and the lock can be taken again",
+            self.name
+        )))
     }
 
     async fn unlock_vault(&self, volume: Uuid) -> Result<()> {
@@ -1208,6 +1240,45 @@ mod tests {
         assert_eq!(a.vault(v).await.unwrap(), Some(b_took_it));
         let lock = a.key("vault-locks", &v.to_string());
         assert!(kv.get(lock, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// Host a takes a vault lock, and its lease is lost before the take's answer counts: the
+    /// re-registration runs meanwhile, registers a new lease and takes back the locks it
+    /// knew of, which did not include this one (the lock went with the old lease). The take
+    /// must fail; before, it returned OK and a counted as held a lock that no longer existed,
+    /// with its fence open, so another host could take the volume while a served it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vault_lock_taken_as_the_lease_is_lost_is_not_counted_held() {
+        let etcd = Etcd::start();
+        let a = Arc::new(connect(&etcd, "a").await);
+        let v = Uuid::new_v4();
+        let first = a.lease();
+        let taken = hold_at(&a, "vault lock taken");
+        let take = tokio::spawn({
+            let a = a.clone();
+            async move { a.lock_vault(v).await }
+        });
+        taken.reached().await;
+        lose_lease(&a).await;
+        let fence = a.fence();
+        wait_until("a registers again", || {
+            a.lease() != first && fence.allows_writes()
+        })
+        .await;
+        taken.go();
+        match take.await.unwrap() {
+            Err(Error::Unavailable(m)) => assert!(m.contains("lost its etcd lease"), "{m}"),
+            other => panic!("a lock taken under a lost lease counted as held: {other:?}"),
+        }
+        assert!(!a.session.held.lock().unwrap().contains(&v));
+        // The lock went with the old lease; taken again, it is held under the new one.
+        let lock = a.key("vault-locks", &v.to_string());
+        let mut kv = a.client.kv_client();
+        assert!(kv.get(lock.clone(), None).await.unwrap().kvs().is_empty());
+        a.session.pauses.lock().unwrap().remove("vault lock taken");
+        a.lock_vault(v).await.unwrap();
+        let got = kv.get(lock, None).await.unwrap();
+        assert_eq!(got.kvs()[0].lease(), a.lease());
     }
 
     /// A volume record is deleted only by its id (a name another volume took since, a record
