@@ -491,3 +491,50 @@ fn wait_lease_gone(etcd: &Etcd, name: &str) {
         || (!etcd.keys("/vesta/hosts/").contains(&key)).then_some(()),
     );
 }
+
+/// Two hosts of a pod add one blank LUN under one name at the same moment: one adds it, the
+/// other finds it added (the datastore's metadata lock orders them). Before, each could
+/// format it; the label written last named a LUN id the recorded datastore did not have, and
+/// the LUN was shut out everywhere until removed and added again.
+#[test]
+fn one_blank_lun_added_at_once_on_two_hosts_is_formatted_once() {
+    let etcd = Etcd::start();
+    let lun = Nbdkit::start(256 << 20, &[], &[]);
+    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    let b = host(&etcd, "b", "rack1", "127.0.0.3", &lun);
+    let blank = Nbdkit::start(256 << 20, &[], &[]);
+    let uri = blank.uri();
+    let outs: Vec<std::process::Output> = std::thread::scope(|s| {
+        let adds: Vec<_> = [&a, &b]
+            .into_iter()
+            .map(|v| s.spawn(|| v.vesta(&["datastore", "add", "san2", "--lun", &uri])))
+            .collect();
+        adds.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let ok: Vec<bool> = outs.iter().map(|o| o.status.success()).collect();
+    assert_eq!(
+        ok.iter().filter(|x| **x).count(),
+        1,
+        "{:?}",
+        outs.iter()
+            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+            .collect::<Vec<_>>()
+    );
+    let (winner, loser) = if ok[0] { (&a, 1) } else { (&b, 0) };
+    let said = String::from_utf8_lossy(&outs[loser].stderr).into_owned();
+    assert!(said.contains("san2") && said.contains("already"), "{said}");
+    // The datastore works: a volume on it takes writes and reads them back.
+    winner.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "16M",
+        "--datastore",
+        "san2",
+    ]);
+    qemu_io(
+        &winner.url("w"),
+        &["write -P 0x5c 0 64k", "read -P 0x5c 0 64k"],
+    );
+}

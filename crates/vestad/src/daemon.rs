@@ -1381,51 +1381,60 @@ impl Daemon {
             force: req.force,
             take_over,
         };
-        let store = datastore::open_in_pod(&spec, mode, Some(self.pod)).await?;
-        store.set_fence(self.coord.fence());
-        self.warn_if_cached_by_host(&spec);
-        let spec = store.spec().clone();
-        // A LUN must not be added twice under two names.
-        if let Kind::Lun {
-            lun_id: Some(id), ..
-        } = &spec.kind
-        {
-            let same =
-                |s: &DatastoreSpec| matches!(&s.kind, Kind::Lun { lun_id: Some(o), .. } if o == id);
-            let here = {
-                let ds = self.datastores.read().expect("lock");
-                ds.values()
-                    .find(|e| same(&e.spec))
-                    .map(|e| e.spec.name.clone())
-            };
-            // Also under a name another host of the cluster added, which this host may not
-            // know yet or could not open: two names would mean two locks on one table.
-            let recorded = match here {
-                Some(n) => Some(n),
-                None => self
-                    .coord
-                    .state()
-                    .await?
-                    .datastores
-                    .into_iter()
-                    .find(same)
-                    .map(|s| s.name),
-            };
-            if let Some(other) = recorded {
-                return Err(OpError::Conflict(format!(
-                    "that LUN is already datastore {other:?}"
-                )));
-            }
-        }
-        if let Kind::Dir { path } = &spec.kind {
-            if let Some(other) = self.dir_datastore_at(path).await {
-                return Err(OpError::Conflict(format!(
-                    "directory {} is already datastore {other:?}",
-                    path.display()
-                )));
-            }
-        }
-        self.coord.add_datastore(spec.clone()).await?;
+        // Under the datastore's metadata lock, as a configured one is added: two hosts that
+        // add one blank LUN at once would each format it, and the second label would shut
+        // the first host's record out. The second now finds the first's label (and record).
+        let (store, spec) = self
+            .ds_locked(&req.name, async {
+                let store = datastore::open_in_pod(&spec, mode, Some(self.pod)).await?;
+                store.set_fence(self.coord.fence());
+                self.warn_if_cached_by_host(&spec);
+                let spec = store.spec().clone();
+                // A LUN must not be added twice under two names.
+                if let Kind::Lun {
+                    lun_id: Some(id), ..
+                } = &spec.kind
+                {
+                    let same = |s: &DatastoreSpec| {
+                        matches!(&s.kind, Kind::Lun { lun_id: Some(o), .. } if o == id)
+                    };
+                    let here = {
+                        let ds = self.datastores.read().expect("lock");
+                        ds.values()
+                            .find(|e| same(&e.spec))
+                            .map(|e| e.spec.name.clone())
+                    };
+                    // Also under a name another host of the cluster added, which this host may not
+                    // know yet or could not open: two names would mean two locks on one table.
+                    let recorded = match here {
+                        Some(n) => Some(n),
+                        None => self
+                            .coord
+                            .state()
+                            .await?
+                            .datastores
+                            .into_iter()
+                            .find(same)
+                            .map(|s| s.name),
+                    };
+                    if let Some(other) = recorded {
+                        return Err(OpError::Conflict(format!(
+                            "that LUN is already datastore {other:?}"
+                        )));
+                    }
+                }
+                if let Kind::Dir { path } = &spec.kind {
+                    if let Some(other) = self.dir_datastore_at(path).await {
+                        return Err(OpError::Conflict(format!(
+                            "directory {} is already datastore {other:?}",
+                            path.display()
+                        )));
+                    }
+                }
+                self.coord.add_datastore(spec.clone()).await?;
+                Ok((store, spec))
+            })
+            .await?;
         info!(
             "added datastore {:?} ({} {}, class {}, queue depth {})",
             spec.name,
