@@ -456,9 +456,8 @@ fn spawn_conn<X: ExportSet, S: Stream>(
 /// ([`transmission`]); this task only waits for it. When the server stops, the connection
 /// thread answers new requests `ESHUTDOWN`, and this task waits until no request is in
 /// flight, sends what replies are buffered and closes the connection ([`drain_and_close`]);
-/// when the export is removed it shuts the socket
-/// down both ways at once, so not even a reply blocked on a client that stopped reading keeps
-/// the connection alive.
+/// when the export is removed it shuts the socket down both ways at once, so not even a reply
+/// blocked on a client that stopped reading keeps the connection alive.
 pub async fn serve_connection<X: ExportSet, S: Stream>(
     mut s: S,
     peer: Peer,
