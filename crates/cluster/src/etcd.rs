@@ -922,11 +922,7 @@ impl Coordinator for EtcdCoordinator {
             }
         }
         // Given back if it is still there under that lease (it was read after the count).
-        let key = self.key("vault-locks", &volume.to_string());
-        let txn = Txn::new()
-            .when([Compare::lease(key.clone(), CompareOp::Equal, lease)])
-            .and_then([TxnOp::delete(key, None)]);
-        let _ = self.client.kv_client().txn(txn).await;
+        let _ = give_back(&mut self.client.kv_client(), &self.prefix, lease, volume).await;
         Err(Error::Unavailable(format!(
             "host {:?} lost its etcd lease while it took the vault lock of volume {volume}; \
              it is registered again, and the lock can be taken again",
