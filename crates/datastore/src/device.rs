@@ -929,18 +929,25 @@ mod tests {
         assert_eq!(pieces(0, 0).count(), 0);
     }
 
-    /// A write-back error is reported to one `fsync` only; the file device counts the failed
-    /// flush as a loss, so a volume whose flush did not see it (another on the same LUN) is
-    /// told at its next flush. (A real write-back error needs a failing disk; the failed
-    /// flush is given to the device's own accounting here.)
-    #[tokio::test]
-    async fn a_failed_flush_of_a_file_is_a_loss_every_extent_hears_of() {
+    /// A 1 MiB file device in a new directory (to remove), and two extents that halve it, as
+    /// two volumes of one LUN.
+    fn two_extents_on_one_file() -> (PathBuf, Arc<FileDevice>, crate::Extent, crate::Extent) {
         let dir = std::env::temp_dir().join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let d = Arc::new(FileDevice::create(&dir.join("lun.raw"), 1 << 20).unwrap());
         let gate = || Arc::new(crate::Gate::new(4));
         let a = crate::Extent::new(d.clone(), 0, 1 << 19, gate());
         let b = crate::Extent::new(d.clone(), 1 << 19, 1 << 19, gate());
+        (dir, d, a, b)
+    }
+
+    /// A write-back error is reported to one `fsync` only; the file device counts the failed
+    /// flush as a loss, so a volume whose flush did not see it (another on the same LUN) is
+    /// told at its next flush. (A real write-back error needs a failing disk; the failed
+    /// flush is given to the device's own accounting here.)
+    #[tokio::test]
+    async fn a_failed_flush_of_a_file_is_a_loss_every_extent_hears_of() {
+        let (dir, d, a, b) = two_extents_on_one_file();
         a.write(0, Bytes::from(vec![1u8; 4096]), false)
             .await
             .unwrap();
@@ -968,12 +975,7 @@ mod tests {
     /// the FUA write of its lost write-back).
     #[tokio::test]
     async fn a_fua_write_whose_sync_fails_is_a_loss_every_extent_hears_of() {
-        let dir = std::env::temp_dir().join(format!("vesta-dev-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let d = Arc::new(FileDevice::create(&dir.join("lun.raw"), 1 << 20).unwrap());
-        let gate = || Arc::new(crate::Gate::new(4));
-        let a = crate::Extent::new(d.clone(), 0, 1 << 19, gate());
-        let b = crate::Extent::new(d.clone(), 1 << 19, 1 << 19, gate());
+        let (dir, d, a, b) = two_extents_on_one_file();
         b.write(0, Bytes::from(vec![2u8; 4096]), false)
             .await
             .unwrap();
