@@ -689,6 +689,24 @@ impl FlushErrors {
     }
 }
 
+/// When the writes of [`Nbdkit::start_slow_writes`] are held.
+pub struct SlowWrites {
+    _dir: Scratch,
+    on: PathBuf,
+}
+
+impl SlowWrites {
+    /// Every write taken from now on is held before it is written.
+    pub fn on(&self) {
+        fs::write(&self.on, b"").expect("switch the slow writes on");
+    }
+
+    /// Writes taken from now on are written at once (those held stay held).
+    pub fn off(&self) {
+        fs::remove_file(&self.on).expect("switch the slow writes off");
+    }
+}
+
 /// A host's own way onto the LUN: another nbdkit on the same image with the same filters,
 /// and nbdkit's log filter outermost, so its log says what that host wrote and when
 /// ([`writers`]).
@@ -766,6 +784,40 @@ impl Nbdkit {
         (k, errors)
     }
 
+    /// A server that, while [`SlowWrites`] is on, holds each write it takes for `hold` before
+    /// it writes the image, and then writes it even if its client has gone meanwhile, as a
+    /// SAN does with a write it has accepted (nbdkit's delay filter drops a delayed request
+    /// whose client is gone). nbdkit's `eval` plugin over an image of `size` bytes, its
+    /// reads and writes done by `dd`, requests run in parallel.
+    pub fn start_slow_writes(size: u64, hold: Duration) -> (Nbdkit, SlowWrites) {
+        let dir = Scratch::new("slowwrites");
+        let slow = SlowWrites {
+            on: dir.join("on"),
+            _dir: dir,
+        };
+        let on = slow.on.display();
+        let hold = hold.as_secs_f64();
+        let k = Nbdkit::serve(size, |image| {
+            let img = image.display();
+            vec![
+                "eval".into(),
+                "thread_model=echo parallel".into(),
+                format!("get_size=echo {size}"),
+                "can_write=exit 0".into(),
+                "can_flush=exit 0".into(),
+                format!(
+                    "pread=dd if='{img}' skip=$4 count=$3 iflag=skip_bytes,count_bytes status=none"
+                ),
+                format!(
+                    "pwrite=if [ -e '{on}' ]; then sleep {hold}; fi; \
+                     dd of='{img}' seek=$4 oflag=seek_bytes conv=notrunc status=none"
+                ),
+                "flush=exit 0".into(),
+            ]
+        });
+        (k, slow)
+    }
+
     /// Serves a new sparse image of `size` bytes. `filter_args` go before the plugin (e.g.
     /// `["--filter=delay"]`), `plugin_params` after the image (e.g. `["delay-write=2ms"]`).
     pub fn start(size: u64, filter_args: &[&str], plugin_params: &[&str]) -> Nbdkit {
@@ -837,6 +889,20 @@ impl Nbdkit {
         }
         let d = doors.iter().find(|d| d.host == host).expect("door exists");
         d.socket.clone()
+    }
+
+    /// How many writes `host`'s door has taken and not answered yet, by its log (nbdkit logs
+    /// a request's return before its connection's end, even when the client has gone).
+    pub fn writes_in_service(&self, host: &str) -> usize {
+        let doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
+        let d = doors
+            .iter()
+            .find(|d| d.host == host)
+            .expect("the host has a door");
+        let log = read_string(&d.log);
+        let taken = log.lines().filter(|l| l.contains(" Write id=")).count();
+        let answered = log.lines().filter(|l| l.contains(" ...Write id=")).count();
+        taken - answered
     }
 
     /// Closes `host`'s door (SIGKILL): that host alone loses its path to the LUN, and it

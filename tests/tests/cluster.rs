@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use vesta_tests::{
     pattern, qemu_io, read_file, run, run_ok, try_write, wait_for, Etcd, Host, Nbdkit, Scratch,
-    Vestad, CLUSTER_TTL_S,
+    Vestad, CLUSTER_TTL_S, LUN_EXTENT,
 };
 
 const TTL_S: u64 = CLUSTER_TTL_S;
@@ -537,4 +537,50 @@ fn one_blank_lun_added_at_once_on_two_hosts_is_formatted_once() {
         &winner.url("w"),
         &["write -P 0x5c 0 64k", "read -P 0x5c 0 64k"],
     );
+}
+
+/// A clean stop (SIGTERM) lets the host's next start adopt its vault locks at once, so it
+/// must leave no datastore write in service: a SAN finishes a write it has taken after its
+/// client has gone, and one landing after the next start's writes puts old data over newer.
+/// Before, vestad deregistered and exited with the destager's write still at the LUN; the
+/// restart adopted the locks, destaged newer data, and the old write then landed over it: the
+/// LUN held a version the volume had overwritten, while the volume counted itself clean.
+#[test]
+fn a_clean_stop_leaves_no_datastore_write_to_land_after_its_next_start() {
+    let etcd = Etcd::start();
+    let hold = Duration::from_secs(6);
+    let (lun, slow) = Nbdkit::start_slow_writes(64 << 20, hold);
+    let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    a.vesta_ok(&["volume", "create", "w", "--size", "4M", "--policy", "wb"]);
+    qemu_io(&a.url("w"), &["write -P 1 0 4k", "flush"]);
+    a.wait_clean("w");
+
+    slow.on();
+    qemu_io(&a.url("w"), &["write -P 2 0 4k", "flush"]);
+    wait_for(
+        Duration::from_secs(10),
+        "the destager's write of version 2 to reach the LUN",
+        || (lun.writes_in_service("a") > 0).then_some(()),
+    );
+    assert!(a.terminate().success(), "{}", a.log());
+    slow.off();
+    a.launch();
+    qemu_io(&a.url("w"), &["write -P 3 0 4k", "flush"]);
+    a.wait_clean("w");
+    // Whatever the first incarnation left at the LUN has landed by now.
+    wait_for(hold * 2, "the LUN to answer every write", || {
+        (lun.writes_in_service("a") == 0).then_some(())
+    });
+    let image = read_file(&lun.image);
+    let block = &image[LUN_EXTENT..LUN_EXTENT + 4096];
+    assert!(
+        block.iter().all(|&b| b == 3),
+        "the LUN holds version {} of a block the volume overwrote with version 3 and \
+         destaged\n--- vestad log ---\n{}",
+        block[0],
+        a.log()
+    );
+    // The volume's own reads agree once it reads the datastore.
+    a.vesta_ok(&["volume", "policy", "w", "uncached"]);
+    qemu_io(&a.url("w"), &["read -P 3 0 4k"]);
 }

@@ -258,12 +258,24 @@ impl EtcdCoordinator {
         Ok(())
     }
 
-    /// Stops renewing and removes the host key, so `vesta host list` shows the host as down
-    /// at once. Vault locks are left to expire with the lease (or to be adopted by the next
-    /// incarnation of this host): a volume may still hold dirty data in this host's cache,
-    /// and no other host may write its datastore before that data is replayed.
-    async fn leave(&self) {
+    /// Stops renewing and, if `quiet` (no datastore write of this host is still in service),
+    /// removes the host key, so `vesta host list` shows the host as down at once. Vault
+    /// locks are left to expire with the lease (or to be adopted by the next incarnation of
+    /// this host): a volume may still hold dirty data in this host's cache, and no other host
+    /// may write its datastore before that data is replayed. Not quiet, the host key stays
+    /// until the lease lapses: the next incarnation registers, and adopts the locks, only
+    /// after it could have expired, as after a crash, and no sooner than a write sent under
+    /// it may still land.
+    async fn leave(&self, quiet: bool) {
         self.session.stopping.store(true, Ordering::Release);
+        if !quiet {
+            warn!(
+                "datastore writes of host {:?} still in service at the stop: its etcd lease \
+                 is left to lapse ({:?}), and its next start waits for that",
+                self.name, self.ttl
+            );
+            return;
+        }
         let key = self.key("hosts", &self.name);
         let mut kv = self.client.kv_client();
         if let Err(e) = kv.delete(key, None).await {
@@ -1117,8 +1129,8 @@ impl Coordinator for EtcdCoordinator {
         })
     }
 
-    async fn shutdown(&self) {
-        self.leave().await
+    async fn shutdown(&self, quiet: bool) {
+        self.leave(quiet).await
     }
 }
 
@@ -1314,6 +1326,42 @@ mod tests {
         kv.put(key.clone(), "1", None).await.unwrap();
         assert!(b.deleted_volumes().await.unwrap().is_empty());
         assert!(kv.get(key, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// A stop with every datastore write answered deregisters at once, so the next start
+    /// adopts the locks without waiting; one with a write still in service leaves its host key
+    /// to lapse with the lease, and the next start waits for that, as after a crash.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stop_with_writes_in_service_leaves_its_registration_to_lapse() {
+        let etcd = Etcd::start();
+        let key = "/vesta/hosts/a".to_string();
+        let a = connect(&etcd, "a").await;
+        a.shutdown(true).await;
+        assert!(!etcd.keys("/vesta/hosts/").contains(&key));
+        let started = Instant::now();
+        let a = connect(&etcd, "a").await;
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a quiet stop made the next start wait"
+        );
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        a.shutdown(false).await;
+        assert!(
+            etcd.keys("/vesta/hosts/").contains(&key),
+            "deregistered with a write in service"
+        );
+        let b = connect(&etcd, "b").await;
+        match b.lock_vault(v).await {
+            Err(Error::Locked(m)) => assert!(m.contains("\"a\""), "{m}"),
+            other => panic!("the lock of a host stopped with a write in service: {other:?}"),
+        }
+        let started = Instant::now();
+        let _a = connect(&etcd, "a").await;
+        assert!(
+            started.elapsed() >= Duration::from_secs(1),
+            "the next start did not wait for the lease to lapse"
+        );
     }
 
     /// Every host of a pod gets the pod id the first one stored.

@@ -134,8 +134,15 @@ pub trait Coordinator: Send + Sync + 'static {
     /// The pod id if one is stored, without making one.
     async fn stored_pod_id(&self) -> Result<Option<Uuid>>;
 
-    /// Leaves the cluster at a clean stop (this host shows as down at once).
-    async fn shutdown(&self) {}
+    /// Leaves the cluster at a clean stop. `quiet`: no datastore write of this host is still
+    /// in service ([`Fence`] revoked, every one answered); then this host shows as down at
+    /// once, and its next start adopts its vault locks without waiting. Otherwise its
+    /// registration is left to lapse with its lease, as after a crash, so that nothing takes
+    /// its locks before the lease could have expired (the fence's budget for a write already
+    /// sent).
+    async fn shutdown(&self, quiet: bool) {
+        let _ = quiet;
+    }
 }
 
 /// How long the id of a deleted volume is kept ([`Coordinator::deleted_volumes`]): long enough

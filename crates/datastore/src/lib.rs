@@ -315,6 +315,20 @@ impl Gate {
         self.queue_depth
     }
 
+    /// Waits up to `limit` until no IO is in service through this gate; whether that
+    /// happened. Every IO holds a slot from its fence check until it completes, so once all
+    /// slots are free, every write that passed the check before the fence closed has been
+    /// answered (vestad's clean stop, before it lets a restart adopt its locks). IOs that
+    /// queued meanwhile go ahead afterwards, and a write among them meets the closed fence.
+    pub async fn idle_within(&self, limit: Duration) -> bool {
+        match tokio::time::timeout(limit, self.slots.acquire_many(self.queue_depth)).await {
+            Ok(Ok(_all)) => true,
+            // Closed: nothing is ever issued through it again.
+            Ok(Err(_)) => true,
+            Err(_) => false,
+        }
+    }
+
     pub async fn run<T>(
         &self,
         op: Op,
@@ -623,6 +637,45 @@ pub fn check_name(what: &str, name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A write that passed the fence before it closed is waited for; one after it is refused,
+    /// and a read still goes through.
+    #[tokio::test]
+    async fn a_gate_is_idle_only_once_every_write_it_let_through_is_answered() {
+        let gate = Arc::new(Gate::new(4));
+        let fence = Arc::new(Fence::open());
+        gate.set_fence(fence.clone());
+        let (answer, answered) = tokio::sync::oneshot::channel::<()>();
+        let (issued, is_issued) = tokio::sync::oneshot::channel::<()>();
+        let write = tokio::spawn({
+            let gate = gate.clone();
+            async move {
+                gate.run(Op::Write, 4096, async move {
+                    let _ = issued.send(());
+                    answered.await.map_err(io::Error::other)
+                })
+                .await
+            }
+        });
+        is_issued.await.unwrap();
+        fence.revoke();
+        assert!(
+            !gate.idle_within(Duration::from_millis(50)).await,
+            "a write in service counts as idle"
+        );
+        let late = gate.run(Op::Write, 4096, async { Ok(()) }).await;
+        assert_eq!(late.unwrap_err().to_string(), fence::FENCED);
+        gate.run(Op::Read, 4096, async { Ok(()) }).await.unwrap();
+        let waited = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.idle_within(Duration::from_secs(10)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waited.is_finished(), "idle before the write was answered");
+        answer.send(()).unwrap();
+        write.await.unwrap().unwrap();
+        assert!(waited.await.unwrap());
+    }
 
     #[test]
     fn names_are_checked() {

@@ -2670,6 +2670,29 @@ impl Daemon {
         }
     }
 
+    /// vestad is stopping: no datastore write is issued from here on (the host's fence is
+    /// revoked), and this waits until `deadline` for the writes already issued to be answered.
+    /// True if none is still in service then. Only then may the coordinator let another
+    /// incarnation of this host adopt its vault locks at once ([`Coordinator::shutdown`]): a
+    /// SAN finishes a write it has taken even after its client is gone, and such a write
+    /// landing after the next incarnation's replay would put old data over newer.
+    pub async fn stop_datastore_writes(&self, deadline: std::time::Instant) -> bool {
+        self.coord.fence().revoke();
+        let gates: Vec<Arc<datastore::Gate>> = self
+            .datastores
+            .read()
+            .expect("lock")
+            .values()
+            .filter_map(|e| e.store.as_ref().ok().map(|s| s.gate().clone()))
+            .collect();
+        let mut quiet = true;
+        for g in gates {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            quiet &= g.idle_within(left).await;
+        }
+        quiet
+    }
+
     pub fn status(&self) -> api::Status {
         let nbd = self.nbd.get().cloned().unwrap_or_default();
         api::Status {

@@ -80,6 +80,10 @@ struct Args {
 
 /// How long shutdown waits for connections to finish their in-flight requests.
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+/// How long a stop waits for the destager's window and every datastore write in service to
+/// end, all told. A write still in service then leaves the host's lease to lapse
+/// ([`cluster::Coordinator::shutdown`]).
+const STOP_WRITES_LIMIT: Duration = Duration::from_secs(30);
 /// Written into the data directory once every listener is up; scripts and tests wait for it.
 const READY_FILE: &str = "vestad.json";
 
@@ -269,12 +273,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .context("the pod's peer key")?,
     );
     let daemon = Arc::new(Daemon::start(config.clone(), coord, cache.clone()).await?);
+    let mut destager = None;
     let _ = daemon.peers.key.set(peer_key.clone());
     if let Some(host) = &cache {
         host.finish_recovery(&daemon.volume_ids())
             .map_err(|e| anyhow!("cache recovery: {e}"))?;
         let stopped = stop_destager.subscribe();
-        tokio::spawn(host.clone().run_destager(move || stopped.is_stopped()));
+        destager = Some(tokio::spawn(
+            host.clone().run_destager(move || stopped.is_stopped()),
+        ));
     }
 
     // This host as other hosts' wbp peer.
@@ -378,14 +385,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
         warn!("connections still busy after {DRAIN_LIMIT:?}; flushing and exiting anyway");
     }
     daemon.flush_all().await;
-    // Dirty data stays in the (synced) cache log and is replayed at the next start.
+    // Dirty data stays in the (synced) cache log and is replayed at the next start. The
+    // window in flight ends first (its checkpoint saves the next start some replay), unless
+    // its datastore does not answer.
+    let writes_stop_by = std::time::Instant::now() + STOP_WRITES_LIMIT;
     stop_destager.stop();
+    if let Some(d) = destager {
+        if tokio::time::timeout(STOP_WRITES_LIMIT, d).await.is_err() {
+            warn!(
+                "the destager's window did not end within {STOP_WRITES_LIMIT:?}; stopping anyway"
+            );
+        }
+    }
+    let quiet = daemon.stop_datastore_writes(writes_stop_by).await;
     let _ = api.await;
     if let Some(p) = &addrs.unix {
         let _ = std::fs::remove_file(p);
     }
     let _ = std::fs::remove_file(data_dir.join(READY_FILE));
-    daemon.coord.shutdown().await;
+    daemon.coord.shutdown(quiet).await;
     info!("vestad stopped cleanly");
     Ok(())
 }
