@@ -107,8 +107,10 @@ struct Session {
     /// ([`DatastoreLock::closes`]).
     epoch: Mutex<(i64, u64)>,
     host: Mutex<HostRecord>,
-    /// Volumes whose vault lock this host holds.
-    held: Mutex<BTreeSet<Uuid>>,
+    /// Volumes whose vault lock this host holds, each with its lock key's create revision:
+    /// one per hold, so that a vault write sent in one hold never lands in a later one under
+    /// the same lease ([`Coordinator::put_vault`]).
+    held: Mutex<BTreeMap<Uuid, i64>>,
     /// Re-registrations begun ([`reregister`]), counted under `held`'s lock as each copies
     /// `held`: a lock taken under a lease that one of them replaced is not held (see
     /// [`Coordinator::lock_vault`]).
@@ -124,6 +126,9 @@ struct Session {
     /// Places where a test holds the re-registration ([`pause`]).
     #[cfg(test)]
     pauses: Mutex<std::collections::HashMap<&'static str, Arc<tests::Pause>>>,
+    /// A test's etcd error for the next lock the re-registration takes back.
+    #[cfg(test)]
+    fail_retake: AtomicBool,
 }
 
 impl EtcdCoordinator {
@@ -153,13 +158,15 @@ impl EtcdCoordinator {
                 lease: AtomicI64::new(0),
                 epoch: Mutex::new((0, 0)),
                 host: Mutex::new(cfg.host),
-                held: Mutex::new(BTreeSet::new()),
+                held: Mutex::new(BTreeMap::new()),
                 reregistrations: AtomicU64::new(0),
                 retaking: Mutex::new(BTreeSet::new()),
                 fence: Arc::new(Fence::closed()),
                 stopping: AtomicBool::new(false),
                 #[cfg(test)]
                 pauses: Mutex::default(),
+                #[cfg(test)]
+                fail_retake: AtomicBool::new(false),
             }),
         };
         let give_up = Instant::now() + c.ttl + Duration::from_secs(1);
@@ -244,6 +251,22 @@ impl EtcdCoordinator {
             )));
         }
         Ok(lease)
+    }
+
+    /// The transaction that writes `v` if this host holds its lock under `lease` in the hold
+    /// whose key was created at revision `created`. The fence: etcd applies the write only
+    /// while the lock is bound to this incarnation's lease, and only in the same hold, so a
+    /// write applied late (after its request timed out here) cannot land in a later hold
+    /// under the same lease and cover what another host wrote in between.
+    fn vault_put(&self, v: &Vault, lease: i64, created: i64) -> Txn {
+        let id = v.volume.to_string();
+        let lock = self.key("vault-locks", &id);
+        Txn::new()
+            .when([
+                Compare::lease(lock.clone(), CompareOp::Equal, lease),
+                Compare::create_revision(lock, CompareOp::Equal, created),
+            ])
+            .and_then([TxnOp::put(self.key("vaults", &id), json(v), None)])
     }
 
     /// Grants a lease, creates the host key under it and opens the fence.
@@ -392,32 +415,33 @@ fn first_get(rs: &[TxnOpResponse]) -> Option<etcd_client::KeyValue> {
     })
 }
 
-/// Takes (or adopts from an earlier incarnation of this host) one vault lock.
+/// Takes (or adopts from an earlier incarnation of this host) one vault lock; its key's
+/// create revision.
 async fn take_lock(
     client: &Client,
     prefix: &str,
     name: &str,
     lease: i64,
     volume: Uuid,
-) -> std::result::Result<(), Reg> {
+) -> std::result::Result<i64, Reg> {
     let key = format!("{prefix}/vault-locks/{volume}");
-    match take_key(client, key, name, lease).await? {
-        None => Ok(()),
-        Some(holder) => Err(Reg::Taken(format!(
+    take_key(client, key, name, lease).await?.map_err(|holder| {
+        Reg::Taken(format!(
             "volume {volume}'s vault lock is held by host {holder:?}"
-        ))),
-    }
+        ))
+    })
 }
 
 /// Takes `key`, bound to `lease` with this host's `name` as its value, or adopts it from an
-/// earlier incarnation of this host (same name, another lease). `Some(holder)` if another
-/// host holds it.
+/// earlier incarnation of this host (same name, another lease): the key's create revision,
+/// which names this hold of it (an adoption goes on with the earlier incarnation's). The
+/// holder's name if another host holds it.
 async fn take_key(
     client: &Client,
     key: String,
     name: &str,
     lease: i64,
-) -> std::result::Result<Option<String>, etcd_client::Error> {
+) -> std::result::Result<std::result::Result<i64, String>, etcd_client::Error> {
     let mut kv = client.kv_client();
     loop {
         let txn = Txn::new()
@@ -430,17 +454,19 @@ async fn take_key(
             .or_else([TxnOp::get(key.clone(), None)]);
         let r = kv.txn(txn).await?;
         if r.succeeded() {
-            return Ok(None);
+            // Created by this transaction: at its revision.
+            let created = r.header().map(|h| h.revision()).unwrap_or_default();
+            return Ok(Ok(created));
         }
         let Some(cur) = first_get(&r.op_responses()) else {
             continue; // released between the compare and the get: try again
         };
         let holder = String::from_utf8_lossy(cur.value()).into_owned();
         if holder != name {
-            return Ok(Some(holder));
+            return Ok(Err(holder));
         }
         if cur.lease() == lease {
-            return Ok(None);
+            return Ok(Ok(cur.create_revision()));
         }
         // An earlier incarnation of this host: adopt, unless it changed meanwhile.
         let txn = Txn::new()
@@ -455,7 +481,7 @@ async fn take_key(
                 Some(PutOptions::new().with_lease(lease)),
             )]);
         if kv.txn(txn).await?.succeeded() {
-            return Ok(None);
+            return Ok(Ok(cur.create_revision()));
         }
     }
 }
@@ -568,7 +594,7 @@ async fn retake_lock(
         )));
     }
     pause(s, "before take").await;
-    take_lock(client, prefix, name, lease, volume).await?;
+    let created = take_lock(client, prefix, name, lease, volume).await?;
     pause(s, "after take").await;
     // Another host that took it over in between names itself the owner.
     let now = vault_owner(&mut kv, prefix, volume).await?;
@@ -579,8 +605,16 @@ async fn retake_lock(
         )));
     }
     // Given back meanwhile: `unlock_vault` forgets the volume before it deletes the lock, so
-    // either it deleted the lock taken here or this sees it forgotten.
-    if !s.held.lock().expect("lock").contains(&volume) {
+    // either it deleted the lock taken here or this sees it forgotten. Kept, it is a new
+    // hold: the lock went with the lease before.
+    let kept = match s.held.lock().expect("lock").get_mut(&volume) {
+        Some(hold) => {
+            *hold = created;
+            true
+        }
+        None => false,
+    };
+    if !kept {
         give_back(&mut kv, prefix, lease, volume).await?;
     }
     Ok(())
@@ -612,17 +646,44 @@ async fn pause(s: &Session, stage: &'static str) {
     }
 }
 
+/// Renews `lease` every sixth of `ttl` until dropped, and raises `renewed` to the send time
+/// of each renewal etcd answered. Opens no fence: [`reregister`] does, once its locks are back.
+async fn keep_lease(
+    client: &Client,
+    lease: i64,
+    ttl: Duration,
+    renewed: &Mutex<Instant>,
+) -> std::convert::Infallible {
+    let every = ttl / 6;
+    let mut leases = client.lease_client();
+    loop {
+        tokio::time::sleep(every).await;
+        let sent = Instant::now();
+        // Opening a keep-alive stream is one renewal: etcd answers it before the stream is
+        // handed over, and an answer means the lease lives.
+        match tokio::time::timeout(every, leases.keep_alive(lease)).await {
+            Ok(Ok(_)) => {
+                let mut r = renewed.lock().expect("lock");
+                *r = (*r).max(sent);
+            }
+            Ok(Err(e)) => {
+                warn!("etcd: renew the new lease while its vault locks are taken back: {e}")
+            }
+            Err(_) => {}
+        }
+    }
+}
+
 /// After a lost lease: registers again and re-takes every vault lock this host held. The fence
 /// opens only if all of them came back.
 async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
-    // An etcd error while re-taking the locks starts over with a new registration: nothing
-    // renews the lease meanwhile, so retrying on it could outlive it.
+    // An etcd error while re-taking the locks starts over with a new registration.
     let registered = 'again: loop {
         // Before a new lease can be read: every vault write under it waits for its lock.
-        let held = {
+        let held: BTreeSet<Uuid> = {
             let held = s.held.lock().expect("lock");
             s.reregistrations.fetch_add(1, Ordering::AcqRel);
-            held.clone()
+            held.keys().copied().collect()
         };
         *s.retaking.lock().expect("lock") = held;
         let sent = loop {
@@ -639,31 +700,54 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
         let name = s.host.lock().expect("lock").name.clone();
         let lease = s.lease.load(Ordering::Acquire);
         let held: Vec<Uuid> = s.retaking.lock().expect("lock").iter().copied().collect();
-        let mut lost = Vec::new();
-        for v in held {
-            match retake_lock(client, s, prefix, &name, lease, v).await {
-                // Confirmed, or not this host's (then a vault write finds no lock).
-                Ok(()) => {
-                    s.retaking.lock().expect("lock").remove(&v);
+        let retakes = async {
+            let mut lost = Vec::new();
+            for v in held {
+                #[cfg(test)]
+                if s.fail_retake.swap(false, Ordering::AcqRel) {
+                    return Err((v, etcd_client::Error::Internal("injected by a test".into())));
                 }
-                Err(Reg::Taken(m)) => {
-                    error!("{m}");
-                    s.retaking.lock().expect("lock").remove(&v);
-                    lost.push(v);
-                }
-                Err(Reg::Etcd(e)) => {
-                    warn!("re-take vault lock of {v}: {e}; registering again");
-                    tokio::time::sleep(ttl / 6).await;
-                    continue 'again;
+                match retake_lock(client, s, prefix, &name, lease, v).await {
+                    // Confirmed, or not this host's (then a vault write finds no lock).
+                    Ok(()) => {
+                        s.retaking.lock().expect("lock").remove(&v);
+                    }
+                    Err(Reg::Taken(m)) => {
+                        error!("{m}");
+                        s.retaking.lock().expect("lock").remove(&v);
+                        lost.push(v);
+                    }
+                    Err(Reg::Etcd(e)) => return Err((v, e)),
                 }
             }
+            Ok(lost)
+        };
+        // Nothing else renews the new lease while its locks are taken back, a few round
+        // trips per volume: renewed here meanwhile, so that many volumes cannot outlast it.
+        let renewed = Mutex::new(sent);
+        let outcome = tokio::select! {
+            r = retakes => r,
+            never = keep_lease(client, lease, ttl, &renewed) => match never {},
+        };
+        match outcome {
+            Ok(lost) => break (*renewed.lock().expect("lock"), name, lost),
+            Err((v, e)) => {
+                warn!("re-take vault lock of {v}: {e}; registering again");
+                // The host key is bound to this lease: left to expire, it would refuse the
+                // next registration the host's own name until then.
+                if let Err(e) = client.lease_client().revoke(lease).await {
+                    warn!("etcd: revoke the lease given up: {e}");
+                }
+                pause(s, "registering again").await;
+                tokio::time::sleep(ttl / 6).await;
+                continue 'again;
+            }
         }
-        break (sent, name, lost);
     };
-    let (sent, name, lost) = registered;
+    let (renewed, name, lost) = registered;
     if lost.is_empty() {
-        // From the grant, not from now: the new lease's clock started then.
-        s.fence.extend_to(sent + ttl / 2);
+        // From the last renewal's send, not from now: the lease's clock ran from then.
+        s.fence.extend_to(renewed + ttl / 2);
         info!("host {name:?} registered again; datastore writes resume");
     } else {
         // For good: the renewals of the new lease must not open it again.
@@ -914,7 +998,7 @@ impl Coordinator for EtcdCoordinator {
         // again), not here.
         let reregistrations = self.session.reregistrations.load(Ordering::Acquire);
         let lease = self.lease_unless_retaking(volume)?;
-        take_lock(&self.client, &self.prefix, &self.name, lease, volume)
+        let created = take_lock(&self.client, &self.prefix, &self.name, lease, volume)
             .await
             .map_err(|e| match e {
                 Reg::Etcd(e) => self.unavailable(e),
@@ -929,7 +1013,7 @@ impl Coordinator for EtcdCoordinator {
             // the re-registration's copy has the volume.
             let mut held = self.session.held.lock().expect("lock");
             if self.session.reregistrations.load(Ordering::Acquire) == reregistrations {
-                held.insert(volume);
+                held.insert(volume, created);
                 return Ok(());
             }
         }
@@ -961,14 +1045,19 @@ impl Coordinator for EtcdCoordinator {
     }
 
     async fn put_vault(&self, v: &Vault) -> Result<()> {
-        let id = v.volume.to_string();
-        let lock = self.key("vault-locks", &id);
         let lease = self.lease_unless_retaking(v.volume)?;
-        // The fence: the write lands only while the lock is bound to this incarnation's lease.
-        let txn = Txn::new()
-            .when([Compare::lease(lock, CompareOp::Equal, lease)])
-            .and_then([TxnOp::put(self.key("vaults", &id), json(v), None)]);
-        if self.txn_held(txn).await? {
+        let hold = self
+            .session
+            .held
+            .lock()
+            .expect("lock")
+            .get(&v.volume)
+            .copied();
+        let held = match hold {
+            Some(created) => self.txn_held(self.vault_put(v, lease, created)).await?,
+            None => false,
+        };
+        if held {
             Ok(())
         } else {
             Err(Error::NotHeld(format!(
@@ -1051,7 +1140,7 @@ impl Coordinator for EtcdCoordinator {
         let key = self.key("stats", "aggregator");
         take_key(&self.client, key, &self.name, self.lease())
             .await
-            .map(|holder| holder.is_none())
+            .map(|taken| taken.is_ok())
             .map_err(|e| self.unavailable(e))
     }
 
@@ -1278,7 +1367,7 @@ mod tests {
             Err(Error::Unavailable(m)) => assert!(m.contains("lost its etcd lease"), "{m}"),
             other => panic!("a lock taken under a lost lease counted as held: {other:?}"),
         }
-        assert!(!a.session.held.lock().unwrap().contains(&v));
+        assert!(!a.session.held.lock().unwrap().contains_key(&v));
         // The lock went with the old lease; taken again, it is held under the new one.
         let lock = a.key("vault-locks", &v.to_string());
         let mut kv = a.client.kv_client();
@@ -1326,6 +1415,111 @@ mod tests {
         kv.put(key.clone(), "1", None).await.unwrap();
         assert!(b.deleted_volumes().await.unwrap().is_empty());
         assert!(kv.get(key, None).await.unwrap().kvs().is_empty());
+    }
+
+    /// A vault write of a's first hold of a lock that etcd applies only after a gave the lock
+    /// up, b took the volume and wrote its vault, and a took the lock again under the same
+    /// lease, must not land: it would cover b's record with a's older one. Before, the write
+    /// compared only the lock's lease, which the second hold has too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_vault_write_of_an_earlier_hold_never_lands_in_a_later_one() {
+        let etcd = Etcd::start();
+        let (a, b) = (connect(&etcd, "a").await, connect(&etcd, "b").await);
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        let first = a.session.held.lock().unwrap()[&v];
+        a.put_vault(&vault(v, "a", 1)).await.unwrap();
+        // What a sends next, as etcd would apply it late.
+        let late = a.vault_put(&vault(v, "a", 1), a.lease(), first);
+        a.unlock_vault(v).await.unwrap();
+        b.lock_vault(v).await.unwrap();
+        b.put_vault(&vault(v, "b", 2)).await.unwrap();
+        b.unlock_vault(v).await.unwrap();
+        a.lock_vault(v).await.unwrap();
+        assert_ne!(a.session.held.lock().unwrap()[&v], first, "one hold, twice");
+        let applied = a.client.kv_client().txn(late).await.unwrap();
+        assert!(
+            !applied.succeeded(),
+            "the first hold's write landed in the second"
+        );
+        assert_eq!(a.vault(v).await.unwrap(), Some(vault(v, "b", 2)));
+        // The second hold writes as it should.
+        a.put_vault(&vault(v, "a", 3)).await.unwrap();
+        assert_eq!(a.vault(v).await.unwrap(), Some(vault(v, "a", 3)));
+        // And a host holding none writes none.
+        match b.put_vault(&vault(v, "b", 4)).await {
+            Err(Error::NotHeld(_)) => {}
+            other => panic!("a vault written without its lock: {other:?}"),
+        }
+    }
+
+    /// Taking the locks back after a lost lease can take longer than the new lease's TTL (a
+    /// few round trips per volume, fifty volumes a host). The new lease must live through it:
+    /// before, nothing renewed it meanwhile, so it expired with the locks just taken under it,
+    /// and the host went round again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_new_lease_lives_while_its_locks_are_taken_back() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        let after_take = hold_at(&a, "after take");
+        lose_lease(&a).await;
+        after_take.reached().await;
+        let new = a.lease();
+        // Twice the TTL, as a retake of many volumes would take.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        a.session.pauses.lock().unwrap().remove("after take");
+        after_take.go();
+        let fence = a.fence();
+        wait_until("a registers again", || fence.allows_writes()).await;
+        assert_eq!(
+            a.lease(),
+            new,
+            "the lease expired while the locks were taken back"
+        );
+        let lock = a.key("vault-locks", &v.to_string());
+        let got = a.client.kv_client().get(lock, None).await.unwrap();
+        assert_eq!(got.kvs()[0].lease(), new);
+    }
+
+    /// An etcd error while taking the locks back starts the registration over. The lease it
+    /// gives up is revoked first: its host key would otherwise refuse the host's own name
+    /// until the lease expired, keeping datastore writes stopped that much longer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_retake_revokes_its_lease_before_it_registers_again() {
+        let etcd = Etcd::start();
+        let a = connect(&etcd, "a").await;
+        let v = Uuid::new_v4();
+        a.lock_vault(v).await.unwrap();
+        let again = hold_at(&a, "registering again");
+        a.session.fail_retake.store(true, Ordering::Release);
+        lose_lease(&a).await;
+        again.reached().await;
+        let given_up = a.lease();
+        let ttl = a
+            .client
+            .lease_client()
+            .time_to_live(given_up, None)
+            .await
+            .unwrap();
+        assert!(
+            ttl.ttl() < 0,
+            "the lease given up still lives ({} s)",
+            ttl.ttl()
+        );
+        assert!(!etcd
+            .keys("/vesta/hosts/")
+            .contains(&"/vesta/hosts/a".to_string()));
+        again.go();
+        let fence = a.fence();
+        wait_until("a registers again", || {
+            a.lease() != given_up && fence.allows_writes()
+        })
+        .await;
+        let lock = a.key("vault-locks", &v.to_string());
+        let got = a.client.kv_client().get(lock, None).await.unwrap();
+        assert_eq!(got.kvs()[0].lease(), a.lease());
     }
 
     /// A stop with every datastore write answered deregisters at once, so the next start
