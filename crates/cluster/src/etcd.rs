@@ -871,12 +871,33 @@ impl Coordinator for EtcdCoordinator {
             return Err(Error::NotFound(format!("no volume {id} named {name:?}")));
         };
         let id = cur.id.to_string();
+        // The vault lock goes with the record only if it is this host's, or nobody's: another
+        // host holding it replays the volume, and its lock is not this host's to delete.
+        let lock = self.key("vault-locks", &id);
+        let mut kv = self.client.kv_client();
+        let held = kv
+            .get(lock.clone(), None)
+            .await
+            .map_err(|e| self.unavailable(e))?;
+        let lock_rev = match held.kvs().first() {
+            Some(l) if l.lease() != self.lease() => {
+                return Err(Error::Locked(format!(
+                    "volume {name:?}'s vault lock is held by host {:?}",
+                    String::from_utf8_lossy(l.value())
+                )))
+            }
+            Some(l) => l.mod_revision(),
+            None => 0,
+        };
         let txn = Txn::new()
-            .when([Compare::value(key.clone(), CompareOp::Equal, json(&cur))])
+            .when([
+                Compare::value(key.clone(), CompareOp::Equal, json(&cur)),
+                Compare::mod_revision(lock.clone(), CompareOp::Equal, lock_rev),
+            ])
             .and_then([
                 TxnOp::delete(key, None),
                 TxnOp::delete(self.key("vaults", &id), None),
-                TxnOp::delete(self.key("vault-locks", &id), None),
+                TxnOp::delete(lock, None),
                 TxnOp::put(
                     self.key("deleted", &id),
                     crate::now_unix().to_string(),
@@ -1404,10 +1425,23 @@ mod tests {
         ));
         assert_eq!(a.state().await.unwrap().volumes.len(), 1);
         assert!(a.deleted_volumes().await.unwrap().is_empty());
+        // Not while another host holds its vault lock (it replays the volume).
+        let b = connect(&etcd, "b").await;
+        b.lock_vault(new).await.unwrap();
+        match a.delete_volume("v", new).await {
+            Err(Error::Locked(m)) => assert!(m.contains("\"b\""), "{m}"),
+            other => panic!("a volume deleted with another host's vault lock: {other:?}"),
+        }
+        assert_eq!(a.state().await.unwrap().volumes.len(), 1);
+        let lock = format!("/vesta/vault-locks/{new}");
+        assert!(!etcd.keys(&lock).is_empty(), "b's vault lock was deleted");
+        b.unlock_vault(new).await.unwrap();
+        // With its own lock, the lock goes with the record.
+        a.lock_vault(new).await.unwrap();
         a.delete_volume("v", new).await.unwrap();
         assert!(a.state().await.unwrap().volumes.is_empty());
+        assert!(etcd.keys(&lock).is_empty());
         // The delete leaves the id, for storage it left behind to be freed, not imported.
-        let b = connect(&etcd, "b").await;
         assert_eq!(b.deleted_volumes().await.unwrap(), vec![new]);
         // An id deleted longer ago than it is kept is forgotten, and its key removed.
         let key = format!("/vesta/deleted/{new}");

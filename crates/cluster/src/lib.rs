@@ -68,7 +68,7 @@ pub trait Coordinator: Send + Sync + 'static {
     async fn update_volume(&self, v: VolumeRecord) -> Result<()>;
     /// Forgets volume `id`, named `name`, and its vault; fails with [`Error::NotFound`] if
     /// no volume by that name has that id (a name taken since by another volume is not its
-    /// to delete).
+    /// to delete), and with [`Error::Locked`] while another host holds its vault lock.
     async fn delete_volume(&self, name: &str, id: Uuid) -> Result<()>;
     /// Ids of deleted volumes: [`Coordinator::delete_volume`] keeps each, in the same change
     /// that removes the record. Storage with such an id found with no record (left by a
