@@ -324,9 +324,14 @@ impl LunDatastore {
                         t.entries.len()
                     )));
                 }
-                let blank = head.iter().all(|b| *b == 0);
-                if !blank && !force {
-                    let first = head.iter().position(|b| *b != 0).unwrap_or(0);
+                let first = match head.iter().position(|b| *b != 0) {
+                    Some(at) => Some(at as u64),
+                    None => first_data_past_head(&*dev)
+                        .await
+                        .map_err(io_err(format!("read {target}")))?,
+                };
+                let blank = first.is_none();
+                if let (Some(first), false) = (first, force) {
                     let what = match e {
                         LabelError::NoMagic => "data that is not a Vesta label".to_owned(),
                         other => format!("a damaged Vesta label ({other})"),
@@ -668,6 +673,50 @@ fn table_bytes(t: &Table) -> bytes::Bytes {
     let mut b = t.encode();
     b.resize(b.len().next_multiple_of(label::LABEL_LEN), 0);
     bytes::Bytes::from(b)
+}
+
+/// Where a blank check reads past the first [`label::DATA_START`] bytes (which it reads
+/// whole): the last 4 MiB, where other formats keep their second copies (a GPT's backup
+/// header, an md 1.0 superblock, ZFS's last two labels), and [`BLANK_SAMPLES`] pieces of
+/// 64 KiB evenly spread over the rest. Reading a whole LUN to add it would take hours; this
+/// takes 8 MiB. Pure: (offset, length) pairs within `size`, in order, not overlapping.
+fn blank_probes(size: u64) -> Vec<(u64, usize)> {
+    const TAIL: u64 = 4 << 20;
+    const PIECE: u64 = 64 << 10;
+    let start = label::DATA_START;
+    if size <= start {
+        return Vec::new();
+    }
+    let tail = size.saturating_sub(TAIL).max(start);
+    let between = tail - start;
+    let mut probes = Vec::new();
+    if between <= BLANK_SAMPLES * PIECE {
+        // Small enough to read whole.
+        if between > 0 {
+            probes.push((start, between as usize));
+        }
+    } else {
+        // Pieces further apart than they are long: none overlaps the next or the tail.
+        for i in 0..BLANK_SAMPLES {
+            probes.push((start + between * i / BLANK_SAMPLES, PIECE as usize));
+        }
+    }
+    probes.push((tail, (size - tail) as usize));
+    probes
+}
+
+/// How many pieces a blank check reads between the head and the tail ([`blank_probes`]).
+const BLANK_SAMPLES: u64 = 64;
+
+/// The first non-zero byte a blank check finds past the head ([`blank_probes`]), if any.
+async fn first_data_past_head(dev: &dyn Device) -> std::io::Result<Option<u64>> {
+    for (at, len) in blank_probes(dev.size()) {
+        let got = dev.read_at(at, len).await?;
+        if let Some(i) = got.iter().position(|b| *b != 0) {
+            return Ok(Some(at + i as u64));
+        }
+    }
+    Ok(None)
 }
 
 async fn format(dev: &dyn Device, l: &Label, t: &Table) -> std::io::Result<()> {
@@ -1215,6 +1264,88 @@ mod tests {
         assert!(lun.recorded_volumes().await.unwrap().is_empty());
         // Begun under the new lease, it goes through.
         lun.create_volume(&volume("w")).await.unwrap();
+    }
+
+    /// The places a blank check reads lie within the device, in order and apart, always
+    /// include its last 4 MiB (or all of it past the head), and are few.
+    #[test]
+    fn a_blank_check_reads_the_tail_and_a_sample_of_the_rest() {
+        let mb = 1u64 << 20;
+        for size in (0..64).map(|i| i * mb / 2).chain([
+            4 * mb + 512,
+            12 * mb - 512,
+            1 << 30,
+            (1 << 40) + 4096,
+        ]) {
+            let probes = blank_probes(size);
+            if size <= label::DATA_START {
+                assert!(probes.is_empty(), "{size}");
+                continue;
+            }
+            let mut end = label::DATA_START;
+            for &(at, len) in &probes {
+                assert!(at >= end && len > 0, "{size}: {probes:?}");
+                end = at + len as u64;
+            }
+            assert_eq!(end, size, "{size}: the tail is not read");
+            let (last, len) = *probes.last().unwrap();
+            assert!(
+                len as u64 >= (4 * mb).min(size - label::DATA_START) && last + len as u64 == size,
+                "{size}: {probes:?}"
+            );
+            let read: u64 = probes.iter().map(|&(_, l)| l as u64).sum();
+            assert!(read <= 8 * mb, "{size}: reads {read} bytes");
+            assert!(probes.len() as u64 <= BLANK_SAMPLES + 1);
+        }
+    }
+
+    /// A LUN whose first 4 MiB are zeroes but which holds data further on (a GPT's backup
+    /// header in its last sector, data in the middle) is not taken for blank: formatting it
+    /// would destroy that data. Before, only the first 4 MiB were read.
+    #[tokio::test]
+    async fn data_past_the_head_of_a_lun_is_not_formatted_without_force() {
+        let dir = std::env::temp_dir().join(format!("vesta-lun-blank-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("lun.img");
+        let size = 256u64 << 20;
+        let add = |force| OpenMode::Add {
+            force,
+            take_over: None,
+        };
+        let middle = blank_probes(size)[BLANK_SAMPLES as usize / 2].0 + 100;
+        for (at, what) in [(size - 512, &b"EFI PART"[..]), (middle, &b"data"[..])] {
+            let _ = std::fs::remove_file(&img);
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&img)
+                .unwrap();
+            f.set_len(size).unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&f, what, at).unwrap();
+            let e = LunDatastore::open(spec(&img), add(false), None)
+                .await
+                .err()
+                .expect("a LUN with data on it was formatted")
+                .to_string();
+            assert!(
+                e.contains(&format!("offset {at}")) && e.contains("--force"),
+                "{e}"
+            );
+            let mut kept = vec![0; what.len()];
+            std::os::unix::fs::FileExt::read_exact_at(&f, &mut kept, at).unwrap();
+            assert_eq!(kept, what, "the refused add wrote over the data");
+            LunDatastore::open(spec(&img), add(true), None)
+                .await
+                .expect("--force formats it");
+        }
+        // A blank one is formatted without --force.
+        let _ = std::fs::remove_file(&img);
+        std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+        LunDatastore::open(spec(&img), add(false), None)
+            .await
+            .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A LUN carries the pod that formatted it: another pod is refused when it adds it, and
