@@ -320,7 +320,7 @@ impl LunDatastore {
                          ({e}), and {backup}, while its volume table holds {} volume(s): \
                          formatting would destroy them, so --force does not. To keep them, \
                          restore the label (the 4 KiB at offset 3 MiB, if whole, copied to \
-                         offset 0); to format anyway, zero the first 4 MiB",
+                         offset 0); to format anyway, zero the first 4 MiB and add it with --force",
                         t.entries.len()
                     )));
                 }
