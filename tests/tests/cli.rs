@@ -5,7 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use vesta_tests::raw::Raw;
-use vesta_tests::{bin, run_ok, wait_for, Nbdkit, Scratch, Vestad};
+use vesta_tests::{bin, qemu_io, run_ok, wait_for, Nbdkit, Scratch, Vestad};
 
 #[test]
 fn volume_lifecycle_through_the_cli() {
@@ -521,6 +521,18 @@ fn status_reports_addresses_and_counts() {
     assert_eq!(format!("http://{}", j["api"].as_str().unwrap()), v.api);
     let out = run_ok(Command::new(bin("vesta")).args(["--api", &v.api, "status"]));
     assert!(out.contains("coordinator  local"), "{out}");
+    // The host's own cache use is as it is now, not as last published (every 10 s).
+    let idle = v.vesta_json(&["host", "list"])[0]["cache_used_bytes"]
+        .as_u64()
+        .unwrap();
+    v.vesta_ok(&["volume", "create", "w", "--size", "8M", "--policy", "wb"]);
+    qemu_io(&v.url("w"), &["write -P 7 0 4M", "flush"]);
+    let h = v.vesta_json(&["host", "list"]);
+    let used = h[0]["cache_used_bytes"].as_u64().unwrap();
+    assert!(
+        used >= idle + (4 << 20),
+        "4 MiB written, cache use {idle} -> {used}: {h}"
+    );
 }
 
 /// An nbdkit LUN behind its pause filter: paused, it holds every request until resumed (a

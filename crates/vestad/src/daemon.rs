@@ -1052,6 +1052,12 @@ impl Daemon {
                         None => r.name == me,
                     })
                     .count();
+                // This host's own use as it is now, not as last published.
+                let (cache_bytes, cache_used_bytes) = if r.name == me {
+                    self.cache_use()
+                } else {
+                    (r.cache_bytes, r.cache_used_bytes)
+                };
                 api::HostInfo {
                     name: r.name,
                     fault_domain: r.fault_domain,
@@ -1059,8 +1065,8 @@ impl Daemon {
                     api: r.api,
                     nbd: r.nbd,
                     peer: r.peer,
-                    cache_bytes: r.cache_bytes,
-                    cache_used_bytes: r.cache_used_bytes,
+                    cache_bytes,
+                    cache_used_bytes,
                     started_unix: r.started_unix,
                     volumes,
                 }
@@ -1068,17 +1074,22 @@ impl Daemon {
             .collect())
     }
 
-    /// Publishes this host's addresses and cache use to the coordinator.
-    pub async fn publish_host(&self) {
-        let st = self.status();
-        let (cache_bytes, cache_used_bytes) = match &self.cache {
+    /// The cache device's size and the bytes of it in use; zeroes without one.
+    fn cache_use(&self) -> (u64, u64) {
+        match &self.cache {
             Some(c) => {
                 let sb = c.log().superblock();
                 let used = sb.segment_count - c.log().free_segments() as u64;
                 (sb.segment_count * sb.segment_size, used * sb.segment_size)
             }
             None => (0, 0),
-        };
+        }
+    }
+
+    /// Publishes this host's addresses and cache use to the coordinator.
+    pub async fn publish_host(&self) {
+        let st = self.status();
+        let (cache_bytes, cache_used_bytes) = self.cache_use();
         let h = HostRecord {
             name: self.coord.host().to_owned(),
             fault_domain: self.config.cluster.fault_domain.clone(),
