@@ -1673,10 +1673,13 @@ impl VolCache {
         let lat = lock(&self.ds_latency).get().unwrap_or(0.0);
         Signals {
             dirty_writes: st.staged.len() as u64,
+            // The log space the stall limit counts ([`VolCache::admit`]): a zeroed range
+            // takes one header, whatever its length.
+            dirty_bytes: st.dirty_log_bytes + st.reserved_log_bytes,
             // What the destager must move: a zeroed range is one request (counted among
             // the writes), not its length. Otherwise a large TRIM (mkfs, fstrim) would put
             // the pressure at its maximum until it was destaged.
-            dirty_bytes: st.dirty_bytes - st.dirty_zero_bytes,
+            destage_bytes: st.dirty_bytes - st.dirty_zero_bytes,
             write_latency: Duration::from_secs_f64(lat.max(0.0)),
             destage_bytes_per_s: lock(&self.destage_bps).get().unwrap_or(0.0),
             queue_depth: self.store.gate().queue_depth(),
@@ -1684,7 +1687,7 @@ impl VolCache {
     }
 
     fn triggers(&self) -> Triggers {
-        Triggers::for_share(self.shared.share_bytes(), lock(&self.opts).rpo_s)
+        Triggers::for_stall_limit(self.shared.stall_limit(), lock(&self.opts).rpo_s)
     }
 
     /// Admission of a write of `len` bytes: waits out offline replay, and stalls while the

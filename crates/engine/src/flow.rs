@@ -24,21 +24,25 @@ pub const DESTAGE_SECONDS_DEFAULT: f64 = 30.0;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Triggers {
     pub dirty_writes: u64,
+    /// Log bytes ([`Signals::dirty_bytes`]).
     pub dirty_bytes: u64,
     /// Expected seconds to destage what is dirty.
     pub destage_seconds: f64,
 }
 
 impl Triggers {
-    /// Triggers for a volume with a cache share of `share_bytes` and an optional recovery
-    /// point objective: dirty data may fill half the share, and should take no longer to
-    /// destage than the RPO. Without one, [`DESTAGE_SECONDS_DEFAULT`]: long enough that a
-    /// burst of a few tens of seconds is absorbed at cache speed (FVP §8.1), short enough
-    /// that a sustained one is slowed long before the share fills (§8.2).
-    pub fn for_share(share_bytes: u64, rpo_seconds: Option<f64>) -> Triggers {
+    /// Triggers for a volume whose writes stall once its dirty data takes `stall_bytes` of
+    /// the cache log, with an optional recovery point objective: dirty data may take half
+    /// that, and should take no longer to destage than the RPO. Without one,
+    /// [`DESTAGE_SECONDS_DEFAULT`]: long enough that a burst of a few tens of seconds is
+    /// absorbed at cache speed (FVP §8.1), short enough that a sustained one is slowed long
+    /// before the share fills (§8.2). The bytes pressure is 2, and the delay at its largest,
+    /// just as the share is full: the delay grows all the way to the stall, with no cliff
+    /// before it.
+    pub fn for_stall_limit(stall_bytes: u64, rpo_seconds: Option<f64>) -> Triggers {
         Triggers {
-            dirty_writes: (share_bytes / 2 / 4096).max(64),
-            dirty_bytes: (share_bytes / 2).max(1 << 20),
+            dirty_writes: (stall_bytes / 2 / 4096).max(64),
+            dirty_bytes: (stall_bytes / 2).max(1),
             destage_seconds: rpo_seconds.unwrap_or(DESTAGE_SECONDS_DEFAULT).max(0.1),
         }
     }
@@ -48,7 +52,12 @@ impl Triggers {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Signals {
     pub dirty_writes: u64,
+    /// Cache log bytes the dirty data and the writes admitted take (headers included): the
+    /// space whose limit stalls writes. Before 2026-12-01 this was the payload, which takes
+    /// less: 4 KiB writes stalled at pressure 1.13, a delay of 1.4× the datastore latency.
     pub dirty_bytes: u64,
+    /// Payload bytes the destager must move (a zeroed range is one request, not its length).
+    pub destage_bytes: u64,
     /// Moving average latency of one datastore write.
     pub write_latency: Duration,
     /// Moving average destage throughput in bytes per second (0 if not yet measured).
@@ -64,7 +73,7 @@ pub fn expected_destage_seconds(s: &Signals) -> f64 {
     let windows = s.dirty_writes as f64 / f64::from(s.queue_depth.max(1));
     let by_windows = windows * s.write_latency.as_secs_f64();
     let by_bytes = if s.destage_bytes_per_s > 0.0 {
-        s.dirty_bytes as f64 / s.destage_bytes_per_s
+        s.destage_bytes as f64 / s.destage_bytes_per_s
     } else {
         0.0
     };
@@ -144,6 +153,7 @@ mod tests {
         Signals {
             dirty_writes: writes,
             dirty_bytes: bytes,
+            destage_bytes: bytes,
             write_latency: Duration::from_millis(lat_ms),
             destage_bytes_per_s: 0.0,
             queue_depth: 16,
@@ -196,9 +206,45 @@ mod tests {
         ) {
             let mut s = signals(w, b, lat);
             s.destage_bytes_per_s = bps;
-            let t = Triggers::for_share(64 << 20, Some(1.0));
+            let t = Triggers::for_stall_limit(64 << 20, Some(1.0));
             prop_assert!(delay(&s, &t) <= s.write_latency.mul_f64(MAX_MULTIPLE));
             prop_assert!(delay(&s, &t) + HOLD_SLACK <= hold_bound(s.write_latency));
+        }
+    }
+
+    proptest! {
+        /// Whatever the writes' size, the delay reaches its largest as their records fill the
+        /// space at which writes stall, and grows with the space on the way there: no stall
+        /// comes while the delay is still short of 4×. (Before, the bytes signal counted
+        /// payload against half the share: 4 KiB writes stalled at a delay of 1.4×.)
+        #[test]
+        fn the_delay_is_at_its_largest_when_the_share_is_full(
+            size in 1u64..=512, limit_mib in 1u64..4096, rpo in prop::option::of(0.1f64..3600.0),
+        ) {
+            let size = size * 512;
+            let limit = limit_mib << 20;
+            let per = cachelog::format::log_bytes(true, size);
+            let t = Triggers::for_stall_limit(limit, rpo);
+            let at = |n: u64| Signals {
+                dirty_writes: n,
+                dirty_bytes: n * per,
+                destage_bytes: n * size,
+                write_latency: Duration::from_millis(2),
+                destage_bytes_per_s: 0.0,
+                queue_depth: 16,
+            };
+            // The last write admitted before the stall: the next one would pass the limit.
+            let full = limit / per;
+            prop_assume!(full >= 2);
+            let last = multiple(pressure(&at(full), &t));
+            let next_to_last = multiple(pressure(&at(full - 1), &t));
+            let one_short = 2.0 * (1.0 - 2.0 * per as f64 / limit as f64);
+            prop_assert!(
+                last >= multiple(one_short) - 1e-9,
+                "{} writes of {} bytes fill {} bytes at a multiple of {}", full, size, limit, last
+            );
+            prop_assert!(multiple(pressure(&at(full / 2), &t)) <= next_to_last);
+            prop_assert!(next_to_last <= last);
         }
     }
 

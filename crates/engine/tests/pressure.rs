@@ -59,3 +59,57 @@ async fn a_large_trim_does_not_count_as_dirty_data_for_flow_control() {
         r.flow_pressure
     );
 }
+
+/// The delay grows all the way to the stall: 4 KiB writes fill a volume's share with flow
+/// control's pressure at 2 (a delay of 4× the datastore latency) just as they stall, not
+/// before. Before, the bytes signal counted payload against half the share while the stall
+/// counts log space (a header per record) against 85 % of it less packing: 4 KiB writes
+/// stalled at pressure 1.13, a delay of 1.4×, a cliff from there to a stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_writes_reach_the_largest_delay_before_they_stall() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    let store = Arc::new(MemDevice::new(VOL));
+    let extent = Extent::new(store, 0, VOL, Arc::new(Gate::new(4)));
+    let id = Uuid::new_v4();
+    let vol = Arc::new(
+        Volume::open(
+            id,
+            "t".into(),
+            Policy::Wb,
+            Tuning::default(),
+            extent,
+            Some(host.clone()),
+        )
+        .unwrap(),
+    );
+    host.finish_recovery(&[id]).unwrap();
+    let c = vol.cache().unwrap();
+
+    // The destager does not run: every write stays dirty until the share is full. No
+    // datastore latency is measured yet, so flow control's delays are zero and only the
+    // pressure shows where the writes are on the curve.
+    let mut written = 0u64;
+    let before_stall = loop {
+        let p = c.report().flow_pressure;
+        let w = tokio::spawn({
+            let vol = vol.clone();
+            async move {
+                vol.write(written * 4096, Bytes::from(vec![9u8; 4096]), false)
+                    .await
+            }
+        });
+        match tokio::time::timeout(std::time::Duration::from_millis(500), w).await {
+            Ok(done) => done.unwrap().unwrap(),
+            Err(_) => break p,
+        }
+        written += 1;
+        assert!(written < VOL / 4096, "the share never filled");
+    };
+    assert!(c.report().stalls >= 1, "the last write did not stall");
+    assert!(
+        before_stall >= 1.95,
+        "{written} writes of 4 KiB stalled at pressure {before_stall:.2}, before the largest \
+         delay (pressure 2)"
+    );
+}
