@@ -891,6 +891,17 @@ impl Nbdkit {
         d.socket.clone()
     }
 
+    /// The requests that changed data through `host`'s door so far, by its log
+    /// ([`writers::parse`]).
+    pub fn door_writes(&self, host: &str) -> Vec<writers::Request> {
+        let doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
+        let d = doors
+            .iter()
+            .find(|d| d.host == host)
+            .expect("the host has a door");
+        writers::parse(host, &read_string(&d.log))
+    }
+
     /// How many writes `host`'s door has taken and not answered yet, by its log (nbdkit logs
     /// a request's return before its connection's end, even when the client has gone).
     pub fn writes_in_service(&self, host: &str) -> usize {

@@ -571,6 +571,24 @@ fn a_clean_stop_leaves_no_datastore_write_to_land_after_its_next_start() {
     wait_for(hold * 2, "the LUN to answer every write", || {
         (lun.writes_in_service("a") == 0).then_some(())
     });
+    // One write of the block at a time: none of the restart's while the first
+    // incarnation's was in service.
+    let block_at = LUN_EXTENT as u64;
+    let mut writes: Vec<_> = lun
+        .door_writes("a")
+        .into_iter()
+        .filter(|r| r.offset < block_at + 4096 && r.offset + r.count > block_at)
+        .collect();
+    writes.sort_by(|x, y| x.start.total_cmp(&y.start));
+    assert!(writes.len() >= 3, "versions 1, 2 and 3 written: {writes:?}");
+    for w in writes.windows(2) {
+        assert!(
+            w[1].start >= w[0].end,
+            "a write of the block began while another was in service: {:?} then {:?}",
+            w[0],
+            w[1]
+        );
+    }
     let image = read_file(&lun.image);
     let block = &image[LUN_EXTENT..LUN_EXTENT + 4096];
     assert!(

@@ -264,7 +264,16 @@ fn a_failed_peer_is_replaced_and_no_completed_write_waits_on_it() {
 fn a_peer_refuses_replicas_beyond_their_share_and_the_owner_writes_through() {
     let etcd = Etcd::start();
     let lun = Nbdkit::start(256 << 20, &[], &[]);
-    let a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+    // a's cache is large enough that its own flow control never ends the hold: 48 MiB is
+    // under a third of the log space at which its writes would stall (pressure 1, which
+    // sends a held window early, comes at half of that).
+    let a = etcd.host(
+        &lun,
+        Host {
+            cache: "512M",
+            ..Host::new("a", "rack1", "127.0.0.2")
+        },
+    );
     let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
     create_held_sized(&a, "w", "wbp:1", "64M");
     wait_replicating(&a, "w", &["b"]);

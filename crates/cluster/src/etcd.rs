@@ -126,9 +126,10 @@ struct Session {
     /// Places where a test holds the re-registration ([`pause`]).
     #[cfg(test)]
     pauses: Mutex<std::collections::HashMap<&'static str, Arc<tests::Pause>>>,
-    /// A test's etcd error for the next lock the re-registration takes back.
+    /// A test's etcd error for the lock the re-registration takes back after this many
+    /// more (`u64::MAX`: none).
     #[cfg(test)]
-    fail_retake: AtomicBool,
+    fail_retake: AtomicU64,
 }
 
 impl EtcdCoordinator {
@@ -166,7 +167,7 @@ impl EtcdCoordinator {
                 #[cfg(test)]
                 pauses: Mutex::default(),
                 #[cfg(test)]
-                fail_retake: AtomicBool::new(false),
+                fail_retake: AtomicU64::new(u64::MAX),
             }),
         };
         let give_up = Instant::now() + c.ttl + Duration::from_secs(1);
@@ -704,9 +705,16 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
             let mut lost = Vec::new();
             for v in held {
                 #[cfg(test)]
-                if s.fail_retake.swap(false, Ordering::AcqRel) {
+                if s.fail_retake.load(Ordering::Acquire) == 0 {
+                    s.fail_retake.store(u64::MAX, Ordering::Release);
                     return Err((v, etcd_client::Error::Internal("injected by a test".into())));
                 }
+                #[cfg(test)]
+                let _ = s
+                    .fail_retake
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n != u64::MAX).then(|| n - 1)
+                    });
                 match retake_lock(client, s, prefix, &name, lease, v).await {
                     // Confirmed, or not this host's (then a vault write finds no lock).
                     Ok(()) => {
@@ -733,6 +741,11 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
             Ok(lost) => break (*renewed.lock().expect("lock"), name, lost),
             Err((v, e)) => {
                 warn!("re-take vault lock of {v}: {e}; registering again");
+                // Every lock taken back under this lease goes with it: until the next round
+                // takes them back, their vaults wait as all the others do (a vault write
+                // answered NotHeld would make a replay give its volume up).
+                let all: BTreeSet<Uuid> = s.held.lock().expect("lock").keys().copied().collect();
+                *s.retaking.lock().expect("lock") = all;
                 // The host key is bound to this lease: left to expire, it would refuse the
                 // next registration the host's own name until then.
                 if let Err(e) = client.lease_client().revoke(lease).await {
@@ -1524,12 +1537,23 @@ mod tests {
     async fn a_failed_retake_revokes_its_lease_before_it_registers_again() {
         let etcd = Etcd::start();
         let a = connect(&etcd, "a").await;
-        let v = Uuid::new_v4();
+        let (first, v) = {
+            let (x, y) = (Uuid::new_v4(), Uuid::new_v4());
+            (x.min(y), x.max(y)) // taken back in this order
+        };
+        a.lock_vault(first).await.unwrap();
         a.lock_vault(v).await.unwrap();
         let again = hold_at(&a, "registering again");
-        a.session.fail_retake.store(true, Ordering::Release);
+        // The first lock comes back, the second fails.
+        a.session.fail_retake.store(1, Ordering::Release);
         lose_lease(&a).await;
         again.reached().await;
+        // The lock taken back went with the lease given up: its vault waits for the next
+        // round, as while any lock is taken back, rather than answer that it is not held.
+        match a.put_vault(&vault(first, "a", 1)).await {
+            Err(Error::Unavailable(m)) => assert!(m.contains("taking the vault lock"), "{m}"),
+            other => panic!("a vault write between two rounds of taking locks back: {other:?}"),
+        }
         let given_up = a.lease();
         let ttl = a
             .client
@@ -1551,9 +1575,12 @@ mod tests {
             a.lease() != given_up && fence.allows_writes()
         })
         .await;
-        let lock = a.key("vault-locks", &v.to_string());
-        let got = a.client.kv_client().get(lock, None).await.unwrap();
-        assert_eq!(got.kvs()[0].lease(), a.lease());
+        for v in [first, v] {
+            let lock = a.key("vault-locks", &v.to_string());
+            let got = a.client.kv_client().get(lock, None).await.unwrap();
+            assert_eq!(got.kvs()[0].lease(), a.lease());
+        }
+        a.put_vault(&vault(first, "a", 1)).await.unwrap();
     }
 
     /// A stop with every datastore write answered deregisters at once, so the next start

@@ -269,6 +269,9 @@ pub struct Gate {
     fence: std::sync::OnceLock<Arc<Fence>>,
     /// Why the datastore is no longer this pod's, once it is not ([`Gate::shut_out`]).
     shut_out: std::sync::OnceLock<String>,
+    /// When a write through this gate last went unanswered ([`unanswered`]): its slot is
+    /// free again, but the server may still carry it out ([`Gate::idle_within`]).
+    unanswered_at: std::sync::Mutex<Option<Instant>>,
 }
 
 impl Gate {
@@ -279,6 +282,7 @@ impl Gate {
             stats: IoStats::default(),
             fence: std::sync::OnceLock::new(),
             shut_out: std::sync::OnceLock::new(),
+            unanswered_at: std::sync::Mutex::new(None),
         }
     }
 
@@ -316,16 +320,30 @@ impl Gate {
     }
 
     /// Waits up to `limit` until no IO is in service through this gate; whether that
-    /// happened. Every IO holds a slot from its fence check until it completes, so once all
-    /// slots are free, every write that passed the check before the fence closed has been
-    /// answered (vestad's clean stop, before it lets a restart adopt its locks). IOs that
-    /// queued meanwhile go ahead afterwards, and a write among them meets the closed fence.
-    pub async fn idle_within(&self, limit: Duration) -> bool {
-        match tokio::time::timeout(limit, self.slots.acquire_many(self.queue_depth)).await {
-            Ok(Ok(_all)) => true,
-            // Closed: nothing is ever issued through it again.
-            Ok(Err(_)) => true,
-            Err(_) => false,
+    /// happened, and no write went unanswered in the last `late` (one whose connection was
+    /// lost or timed out with it in flight freed its slot, but its server may still carry it
+    /// out). Every IO holds a slot from its fence check until it completes, so once all slots
+    /// are free, every write that passed the check before the fence closed has been answered
+    /// (vestad's clean stop, before it lets a restart adopt its locks). IOs that queued
+    /// meanwhile go ahead afterwards, and a write among them meets the closed fence.
+    pub async fn idle_within(&self, limit: Duration, late: Duration) -> bool {
+        let idle =
+            match tokio::time::timeout(limit, self.slots.acquire_many(self.queue_depth)).await {
+                Ok(Ok(_all)) => true,
+                // Closed: nothing is ever issued through it again.
+                Ok(Err(_)) => true,
+                Err(_) => false,
+            };
+        let at = *self.unanswered_at.lock().expect("lock");
+        idle && at.is_none_or(|at| at.elapsed() >= late)
+    }
+
+    /// Notes a write that went unanswered ([`Gate::idle_within`]).
+    fn note_unanswered<T>(&self, op: Op, r: &io::Result<T>) {
+        if let Err(e) = r {
+            if op != Op::Read && unanswered(e) {
+                *self.unanswered_at.lock().expect("lock") = Some(Instant::now());
+            }
         }
     }
 
@@ -375,6 +393,7 @@ impl Gate {
         let r = io.await;
         let took = started.elapsed();
         self.stats.finish(t, op, bytes, r.is_ok());
+        self.note_unanswered(op, &r);
         (r, took)
     }
 
@@ -397,6 +416,7 @@ impl Gate {
         for (t, (op, n)) in ts.into_iter().zip(ios) {
             self.stats.finish(t, *op, *n, r.is_ok());
         }
+        self.note_unanswered(Op::Write, &r);
         (r, took)
     }
 }
@@ -659,8 +679,9 @@ mod tests {
         });
         is_issued.await.unwrap();
         fence.revoke();
+        let late_for = Duration::from_secs(60);
         assert!(
-            !gate.idle_within(Duration::from_millis(50)).await,
+            !gate.idle_within(Duration::from_millis(50), late_for).await,
             "a write in service counts as idle"
         );
         let late = gate.run(Op::Write, 4096, async { Ok(()) }).await;
@@ -668,13 +689,40 @@ mod tests {
         gate.run(Op::Read, 4096, async { Ok(()) }).await.unwrap();
         let waited = tokio::spawn({
             let gate = gate.clone();
-            async move { gate.idle_within(Duration::from_secs(10)).await }
+            async move { gate.idle_within(Duration::from_secs(10), late_for).await }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waited.is_finished(), "idle before the write was answered");
         answer.send(()).unwrap();
         write.await.unwrap().unwrap();
         assert!(waited.await.unwrap());
+        // A write whose connection was lost with it in flight frees its slot, but its server
+        // may still carry it out: not idle until `late` has passed since.
+        let gate = Gate::new(4);
+        let lost = gate
+            .run(Op::Write, 4096, async {
+                Err::<(), _>(io::Error::from(io::ErrorKind::ConnectionReset))
+            })
+            .await;
+        assert!(lost.is_err());
+        assert!(!gate.idle_within(Duration::from_secs(1), late_for).await);
+        assert!(
+            gate.idle_within(Duration::from_secs(1), Duration::ZERO)
+                .await
+        );
+        // A refused one, or a read cut off, is over.
+        let gate = Gate::new(4);
+        let _ = gate
+            .run(Op::Write, 4096, async {
+                Err::<(), _>(io::Error::from_raw_os_error(libc::EIO))
+            })
+            .await;
+        let _ = gate
+            .run(Op::Read, 4096, async {
+                Err::<(), _>(io::Error::from(io::ErrorKind::ConnectionReset))
+            })
+            .await;
+        assert!(gate.idle_within(Duration::from_secs(1), late_for).await);
     }
 
     #[test]

@@ -679,26 +679,31 @@ fn table_bytes(t: &Table) -> bytes::Bytes {
 /// whole): the last 4 MiB, where other formats keep their second copies (a GPT's backup
 /// header, an md 1.0 superblock, ZFS's last two labels), and [`BLANK_SAMPLES`] pieces of
 /// 64 KiB evenly spread over the rest. Reading a whole LUN to add it would take hours; this
-/// takes 8 MiB. Pure: (offset, length) pairs within `size`, in order, not overlapping.
+/// takes about 8 MiB. Pure: (offset, length) pairs within `size`, in order, not overlapping,
+/// every offset a multiple of 4 KiB (a LUN opened with `O_DIRECT` takes no other), every
+/// length too but the last one's, which ends the device.
 fn blank_probes(size: u64) -> Vec<(u64, usize)> {
     const TAIL: u64 = 4 << 20;
     const PIECE: u64 = 64 << 10;
+    const ALIGN: u64 = 4096;
     let start = label::DATA_START;
     if size <= start {
         return Vec::new();
     }
-    let tail = size.saturating_sub(TAIL).max(start);
+    let tail = (size.saturating_sub(TAIL) / ALIGN * ALIGN).max(start);
     let between = tail - start;
     let mut probes = Vec::new();
-    if between <= BLANK_SAMPLES * PIECE {
+    if between <= BLANK_SAMPLES * (PIECE + ALIGN) {
         // Small enough to read whole.
         if between > 0 {
             probes.push((start, between as usize));
         }
     } else {
-        // Pieces further apart than they are long: none overlaps the next or the tail.
+        // Pieces further apart than they are long, even each rounded down to its alignment:
+        // none overlaps the next or the tail.
         for i in 0..BLANK_SAMPLES {
-            probes.push((start + between * i / BLANK_SAMPLES, PIECE as usize));
+            let at = (start + between * i / BLANK_SAMPLES) / ALIGN * ALIGN;
+            probes.push((at, PIECE as usize));
         }
     }
     probes.push((tail, (size - tail) as usize));
@@ -1276,6 +1281,10 @@ mod tests {
             12 * mb - 512,
             1 << 30,
             (1 << 40) + 4096,
+            // Sizes whose sixty-fourths are not sector multiples: 100 GB and 1 TB (decimal).
+            100_000_000_000,
+            1_000_000_000_000,
+            100_000_000_512,
         ]) {
             let probes = blank_probes(size);
             if size <= label::DATA_START {
@@ -1283,8 +1292,12 @@ mod tests {
                 continue;
             }
             let mut end = label::DATA_START;
-            for &(at, len) in &probes {
+            for (i, &(at, len)) in probes.iter().enumerate() {
                 assert!(at >= end && len > 0, "{size}: {probes:?}");
+                assert_eq!(at % 4096, 0, "{size}: {probes:?}");
+                if i + 1 < probes.len() {
+                    assert_eq!(len % 4096, 0, "{size}: {probes:?}");
+                }
                 end = at + len as u64;
             }
             assert_eq!(end, size, "{size}: the tail is not read");
@@ -1294,7 +1307,7 @@ mod tests {
                 "{size}: {probes:?}"
             );
             let read: u64 = probes.iter().map(|&(_, l)| l as u64).sum();
-            assert!(read <= 8 * mb, "{size}: reads {read} bytes");
+            assert!(read <= 8 * mb + (1 << 20), "{size}: reads {read} bytes");
             assert!(probes.len() as u64 <= BLANK_SAMPLES + 1);
         }
     }
@@ -1345,6 +1358,21 @@ mod tests {
         LunDatastore::open(spec(&img), add(false), None)
             .await
             .unwrap();
+        // So is a blank 100 GB (decimal) one opened with O_DIRECT, which takes only aligned
+        // reads: its sample pieces are spread over a length whose sixty-fourths are not
+        // sector multiples.
+        let _ = std::fs::remove_file(&img);
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(100_000_000_000)
+            .unwrap();
+        let direct = DatastoreSpec {
+            direct: true,
+            ..spec(&img)
+        };
+        LunDatastore::open(direct, add(false), None)
+            .await
+            .expect("a blank LUN opened with O_DIRECT");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

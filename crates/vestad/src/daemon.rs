@@ -2683,11 +2683,14 @@ impl Daemon {
 
     /// vestad is stopping: no datastore write is issued from here on (the host's fence is
     /// revoked), and this waits until `deadline` for the writes already issued to be answered.
-    /// True if none is still in service then. Only then may the coordinator let another
-    /// incarnation of this host adopt its vault locks at once ([`Coordinator::shutdown`]): a
-    /// SAN finishes a write it has taken even after its client is gone, and such a write
-    /// landing after the next incarnation's replay would put old data over newer.
+    /// True if none is still in service then, and none went unanswered (its connection lost
+    /// or timed out) in the last half lease TTL, the time the fence gives a write sent before
+    /// it closed to land. Only then may the coordinator let another incarnation of this host
+    /// adopt its vault locks at once ([`Coordinator::shutdown`]): a SAN finishes a write it
+    /// has taken even after its client is gone, and such a write landing after the next
+    /// incarnation's replay would put old data over newer.
     pub async fn stop_datastore_writes(&self, deadline: std::time::Instant) -> bool {
+        let late = Duration::from_secs(self.config.cluster.lease_ttl_s) / 2;
         self.coord.fence().revoke();
         let gates: Vec<Arc<datastore::Gate>> = self
             .datastores
@@ -2699,7 +2702,7 @@ impl Daemon {
         let mut quiet = true;
         for g in gates {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            quiet &= g.idle_within(left).await;
+            quiet &= g.idle_within(left, late).await;
         }
         quiet
     }
