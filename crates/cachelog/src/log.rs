@@ -548,9 +548,31 @@ impl Log {
     /// Checks the device is alive (a device sync: cheap when nothing is dirty, and it reaches
     /// the device, unlike a read the page cache may answer), failing the log if not: an idle
     /// log would otherwise notice a dead device only at its next append.
+    ///
+    /// It takes the group commit's turn, as a sync does: Linux reports a write-back error to
+    /// one sync of the file only, so a probe running beside a group-commit sync could take the
+    /// error while that sync answered its waiters OK, a FUA or FLUSH then acknowledged for
+    /// data that never reached the device. Serialized, the probe fails the log before any
+    /// later sync's waiters look.
     pub fn probe(&self) -> Result<()> {
-        self.check_failed()?;
-        self.dev.probe().map_err(|e| self.io_error(e))
+        let mut c = lock(&self.commit);
+        loop {
+            self.check_failed()?;
+            if !c.running {
+                break;
+            }
+            c = self.committed.wait(c).unwrap_or_else(|e| e.into_inner());
+        }
+        c.running = true;
+        drop(c);
+        let r = self.dev.probe();
+        let mut c = lock(&self.commit);
+        c.running = false;
+        // Failed under the lock: a waiter woken next sees it before it counts on a sync.
+        let r = r.map_err(|e| self.io_error(e));
+        self.committed.notify_all();
+        drop(c);
+        r
     }
 
     /// Starts a new current segment for `owner`, beginning with copies of its metadata. Only
@@ -2440,5 +2462,86 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A device that reports one write-back error to the first sync or probe after
+    /// [`OnceError::arm`], as Linux reports it to one `fsync` of a file, and whose probe,
+    /// having taken it, waits a moment for a sync beside it to answer first.
+    struct OnceError {
+        inner: SimDevice,
+        armed: std::sync::atomic::AtomicBool,
+        probe_took: std::sync::atomic::AtomicBool,
+        synced: (std::sync::Mutex<bool>, std::sync::Condvar),
+    }
+
+    impl CacheDevice for OnceError {
+        fn size(&self) -> u64 {
+            self.inner.size()
+        }
+        fn describe(&self) -> String {
+            "once-error".into()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.inner.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.inner.write_at(offset, data)
+        }
+        fn sync(&self) -> std::io::Result<()> {
+            let r = if self.armed.swap(false, Ordering::SeqCst) {
+                Err(std::io::Error::from_raw_os_error(libc::EIO))
+            } else {
+                self.inner.sync()
+            };
+            *self.synced.0.lock().unwrap() = true;
+            self.synced.1.notify_all();
+            r
+        }
+        fn probe(&self) -> std::io::Result<()> {
+            if !self.armed.swap(false, Ordering::SeqCst) {
+                return self.inner.probe();
+            }
+            self.probe_took.store(true, Ordering::SeqCst);
+            let done = self.synced.0.lock().unwrap();
+            let _ = self
+                .synced
+                .1
+                .wait_timeout_while(done, std::time::Duration::from_millis(300), |d| !*d)
+                .unwrap();
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        }
+    }
+
+    /// The once-a-second probe takes a write-back error while a FUA's group-commit sync runs
+    /// beside it and answers OK. The FUA must fail, and the log with it: the data it waits for
+    /// never reached the device. Before, the probe ran outside group commit, so the sync's
+    /// waiter returned OK before the probe had failed the log.
+    #[test]
+    fn a_write_back_error_a_probe_takes_fails_the_sync_beside_it() {
+        let d = Arc::new(OnceError {
+            inner: SimDevice::new(format::SEGMENTS_START + 4 * SEG),
+            armed: false.into(),
+            probe_took: false.into(),
+            synced: Default::default(),
+        });
+        let l = Arc::new(Log::format(d.clone(), SEG).unwrap());
+        let v = Uuid::new_v4();
+        let (_, ticket) = l.append(&data(v, 1, 0, 4096), &[5u8; 4096]).unwrap();
+        *d.synced.0.lock().unwrap() = false;
+        d.armed.store(true, Ordering::SeqCst);
+        let probe = std::thread::spawn({
+            let l = l.clone();
+            move || l.probe()
+        });
+        while !d.probe_took.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        let fua = l.sync_through(ticket);
+        assert!(probe.join().unwrap().is_err(), "the probe took the error");
+        assert!(
+            fua.is_err(),
+            "a FUA was answered durable after its data's write-back failed"
+        );
+        assert!(l.is_failed());
     }
 }
