@@ -1069,3 +1069,55 @@ fn asked_while_writes_arrive() {
     stop.store(true, Ordering::SeqCst);
     writer.join().unwrap();
 }
+
+/// A peer promotes a dead owner's replicas for its replay from the vault's checkpoint (8),
+/// ahead of the last checkpoint its log records (0): the replicas up to 8 are released, and
+/// their segments may be reused after the next sync. The power fails before the replay's
+/// volume records anything. The log must still say where the kept replicas start: before,
+/// nothing recorded checkpoint 8 before the release, another owner's replicas reused the
+/// freed segments, and the scan found checkpoint 0 with the writes above it gone, so it kept
+/// none of the durable writes 9 to 12, which only this peer held.
+#[test]
+fn a_promotion_records_its_checkpoint_before_it_frees_the_replicas_below_it() {
+    let id = Uuid::new_v4();
+    let gen = 3;
+    let dev = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
+    let peer = CacheHost::open(dev.clone(), SEG).unwrap();
+    peer.replica_open("owner", id, gen, 0).unwrap();
+    // 16 KiB each: three or four to a 64 KiB segment, so writes 1 to 8 fill two segments.
+    for ser in 1..=12u64 {
+        let data = vec![ser as u8; 16384];
+        peer.replica_write(id, gen, ser, ser * 16384, 16384, Some(&data), false)
+            .unwrap();
+    }
+    peer.replica_sync().unwrap(); // the owner's FLUSH: every write durable on the peer
+    assert_eq!(peer.promote_replicas(id, 8, u64::MAX).unwrap(), 4);
+    // Another owner's replicas fill the current segment and go on into the freed ones (the
+    // newest first), once a sync made them reusable. Their writes reach the device; then the
+    // power fails.
+    let other = Uuid::new_v4();
+    peer.replica_open("owner", other, 1, 0).unwrap();
+    for ser in 1..=10u64 {
+        let data = vec![0xee; 16384];
+        peer.replica_write(other, 1, ser, ser * 16384, 16384, Some(&data), false)
+            .unwrap();
+        if ser == 1 {
+            // That owner's FLUSH: the sync that makes the freed segments reusable.
+            peer.replica_sync().unwrap();
+        }
+    }
+    drop(peer);
+    dev.power_loss(|_, _| Fate::Kept);
+    let back = CacheHost::open(dev.clone(), SEG).unwrap();
+    let set = back
+        .replica_sets()
+        .into_iter()
+        .find(|s| s.volume == id)
+        .expect("the replicas of the volume after the power cut");
+    assert_eq!(
+        (set.checkpoint, set.last_ser, set.writes),
+        (8, 12, 4),
+        "durable replicas above the promotion's checkpoint were lost: {set:?}"
+    );
+    assert_eq!(back.promote_replicas(id, 8, u64::MAX).unwrap(), 4);
+}

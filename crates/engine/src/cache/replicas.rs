@@ -249,19 +249,25 @@ impl CacheHost {
             return Ok(());
         }
         set.from = from.to_owned();
-        set.release(log, checkpoint);
-        set.checkpoint = set.checkpoint.max(checkpoint);
         // Recorded so a scan knows the generation and where its replicas start; under the
         // lock, so that no record lands in the log once a hold has come (a restart takes the
-        // set's checkpoint from the log).
-        let ckpt = set.checkpoint;
+        // set's checkpoint from the log). Recorded before the replicas it covers go: freed
+        // first, their segments could be reused before the record that makes them clean is
+        // durable, and a power cut then would leave a hole above the last checkpoint the log
+        // holds, which ends the replicas a recovery keeps, durable later ones included.
+        let ckpt = set.checkpoint.max(checkpoint);
         let window_end = if set.window_end > ckpt {
             set.window_end
         } else {
             0
         };
+        let recorded = self.append_meta_for(volume, ckpt, gen, window_end);
+        if recorded.is_ok() {
+            set.release(log, checkpoint);
+            set.checkpoint = ckpt;
+        }
         self.count_sets(&sets);
-        self.append_meta_for(volume, ckpt, gen, window_end)
+        recorded
     }
 
     /// Appends one replicated write (`data`; `None`, a zeroing, kept allocated on the
@@ -680,15 +686,29 @@ impl CacheHost {
         upto: u64,
     ) -> Result<usize, Error> {
         let mut sets = lock(&self.replicas);
-        let Some(mut set) = sets.remove(&volume) else {
+        let Some(set) = sets.get(&volume) else {
             return Err(Error::Cache(format!(
                 "this host holds no replicas of volume {volume}"
             )));
         };
+        let from = set.checkpoint.max(checkpoint);
+        if from > set.checkpoint {
+            // The replicas up to the vault's checkpoint go next: recorded first, as in
+            // `replica_open`, or a power cut after their segments were reused would leave a
+            // hole above this host's own checkpoint, and a recovery would keep none of the
+            // replicas above it.
+            let window_end = if set.window_end > from {
+                set.window_end
+            } else {
+                0
+            };
+            self.append_meta_for(volume, from, set.gen, window_end)
+                .map_err(|e| Error::Cache(format!("record the replay's checkpoint: {e:?}")))?;
+        }
+        let mut set = sets.remove(&volume).expect("looked up above");
         self.count_sets(&sets);
         drop(sets);
         let log = &self.shared.log;
-        let from = set.checkpoint.max(checkpoint);
         set.release(log, from);
         let mut r = Recovered {
             checkpoint: from,
