@@ -398,6 +398,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     let quiet = daemon.stop_datastore_writes(writes_stop_by).await;
+    if !quiet && daemon.coord.kind() == "local" {
+        warn!(
+            "datastore writes still in service at the stop (a datastore that does not answer); \
+             they may land after a restart that comes at once"
+        );
+    }
     let _ = api.await;
     if let Some(p) = &addrs.unix {
         let _ = std::fs::remove_file(p);
