@@ -87,6 +87,11 @@ pub fn split(len: u64, max: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// Removals from a volume's index a read's fill is checked against ([`VolState::removed`]):
+/// a few hundred reads can be in flight while that many removals happen, far more than a
+/// read takes; one that began before the oldest kept is dropped.
+const REMOVALS_KEPT: usize = 512;
+
 /// Default segment size of a new cache log.
 pub const SEGMENT_DEFAULT: u64 = 1 << 20;
 /// A write stalls when its volume's dirty records would take more than this fraction of its
@@ -243,7 +248,14 @@ struct VolState {
     /// Bumped whenever data leaves the index (eviction, a `wt` write invalidating a range, a
     /// clean record that failed to read), so a read that raced it does not put back data read
     /// from the datastore before the newer data got there.
-    evictions: u64,
+    removals: u64,
+    /// The latest removals (their count, as `removals` was after each, and the range), so a
+    /// read's fill is dropped only when one overlaps it, not for every eviction in the volume
+    /// meanwhile (its own append's among them). At most [`REMOVALS_KEPT`].
+    removed: std::collections::VecDeque<(u64, u64, u64)>,
+    /// Removals up to this count are no longer in `removed`: a fill that began before it is
+    /// dropped, whatever its range.
+    removed_before: u64,
     /// Offline replay in progress: writes wait.
     replaying: bool,
     /// The mode the volume switches to when its offline replay ends, before it takes a
@@ -1434,7 +1446,9 @@ impl VolCache {
                 dirty_zero_bytes: 0,
                 dirty_log_bytes: 0,
                 reserved_log_bytes: 0,
-                evictions: 0,
+                removals: 0,
+                removed: std::collections::VecDeque::new(),
+                removed_before: 0,
                 replaying,
                 after_replay: None,
                 replay_end_retry: None,
@@ -1633,7 +1647,15 @@ impl VolCache {
     fn index_remove(&self, st: &mut VolState, offset: u64, len: u64) {
         // A read that missed before this removal may hold older data than what is now on the
         // datastore (a wt write, an eviction): its fill must not go in.
-        st.evictions += 1;
+        st.removals += 1;
+        let seq = st.removals;
+        st.removed
+            .push_back((seq, offset, offset.saturating_add(len)));
+        if st.removed.len() > REMOVALS_KEPT {
+            if let Some((forgotten, _, _)) = st.removed.pop_front() {
+                st.removed_before = forgotten;
+            }
+        }
         for (_, n, old) in st.index.remove(offset, len) {
             if let IxSrc::Rec(l) = old.src {
                 self.shared.log.release(&l, n);
@@ -1880,6 +1902,8 @@ impl VolCache {
                 arg: (parts << 32) | i,
             };
             let payload = data.map(|d| d.slice(poff as usize..(poff + plen) as usize));
+            // A fill takes the segments evictions freed since the last sync at most once.
+            let mut fill_synced = false;
             loop {
                 self.make_room();
                 let log = self.shared.log.clone();
@@ -1921,7 +1945,18 @@ impl VolCache {
                     Err(LogError::NoSpace) if kind == Kind::Fill => {
                         // Clean data (a read fill, the cache's copy of a wt write) is a bonus:
                         // with no room it is simply not cached. Waiting could wait forever on
-                        // space this very write's pinned parts hold (released here).
+                        // space this very write's pinned parts hold (released here). But the
+                        // segments evicted since the last sync (`make_room` just now, most
+                        // likely) are reusable after one, and a volume that only reads makes
+                        // no syncs: without this one, once its share was full nothing it read
+                        // was cached again.
+                        if !fill_synced {
+                            fill_synced = true;
+                            let log = self.shared.log.clone();
+                            if let Ok(Ok(true)) = on_pool(move || Ok(log.sync_freed())).await {
+                                continue;
+                            }
+                        }
                         return Err(Error::NoRoom);
                     }
                     Err(LogError::NoSpace) => {
@@ -2433,7 +2468,7 @@ impl VolCache {
                 .await
                 .map_err(Error::Datastore);
         }
-        let (spans, evictions, pins) = {
+        let (spans, removals, pins) = {
             let st = lock(&self.st);
             let spans = st.index.lookup(offset, len64);
             // Keep the segments while we read them.
@@ -2446,7 +2481,7 @@ impl VolCache {
                     pins.pin(l);
                 }
             }
-            (spans, st.evictions, pins)
+            (spans, st.removals, pins)
         };
         let mut out = BytesMut::zeroed(len as usize);
         let mut misses = Vec::new();
@@ -2542,14 +2577,15 @@ impl VolCache {
             self.counters
                 .read_miss_bytes
                 .fetch_add(*n, Ordering::Relaxed);
-            self.fill(*start, d, evictions).await;
+            self.fill(*start, d, removals).await;
         }
         Ok(out.freeze())
     }
 
-    /// Caches data read from the datastore, only into ranges still unmapped, and only if no
-    /// eviction happened since the read began (module doc). Best effort: errors are ignored.
-    async fn fill(&self, offset: u64, data: Bytes, evictions_before: u64) {
+    /// Caches data read from the datastore, only into ranges still unmapped, and only if
+    /// nothing in its range left the index since the read began (module doc). Best effort:
+    /// errors are ignored.
+    async fn fill(&self, offset: u64, data: Bytes, removals_before: u64) {
         if self.shared.log.is_failed() {
             return;
         }
@@ -2561,7 +2597,14 @@ impl VolCache {
             return;
         };
         let mut st = lock(&self.st);
-        let stale = st.evictions != evictions_before;
+        let end = offset + len;
+        let stale = removals_before < st.removed_before
+            || st
+                .removed
+                .iter()
+                .rev()
+                .take_while(|(seq, _, _)| *seq > removals_before)
+                .any(|&(_, from, to)| from < end && offset < to);
         for p in &recs {
             if stale {
                 break;
