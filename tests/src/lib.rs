@@ -642,26 +642,33 @@ pub struct Nbdkit {
     doors: std::sync::Mutex<Vec<Door>>,
 }
 
-/// nbdkit's error filter, switched by a file: while on, every IO of the chosen kind fails
-/// with EIO (a datastore that fails, then heals). See [`Nbdkit::start_failing`].
-pub struct ErrorSwitch {
+/// A behaviour of an nbdkit LUN switched by a file: on while the file exists.
+pub struct FileSwitch {
     _dir: Scratch,
     file: PathBuf,
 }
 
-impl ErrorSwitch {
+impl FileSwitch {
     pub fn on(&self) {
-        fs::write(&self.file, b"").expect("switch the datastore's errors on");
+        fs::write(&self.file, b"").expect("switch on");
     }
 
     pub fn off(&self) {
-        fs::remove_file(&self.file).expect("switch the datastore's errors off");
+        fs::remove_file(&self.file).expect("switch off");
     }
 
     pub fn is_on(&self) -> bool {
         self.file.exists()
     }
 }
+
+/// nbdkit's error filter, switched by a file: while on, every IO of the chosen kind fails
+/// with EIO (a datastore that fails, then heals). See [`Nbdkit::start_failing`].
+pub type ErrorSwitch = FileSwitch;
+
+/// While on, the writes of [`Nbdkit::start_slow_writes`] are held before they are written;
+/// writes taken while off are written at once (those held stay held).
+pub type SlowWrites = FileSwitch;
 
 /// When the FLUSHes of [`Nbdkit::start_failing_flushes`] fail.
 pub struct FlushErrors {
@@ -686,24 +693,6 @@ impl FlushErrors {
     /// error, whichever runs first).
     pub fn once(&self) {
         fs::write(&self.once, b"").expect("arm the flush error");
-    }
-}
-
-/// When the writes of [`Nbdkit::start_slow_writes`] are held.
-pub struct SlowWrites {
-    _dir: Scratch,
-    on: PathBuf,
-}
-
-impl SlowWrites {
-    /// Every write taken from now on is held before it is written.
-    pub fn on(&self) {
-        fs::write(&self.on, b"").expect("switch the slow writes on");
-    }
-
-    /// Writes taken from now on are written at once (those held stay held).
-    pub fn off(&self) {
-        fs::remove_file(&self.on).expect("switch the slow writes off");
     }
 }
 
@@ -792,10 +781,10 @@ impl Nbdkit {
     pub fn start_slow_writes(size: u64, hold: Duration) -> (Nbdkit, SlowWrites) {
         let dir = Scratch::new("slowwrites");
         let slow = SlowWrites {
-            on: dir.join("on"),
+            file: dir.join("on"),
             _dir: dir,
         };
-        let on = slow.on.display();
+        let on = slow.file.display();
         let hold = hold.as_secs_f64();
         let k = Nbdkit::serve(size, |image| {
             let img = image.display();
@@ -891,26 +880,26 @@ impl Nbdkit {
         d.socket.clone()
     }
 
-    /// The requests that changed data through `host`'s door so far, by its log
-    /// ([`writers::parse`]).
-    pub fn door_writes(&self, host: &str) -> Vec<writers::Request> {
+    /// What `host`'s door has logged so far.
+    fn door_log(&self, host: &str) -> String {
         let doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
         let d = doors
             .iter()
             .find(|d| d.host == host)
             .expect("the host has a door");
-        writers::parse(host, &read_string(&d.log))
+        read_string(&d.log)
+    }
+
+    /// The requests that changed data through `host`'s door so far, by its log
+    /// ([`writers::parse`]).
+    pub fn door_writes(&self, host: &str) -> Vec<writers::Request> {
+        writers::parse(host, &self.door_log(host))
     }
 
     /// How many writes `host`'s door has taken and not answered yet, by its log (nbdkit logs
     /// a request's return before its connection's end, even when the client has gone).
     pub fn writes_in_service(&self, host: &str) -> usize {
-        let doors = self.doors.lock().unwrap_or_else(|e| e.into_inner());
-        let d = doors
-            .iter()
-            .find(|d| d.host == host)
-            .expect("the host has a door");
-        let log = read_string(&d.log);
+        let log = self.door_log(host);
         let taken = log.lines().filter(|l| l.contains(" Write id=")).count();
         let answered = log.lines().filter(|l| l.contains(" ...Write id=")).count();
         taken - answered
