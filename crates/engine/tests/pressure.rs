@@ -15,10 +15,9 @@ use uuid::Uuid;
 const SEG: u64 = 64 << 10;
 const VOL: u64 = 64 << 20;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_large_trim_does_not_count_as_dirty_data_for_flow_control() {
-    // A log of 64 segments of 64 KiB: dirty data reaches pressure 1 at about 1.4 MiB of
-    // log space (half of the 85 % of the share, less packing, at which writes stall).
+/// A `wb` volume of [`VOL`] bytes on a log of 64 segments of [`SEG`], its destager not
+/// running: everything written stays dirty.
+fn wb_volume() -> (Arc<CacheHost>, Volume) {
     let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
     let host = CacheHost::open(cache, SEG).unwrap();
     let store = Arc::new(MemDevice::new(VOL));
@@ -34,6 +33,14 @@ async fn a_large_trim_does_not_count_as_dirty_data_for_flow_control() {
     )
     .unwrap();
     host.finish_recovery(&[id]).unwrap();
+    (host, vol)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_trim_does_not_count_as_dirty_data_for_flow_control() {
+    // A log of 64 segments of 64 KiB: dirty data reaches pressure 1 at about 1.4 MiB of
+    // log space (half of the 85 % of the share, less packing, at which writes stall).
+    let (_host, vol) = wb_volume();
     let c = vol.cache().unwrap();
 
     // The destager does not run: everything stays dirty.
@@ -68,23 +75,8 @@ async fn a_large_trim_does_not_count_as_dirty_data_for_flow_control() {
 /// stalled at pressure 1.13, a delay of 1.4×, a cliff from there to a stall.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_writes_reach_the_largest_delay_before_they_stall() {
-    let cache = Arc::new(SimDevice::new((1 << 20) + 64 * SEG));
-    let host = CacheHost::open(cache, SEG).unwrap();
-    let store = Arc::new(MemDevice::new(VOL));
-    let extent = Extent::new(store, 0, VOL, Arc::new(Gate::new(4)));
-    let id = Uuid::new_v4();
-    let vol = Arc::new(
-        Volume::open(
-            id,
-            "t".into(),
-            Policy::Wb,
-            Tuning::default(),
-            extent,
-            Some(host.clone()),
-        )
-        .unwrap(),
-    );
-    host.finish_recovery(&[id]).unwrap();
+    let (_host, vol) = wb_volume();
+    let vol = Arc::new(vol);
     let c = vol.cache().unwrap();
 
     // The destager does not run: every write stays dirty until the share is full. No
