@@ -2527,8 +2527,8 @@ mod tests {
         }
     }
 
-    /// A device that reports one write-back error to the first sync or probe after
-    /// [`OnceError::arm`], as Linux reports it to one `fsync` of a file, and whose probe,
+    /// A device that reports one write-back error to the first sync or probe after `armed`
+    /// is set, as Linux reports it to one `fsync` of a file, and whose probe,
     /// having taken it, waits a moment for a sync beside it to answer first.
     struct OnceError {
         inner: SimDevice,

@@ -704,17 +704,16 @@ async fn reregister(client: &Client, s: &Session, prefix: &str, ttl: Duration) {
         let retakes = async {
             let mut lost = Vec::new();
             for v in held {
+                // Counted down to the retake that fails, which disarms it.
                 #[cfg(test)]
-                if s.fail_retake.load(Ordering::Acquire) == 0 {
-                    s.fail_retake.store(u64::MAX, Ordering::Release);
+                if s.fail_retake
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n != u64::MAX).then(|| n.checked_sub(1).unwrap_or(u64::MAX))
+                    })
+                    == Ok(0)
+                {
                     return Err((v, etcd_client::Error::Internal("injected by a test".into())));
                 }
-                #[cfg(test)]
-                let _ = s
-                    .fail_retake
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n != u64::MAX).then(|| n - 1)
-                    });
                 match retake_lock(client, s, prefix, &name, lease, v).await {
                     // Confirmed, or not this host's (then a vault write finds no lock).
                     Ok(()) => {
