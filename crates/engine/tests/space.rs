@@ -381,6 +381,40 @@ async fn a_peers_replicas_keep_to_their_share_and_its_own_volume_keeps_writing()
     destager.abort();
 }
 
+/// A generation's replicas that are dropped as stale (the owner moved on, or another host
+/// replayed them) give their share of the cache back: the next generation's writes are taken
+/// as after a checkpoint. Each generation here writes half the replicas' share of eight
+/// segments and more than a third of it (with their headers).
+#[test]
+fn a_dropped_generations_replicas_give_their_share_back() {
+    let cache = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let host = CacheHost::open(cache, SEG).unwrap();
+    host.finish_recovery(&[]).unwrap();
+    let other = Uuid::new_v4();
+    const W: u64 = 16 << 10;
+    const N: u64 = 4 * SEG / W;
+    let data = vec![0x5a; W as usize];
+    let fill = |gen: u64, first: u64| {
+        for ser in first..first + N {
+            host.replica_write(other, gen, ser, (ser % N) * W, W, Some(&data), false)
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "write {} of generation {gen} refused: {e:?}",
+                        ser - first + 1
+                    )
+                });
+        }
+    };
+    host.replica_open("owner", other, 1, 0).unwrap();
+    fill(1, 1);
+    assert_eq!(host.replica_sets()[0].writes, N);
+    host.replica_drop(other, 1).unwrap();
+    assert!(host.replica_sets().is_empty());
+    host.replica_open("owner", other, 2, N).unwrap();
+    fill(2, N + 1);
+    fill(2, 2 * N + 1);
+}
+
 /// A `wb` volume of [`VOL`] bytes on `store` (queue depth 4), cached on `host`.
 fn wb_volume(host: &Arc<CacheHost>, store: &Arc<MemDevice>, tuning: Tuning) -> Arc<Volume> {
     let extent = Extent::new(store.clone(), 0, VOL, Arc::new(Gate::new(4)));

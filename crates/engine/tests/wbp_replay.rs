@@ -472,10 +472,17 @@ fn a_peer_refuses_malformed_and_stale_writes() {
         .unwrap();
     let sets = peer.replica_sets();
     assert_eq!((sets[0].gen, sets[0].last_ser, sets[0].bytes), (3, 1, 4096));
-    // A newer generation drops the older copies.
+    // A newer generation drops the older copies, those above its checkpoint too: a write its
+    // owner sent here that never completed (the peer that replayed lacked it), whose `ser`
+    // the new generation may give another write.
+    peer.replica_write(id, 3, 2, 8192, 4096, Some(&data), false)
+        .unwrap();
     peer.replica_open("a", id, 4, 1).unwrap();
     let sets = peer.replica_sets();
-    assert_eq!((sets[0].gen, sets[0].writes), (4, 0));
+    assert_eq!(
+        (sets[0].gen, sets[0].writes, sets[0].bytes, sets[0].last_ser),
+        (4, 0, 0, 0)
+    );
 }
 
 /// A peer says it holds a window's end only if its set records it: not for a generation it

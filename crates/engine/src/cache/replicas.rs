@@ -86,8 +86,12 @@ fn as_owned(mut s: Scanned) -> Scanned {
 }
 
 impl ReplicaSet {
+    /// Frees every copy of a `ser` up to `upto` (all of them for `u64::MAX`).
     fn release(&mut self, log: &Log, upto: u64) {
-        let keep = self.writes.split_off(&(upto + 1));
+        let keep = match upto.checked_add(1) {
+            Some(above) => self.writes.split_off(&above),
+            None => BTreeMap::new(),
+        };
         for s in std::mem::replace(&mut self.writes, keep)
             .into_values()
             .flatten()
