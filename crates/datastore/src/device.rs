@@ -715,7 +715,7 @@ impl Device for NbdDevice {
 /// destager, recovery): it records every write and flush so a test can check the datastore
 /// image at any point, and can be made to fail writes.
 pub struct MemDevice {
-    data: std::sync::Mutex<Vec<u8>>,
+    data: Arc<std::sync::Mutex<Vec<u8>>>,
     fail_writes: std::sync::atomic::AtomicBool,
     flushes: std::sync::atomic::AtomicU64,
     delay: std::sync::Mutex<Option<std::time::Duration>>,
@@ -730,6 +730,11 @@ pub struct MemDevice {
     hold: tokio::sync::watch::Sender<Option<u64>>,
     /// Writes held now.
     held: std::sync::atomic::AtomicU64,
+    /// How many more writes lose their answer ([`MemDevice::lose_answers`]), and how long
+    /// after it each lands.
+    lose: std::sync::Mutex<(u64, std::time::Duration)>,
+    /// Writes that lost their answer and have landed since.
+    landed_late: Arc<std::sync::atomic::AtomicU64>,
 }
 
 type FlushHook = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
@@ -737,7 +742,7 @@ type FlushHook = std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>;
 impl MemDevice {
     pub fn new(size: u64) -> MemDevice {
         MemDevice {
-            data: std::sync::Mutex::new(vec![0; size as usize]),
+            data: Arc::new(std::sync::Mutex::new(vec![0; size as usize])),
             fail_writes: std::sync::atomic::AtomicBool::new(false),
             flushes: std::sync::atomic::AtomicU64::new(0),
             delay: std::sync::Mutex::new(None),
@@ -746,7 +751,21 @@ impl MemDevice {
             zeroings: std::sync::Mutex::new(Vec::new()),
             hold: tokio::sync::watch::Sender::new(None),
             held: std::sync::atomic::AtomicU64::new(0),
+            lose: std::sync::Mutex::new((0, std::time::Duration::ZERO)),
+            landed_late: Arc::default(),
         }
+    }
+
+    /// The next `n` writes go unanswered: each fails at once as if its connection was lost
+    /// with it in flight ([`crate::unanswered`]), and lands `after` later all the same, as an
+    /// NBD server that goes on running a request after its client is gone.
+    pub fn lose_answers(&self, n: u64, after: std::time::Duration) {
+        *self.lose.lock().unwrap_or_else(|e| e.into_inner()) = (n, after);
+    }
+
+    /// How many writes that went unanswered ([`MemDevice::lose_answers`]) have landed.
+    pub fn landed_late(&self) -> u64 {
+        self.landed_late.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Lets the next `n` writes through and holds every one after them in flight (after its
@@ -850,6 +869,26 @@ impl Device for MemDevice {
             self.held.fetch_sub(1, SeqCst);
         }
         self.failing()?;
+        let late = {
+            let mut lose = self.lose.lock().unwrap_or_else(|e| e.into_inner());
+            (lose.0 > 0).then(|| {
+                lose.0 -= 1;
+                lose.1
+            })
+        };
+        if let Some(after) = late {
+            let (image, landed) = (self.data.clone(), self.landed_late.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                let mut d = image.lock().unwrap_or_else(|e| e.into_inner());
+                d[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+                landed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "connection lost with the write in flight (a test)",
+            ));
+        }
         let mut d = self.data.lock().unwrap_or_else(|e| e.into_inner());
         d[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
         Ok(())

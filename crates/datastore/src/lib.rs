@@ -259,6 +259,17 @@ pub async fn open_in_pod(
     })
 }
 
+/// How long a write that went unanswered ([`unanswered`]) is given to land. An NBD server
+/// goes on running a request whose connection was lost, usually for moments; a SAN finishes
+/// a command it has taken. Until then no later write through the same [`Gate`] goes out
+/// ([`Gate::late_writes_pending`]): the destager's retry, or the next window, may carry a
+/// newer version of the very block, and the old one landing after it would undo it once the
+/// checkpoint has released the newer one from the cache. A write later than this still can.
+#[cfg(not(test))]
+pub const LATE_WRITE_GRACE: Duration = Duration::from_secs(5);
+#[cfg(test)]
+pub const LATE_WRITE_GRACE: Duration = Duration::from_millis(300);
+
 /// Admission and accounting for every IO to one datastore: at most `queue_depth` IOs in
 /// flight, each measured from issue to completion at the device.
 pub struct Gate {
@@ -338,6 +349,15 @@ impl Gate {
         idle && at.is_none_or(|at| at.elapsed() >= late)
     }
 
+    /// How long writes through this gate still wait for one that went unanswered to land:
+    /// until [`LATE_WRITE_GRACE`] has passed since (then `None`). Reads and flushes do not wait.
+    pub fn late_writes_pending(&self) -> Option<Duration> {
+        let at = (*self.unanswered_at.lock().expect("lock"))?;
+        LATE_WRITE_GRACE
+            .checked_sub(at.elapsed())
+            .filter(|d| !d.is_zero())
+    }
+
     /// Notes a write that went unanswered ([`Gate::idle_within`]).
     fn note_unanswered<T>(&self, op: Op, r: &io::Result<T>) {
         if let Err(e) = r {
@@ -359,20 +379,29 @@ impl Gate {
     /// A slot for an IO of kind `op`, unless the gate is closed or shut out, or the host's
     /// lease fences `op`. Both are checked after the wait for a slot, right before the IO is
     /// issued: a write that queued while the lease was still good must not go out after it
-    /// lapsed.
+    /// lapsed. A write, zeroing or trim also waits, without a slot, until one that went
+    /// unanswered can have landed ([`Gate::late_writes_pending`]).
     async fn slot(&self, op: Op) -> io::Result<tokio::sync::SemaphorePermit<'_>> {
-        let slot = self
-            .slots
-            .acquire()
-            .await
-            .map_err(|_| io::Error::other("datastore gate closed"))?;
-        if let Some(why) = self.shut_out.get() {
-            return Err(io::Error::other(why.clone()));
+        loop {
+            let slot = self
+                .slots
+                .acquire()
+                .await
+                .map_err(|_| io::Error::other("datastore gate closed"))?;
+            if let Some(why) = self.shut_out.get() {
+                return Err(io::Error::other(why.clone()));
+            }
+            if self.fenced(op) {
+                return Err(io::Error::other(fence::FENCED));
+            }
+            match self.late_writes_pending() {
+                Some(left) if !matches!(op, Op::Read | Op::Flush) => {
+                    drop(slot);
+                    tokio::time::sleep(left).await;
+                }
+                _ => return Ok(slot),
+            }
         }
-        if self.fenced(op) {
-            return Err(io::Error::other(fence::FENCED));
-        }
-        Ok(slot)
     }
 
     /// [`Gate::run`], also returning the IO's service time: from issue to completion at the
@@ -723,6 +752,59 @@ mod tests {
             })
             .await;
         assert!(gate.idle_within(Duration::from_secs(1), late_for).await);
+    }
+
+    /// After a write whose answer was lost, the gate lets no write, zeroing or trim out until
+    /// it can have landed; reads and flushes go on, and a closed fence still refuses at once.
+    #[tokio::test]
+    async fn writes_wait_for_one_that_went_unanswered_to_land() {
+        let gate = Arc::new(Gate::new(4));
+        let fence = Arc::new(Fence::open());
+        gate.set_fence(fence.clone());
+        assert_eq!(gate.late_writes_pending(), None);
+        let lost = gate
+            .run(Op::Write, 4096, async {
+                Err::<(), _>(io::Error::from(io::ErrorKind::ConnectionAborted))
+            })
+            .await;
+        let lost_at = Instant::now();
+        assert!(lost.is_err());
+        assert!(gate.late_writes_pending().is_some());
+        let read_at = Instant::now();
+        gate.run(Op::Read, 4096, async { Ok(()) }).await.unwrap();
+        gate.run(Op::Flush, 0, async { Ok(()) }).await.unwrap();
+        assert!(read_at.elapsed() < LATE_WRITE_GRACE / 2, "a read waited");
+        for op in [Op::Write, Op::WriteZeroes, Op::Trim] {
+            let issued_at = gate
+                .run(op, 4096, async { Ok(Instant::now()) })
+                .await
+                .unwrap();
+            assert!(
+                issued_at.duration_since(lost_at) >= LATE_WRITE_GRACE,
+                "{op:?} went out {:?} after the lost write",
+                issued_at.duration_since(lost_at)
+            );
+        }
+        assert_eq!(gate.late_writes_pending(), None);
+        // A lost write, then a closed fence: the next write is refused at once.
+        let _ = gate
+            .run(Op::Write, 4096, async {
+                Err::<(), _>(io::Error::from(io::ErrorKind::TimedOut))
+            })
+            .await;
+        fence.revoke();
+        let refused_at = Instant::now();
+        let r = gate.run(Op::Write, 4096, async { Ok(()) }).await;
+        assert_eq!(r.unwrap_err().to_string(), fence::FENCED);
+        assert!(refused_at.elapsed() < LATE_WRITE_GRACE / 2);
+        // A write refused with an answer (EIO) was not carried out: nothing to wait for.
+        let gate = Gate::new(4);
+        let _ = gate
+            .run(Op::Write, 4096, async {
+                Err::<(), _>(io::Error::from_raw_os_error(libc::EIO))
+            })
+            .await;
+        assert_eq!(gate.late_writes_pending(), None);
     }
 
     #[test]

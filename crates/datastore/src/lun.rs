@@ -23,18 +23,6 @@ use crate::{
     VolumeSpec,
 };
 
-/// How long a table write that went unanswered is given to land before the device is read
-/// back, while the caller still holds the datastore's lock. An NBD server goes on running a
-/// request whose connection was given up, usually for moments: read back at once, the
-/// device would still hold the table before it, and the next change (this host's or, once
-/// the lock is released, another's) would go to the same slot, where the late write could
-/// then land over it and undo it. A write later than this still can; see
-/// `LunDatastore::commit_or_read_back`.
-#[cfg(not(test))]
-const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
-#[cfg(test)]
-const LATE_WRITE_GRACE: std::time::Duration = std::time::Duration::from_millis(300);
-
 /// How often a host confirms that each LUN it uses is still its pod's, by its label
 /// ([`watch_owner`]).
 pub const OWNER_CHECK_EVERY: Duration = Duration::from_millis(if cfg!(test) { 300 } else { 2000 });
@@ -443,7 +431,7 @@ impl LunDatastore {
     /// NBD reply lost with its connection), so the device is read again to tell: taking a
     /// landed change for a failed one would, after a delete, serve a volume whose extent the
     /// table has already given back for the next create to take. A write that went
-    /// unanswered ([`crate::unanswered`]) is given [`LATE_WRITE_GRACE`] to land first, and
+    /// unanswered ([`crate::unanswered`]) is given [`crate::LATE_WRITE_GRACE`] to land first, and
     /// may land even after that: its outcome is then unknown whatever the read finds.
     async fn commit_or_read_back(&self, t: &mut Table, next: &Table, since: u64) -> Commit {
         let Err(e) = self.commit(next, since).await else {
@@ -455,9 +443,11 @@ impl LunDatastore {
             warn!(
                 "datastore {:?}: writing volume table {} went unanswered ({e}); waiting {:?} \
                  for it to land before reading the table back",
-                self.spec.name, next.generation, LATE_WRITE_GRACE
+                self.spec.name,
+                next.generation,
+                crate::LATE_WRITE_GRACE
             );
-            tokio::time::sleep(LATE_WRITE_GRACE).await;
+            tokio::time::sleep(crate::LATE_WRITE_GRACE).await;
         }
         match self.refresh(t).await {
             Ok(()) if t == next => {

@@ -2692,19 +2692,32 @@ impl Daemon {
     pub async fn stop_datastore_writes(&self, deadline: std::time::Instant) -> bool {
         let late = Duration::from_secs(self.config.cluster.lease_ttl_s) / 2;
         self.coord.fence().revoke();
-        let gates: Vec<Arc<datastore::Gate>> = self
-            .datastores
-            .read()
-            .expect("lock")
-            .values()
-            .filter_map(|e| e.store.as_ref().ok().map(|s| s.gate().clone()))
-            .collect();
         let mut quiet = true;
-        for g in gates {
+        for (_, g) in self.datastore_gates() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             quiet &= g.idle_within(left, late).await;
         }
         quiet
+    }
+
+    /// Waits until every datastore write of this host that went unanswered can have landed
+    /// ([`datastore::Gate::late_writes_pending`]), at most [`datastore::LATE_WRITE_GRACE`]:
+    /// before a vault lock goes to another host, whose writes of the volume (a peer's replay
+    /// of the newest versions) such a write must not land over. This host's own later writes
+    /// wait at the gate.
+    pub async fn late_writes_landed(&self) {
+        let wait = self
+            .datastore_gates()
+            .iter()
+            .filter_map(|(_, g)| g.late_writes_pending())
+            .max();
+        if let Some(wait) = wait {
+            info!(
+                "a datastore write went unanswered lately; waiting {wait:?} for it to land \
+                 before another host may write the volume"
+            );
+            tokio::time::sleep(wait).await;
+        }
     }
 
     pub fn status(&self) -> api::Status {

@@ -906,6 +906,9 @@ pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()
     changes
 }
 
+/// How long a hand-off waits at a time for the destager's datastore writes in service.
+const HANDOFF_DESTAGE_WAIT: Duration = Duration::from_secs(10);
+
 /// FVP Table 1, flash failure in `wbp`: the owner's cache device failed, so what only it and
 /// its peers held can be destaged only by a peer. The owner stops its destager, marks the
 /// vault for hand-off and gives the lock up; a peer replays (as for a dead owner) and leaves
@@ -961,7 +964,16 @@ async fn flash_failed(
             v.stop_stalling(why.into());
             return Err(why.into());
         }
-        v.stop_destaging().await;
+        // Not while a write of the destager's is still in service at the datastore: the
+        // peer's replay would race it. Waited for a while at a time, so that a datastore that
+        // stopped answering shows in the volume's status and the volume's claim is let go
+        // between tries (each round tries again).
+        if !c.stop_destaging_within(HANDOFF_DESTAGE_WAIT).await {
+            return Err(format!(
+                "waiting for the destager's writes to the datastore to be answered (still in \
+                 service after {HANDOFF_DESTAGE_WAIT:?}); the peers replay once they are"
+            ));
+        }
         p.hand_off().await?;
         // Marked handed off before the lock goes back: the volume is no longer served with
         // its lock, so an unlock owed here stays owed (a retry that still saw the volume
@@ -1529,8 +1541,10 @@ pub(crate) async fn retry_owed_passes(d: &Daemon) {
 /// decide a hand-off, a delete or a loss it was taken for did not happen. One the
 /// coordinator did not take back stays bound to this host's lease for as long as it runs,
 /// and no other host could replay or serve the volume: it is owed, and retried from the
-/// next round on ([`retry_owed_unlocks`]).
+/// next round on ([`retry_owed_unlocks`]). A write of this host's that went unanswered is
+/// given its time to land first ([`Daemon::late_writes_landed`]).
 pub(crate) async fn give_lock_back(d: &Daemon, id: Uuid, name: &str) {
+    d.late_writes_landed().await;
     if let Err(e) = d.coord.unlock_vault(id).await {
         warn!("volume {name:?}: give the vault lock back: {e}; retrying");
         d.peers.unlock_owed.lock().expect("lock").insert(id);

@@ -1373,6 +1373,37 @@ async fn a_replays_lock_that_could_not_be_given_back_is_retried() {
     assert_eq!(coord.unlocked.lock().unwrap().len(), 1);
 }
 
+/// A vault lock goes to another host only once every datastore write of this host that went
+/// unanswered (its connection lost with it in flight) can have landed: the next holder's
+/// writes of the volume must not be undone by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vault_lock_goes_back_only_once_an_unanswered_write_can_have_landed() {
+    let (_dir, coord, d) = restarted_with_v("late-write").await;
+    let other = other_hosts(&d, "other-hosts");
+    coord.lock_vault(other.id).await.unwrap();
+    let (_, gate) = d.datastore_gates().pop().expect("a datastore");
+    let lost = gate
+        .run(datastore::stats::Op::Write, 4096, async {
+            Err::<(), _>(std::io::Error::from(std::io::ErrorKind::ConnectionAborted))
+        })
+        .await;
+    assert!(lost.is_err());
+    let lost_at = std::time::Instant::now();
+    crate::peers::give_lock_back(&d, other.id, &other.name).await;
+    assert_eq!(unlocks_of(&coord, other.id), 1);
+    assert!(
+        lost_at.elapsed() >= datastore::LATE_WRITE_GRACE - Duration::from_millis(10),
+        "the lock went back {:?} after the write went unanswered",
+        lost_at.elapsed()
+    );
+    // With nothing unanswered lately, at once.
+    coord.lock_vault(other.id).await.unwrap();
+    let at = std::time::Instant::now();
+    crate::peers::give_lock_back(&d, other.id, &other.name).await;
+    assert_eq!(unlocks_of(&coord, other.id), 2);
+    assert!(at.elapsed() < Duration::from_secs(1));
+}
+
 /// The record of another host's volume `name` (a new id), for a replay of it here.
 fn other_hosts(d: &Daemon, name: &str) -> VolumeRecord {
     VolumeRecord {
