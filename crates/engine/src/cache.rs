@@ -249,13 +249,11 @@ struct VolState {
     /// clean record that failed to read), so a read that raced it does not put back data read
     /// from the datastore before the newer data got there.
     removals: u64,
-    /// The latest removals (their count, as `removals` was after each, and the range), so a
-    /// read's fill is dropped only when one overlaps it, not for every eviction in the volume
-    /// meanwhile (its own append's among them). At most [`REMOVALS_KEPT`].
-    removed: std::collections::VecDeque<(u64, u64, u64)>,
-    /// Removals up to this count are no longer in `removed`: a fill that began before it is
-    /// dropped, whatever its range.
-    removed_before: u64,
+    /// The ranges of the latest removals, oldest first (the last is removal `removals`), so
+    /// a read's fill is dropped only when one overlaps it, not for every eviction in the
+    /// volume meanwhile (its own append's among them). At most [`REMOVALS_KEPT`]: a fill
+    /// that began before the oldest kept is dropped, whatever its range.
+    removed: std::collections::VecDeque<(u64, u64)>,
     /// Offline replay in progress: writes wait.
     replaying: bool,
     /// The mode the volume switches to when its offline replay ends, before it takes a
@@ -1448,7 +1446,6 @@ impl VolCache {
                 reserved_log_bytes: 0,
                 removals: 0,
                 removed: std::collections::VecDeque::new(),
-                removed_before: 0,
                 replaying,
                 after_replay: None,
                 replay_end_retry: None,
@@ -1648,13 +1645,9 @@ impl VolCache {
         // A read that missed before this removal may hold older data than what is now on the
         // datastore (a wt write, an eviction): its fill must not go in.
         st.removals += 1;
-        let seq = st.removals;
-        st.removed
-            .push_back((seq, offset, offset.saturating_add(len)));
+        st.removed.push_back((offset, offset.saturating_add(len)));
         if st.removed.len() > REMOVALS_KEPT {
-            if let Some((forgotten, _, _)) = st.removed.pop_front() {
-                st.removed_before = forgotten;
-            }
+            st.removed.pop_front();
         }
         for (_, n, old) in st.index.remove(offset, len) {
             if let IxSrc::Rec(l) = old.src {
@@ -2598,13 +2591,15 @@ impl VolCache {
         };
         let mut st = lock(&self.st);
         let end = offset + len;
-        let stale = removals_before < st.removed_before
+        // The removals since the read began are the last `since` kept, if all are kept.
+        let since = (st.removals - removals_before) as usize;
+        let stale = since > st.removed.len()
             || st
                 .removed
                 .iter()
                 .rev()
-                .take_while(|(seq, _, _)| *seq > removals_before)
-                .any(|&(_, from, to)| from < end && offset < to);
+                .take(since)
+                .any(|&(from, to)| from < end && offset < to);
         for p in &recs {
             if stale {
                 break;
