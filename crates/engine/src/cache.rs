@@ -2355,7 +2355,9 @@ impl VolCache {
             self.counters
                 .throttle_us
                 .fetch_add(rest.as_micros() as u64, Ordering::Relaxed);
-            tokio::time::sleep(rest).await;
+            if !rest.is_zero() {
+                tokio::time::sleep(rest).await;
+            }
         }
         self.counters
             .longest_write_us

@@ -851,7 +851,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     lat(c.datastore_write_latency_us)
                 );
                 println!(
-                    "  flow       {} (pressure {:.2}); {} write(s) throttled for {} in all, {} stall(s)",
+                    "  flow       {} (pressure {:.2}); {} write(s) throttled, {} of delay added in all, {} stall(s)",
                     c.flow_control,
                     c.flow_pressure,
                     c.throttled_writes,
