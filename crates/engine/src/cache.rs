@@ -121,7 +121,7 @@ const BATCH_BYTES: u64 = 4 << 20;
 /// single queue depth spends as long on those as on its writes.
 const WINDOW_WAVES: usize = 4;
 /// Longest wait between destager visits when nothing wakes it.
-const DESTAGER_IDLE: Duration = Duration::from_millis(50);
+pub(crate) const DESTAGER_IDLE: Duration = Duration::from_millis(50);
 /// A drain with IO going on gives up after this long with no progress while the datastore
 /// answers none of the IO it has been sent: it is hung, or slower than anything should wait
 /// on. Shorter in this crate's tests, which wait it out.

@@ -1254,7 +1254,7 @@ mod tests {
         // a's window goes out and hangs at the datastore.
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!a.cache().unwrap().clean());
-        let before = host.destager_passes();
+        let (before, started) = (host.destager_passes(), std::time::Instant::now());
         for i in 1..=100u64 {
             let at = (i % 16) * 4096;
             a.write(at, Bytes::from(vec![i as u8; 4096]), false)
@@ -1265,11 +1265,14 @@ mod tests {
                 .unwrap();
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        // A pass per idle interval (DESTAGER_IDLE) is all there may be.
+        // A pass per idle interval is all there may be (the loop takes longer than its
+        // 100 ms on a loaded machine: the bound grows with it, and stays far under one pass
+        // per write unless the 200 writes took seconds).
         let passes = host.destager_passes() - before;
+        let idle = (started.elapsed().as_millis() / cache::DESTAGER_IDLE.as_millis()) as u64;
         assert!(
-            passes < 30,
-            "the destager looked {passes} times for 200 writes"
+            passes <= idle + 10,
+            "the destager looked {passes} times for 200 writes in {idle} idle intervals"
         );
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let clean = || a.cache().unwrap().clean() && b.cache().unwrap().clean();
