@@ -1159,6 +1159,11 @@ mod tests {
     /// A 1 MiB volume in `policy` on `dev` (a datastore of queue depth 4), cached by `host`.
     fn volume_on(host: &Arc<CacheHost>, dev: Arc<dyn Device>, policy: Policy) -> Volume {
         let extent = Extent::new(dev, 0, 1 << 20, Arc::new(Gate::new(4)));
+        volume_in(host, extent, policy)
+    }
+
+    /// A new volume on `extent`, cached by `host`.
+    fn volume_in(host: &Arc<CacheHost>, extent: Extent, policy: Policy) -> Volume {
         let (id, tuning) = (Uuid::new_v4(), Tuning::default());
         Volume::open(id, "v".into(), policy, tuning, extent, Some(host.clone())).unwrap()
     }
@@ -1236,16 +1241,7 @@ mod tests {
         let gate = Arc::new(Gate::new(4));
         let on = |start: u64| {
             let extent = Extent::new(hung.clone(), start, 1 << 19, gate.clone());
-            let (id, tuning) = (Uuid::new_v4(), Tuning::default());
-            Volume::open(
-                id,
-                "v".into(),
-                Policy::Wb,
-                tuning,
-                extent,
-                Some(host.clone()),
-            )
-            .unwrap()
+            volume_in(&host, extent, Policy::Wb)
         };
         let (a, b) = (on(0), on(1 << 19));
         host.finish_recovery(&[a.id(), b.id()]).unwrap();
