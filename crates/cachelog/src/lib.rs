@@ -12,4 +12,4 @@ pub mod index;
 pub mod log;
 
 pub use device::{CacheDevice, Faulty, FileCache, SimDevice};
-pub use log::{Entry, Loc, Log, LogError, OwnerMeta, Scanned};
+pub use log::{Entry, Expect, Loc, Log, LogError, OwnerMeta, Scanned};

@@ -68,6 +68,20 @@ pub struct Loc {
     pub len: u64,
 }
 
+/// Whose bytes a reader expects where its index points: every read checks the record's header
+/// against it, so that an index that points at the wrong record (another volume's, another
+/// block's, an older write's) fails the read as corrupt instead of serving or destaging the
+/// wrong data. The segment sequence, payload place and length in a [`Loc`] tie it to one
+/// record of one incarnation of its segment; this ties that record to the write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    pub volume: Uuid,
+    /// The volume offset of the record's first payload byte.
+    pub offset: u64,
+    /// The write's `ser`, where the reader knows it.
+    pub ser: Option<u64>,
+}
+
 /// What a record says, minus where it goes (the log fills in `seg_seq` and the checksum).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
@@ -95,6 +109,28 @@ pub struct OwnerMeta {
     /// The highest gen of any record of the owner ever seen (kept after [`Log::forget`], so a
     /// volume that comes back always starts a newer generation than anything on the device).
     pub max_gen: u64,
+}
+
+impl Entry {
+    /// What a read of this record expects of it.
+    pub fn expect(&self) -> Expect {
+        Expect {
+            volume: self.volume,
+            offset: self.offset,
+            ser: Some(self.ser),
+        }
+    }
+}
+
+impl Header {
+    /// What a read of the record this header heads expects of it.
+    pub fn expect(&self) -> Expect {
+        Expect {
+            volume: self.volume,
+            offset: self.offset,
+            ser: Some(self.ser),
+        }
+    }
 }
 
 impl OwnerMeta {
@@ -791,15 +827,15 @@ impl Log {
     }
 
     /// Reads a record's payload and verifies both checksums before returning it.
-    pub fn read(&self, loc: &Loc) -> Result<Vec<u8>> {
-        self.read_range(loc, 0, loc.len)
+    pub fn read(&self, loc: &Loc, want: &Expect) -> Result<Vec<u8>> {
+        self.read_range(loc, want, 0, loc.len)
     }
 
     /// Reads `len` bytes from `pos` of a record's payload, verified: where the header carries
     /// page checksums ([`format::PageCrcs`]) only the pages the range lies in are read, else
     /// the whole payload. A 4 KiB read of a 256 KiB record reads 4 KiB.
-    pub fn read_range(&self, loc: &Loc, pos: u64, len: u64) -> Result<Vec<u8>> {
-        let got = self.read_with(loc, pos, len, |offset, buf| {
+    pub fn read_range(&self, loc: &Loc, want: &Expect, pos: u64, len: u64) -> Result<Vec<u8>> {
+        let got = self.read_with(loc, want, pos, len, |offset, buf| {
             self.dev.read_at(offset, buf).map(|()| true)
         })?;
         Ok(got.expect("a read that may wait gets every byte"))
@@ -808,8 +844,14 @@ impl Log {
     /// [`Log::read_range`] without waiting for the device: `None` where some of it is not in
     /// memory, for the caller to read it where waiting is allowed. A device that cannot tell
     /// ([`CacheDevice::read_cached`] unsupported) is read as [`Log::read_range`] reads it.
-    pub fn read_range_cached(&self, loc: &Loc, pos: u64, len: u64) -> Option<Result<Vec<u8>>> {
-        self.read_with(loc, pos, len, |offset, buf| {
+    pub fn read_range_cached(
+        &self,
+        loc: &Loc,
+        want: &Expect,
+        pos: u64,
+        len: u64,
+    ) -> Option<Result<Vec<u8>>> {
+        self.read_with(loc, want, pos, len, |offset, buf| {
             match self.dev.read_cached(offset, buf) {
                 Ok(n) => Ok(n == buf.len()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
@@ -828,6 +870,7 @@ impl Log {
     fn read_with(
         &self,
         loc: &Loc,
+        want: &Expect,
         pos: u64,
         len: u64,
         read: impl Fn(u64, &mut [u8]) -> io::Result<bool>,
@@ -852,13 +895,13 @@ impl Log {
             if !read(loc.offset, &mut buf).map_err(|e| self.io_error(e))? {
                 return Ok(None);
             }
-            let h = self.verify_header(loc, seg_seq, &buf)?;
+            let h = self.verify_header(loc, want, seg_seq, &buf)?;
             buf.truncate(format::HEADER_LEN + loc.len as usize);
             self.verify_payload(loc, &h, &buf[format::HEADER_LEN..])?;
             buf.drain(..format::HEADER_LEN);
             return Ok(Some(range(buf, 0)));
         }
-        let Some((head, h)) = self.read_head(loc, seg_seq, &read)? else {
+        let Some((head, h)) = self.read_head(loc, want, seg_seq, &read)? else {
             return Ok(None);
         };
         let read = |offset: u64, buf: &mut [u8]| read(offset, buf).map_err(|e| self.io_error(e));
@@ -897,7 +940,7 @@ impl Log {
     /// Reads a record's payload into `out` (exactly `loc.len` bytes) and verifies both
     /// checksums: the destager's path, which assembles one datastore IO from several records
     /// with no copy and no buffer per record. On an error `out` holds nothing to use.
-    pub fn read_into(&self, loc: &Loc, out: &mut [u8]) -> Result<()> {
+    pub fn read_into(&self, loc: &Loc, want: &Expect, out: &mut [u8]) -> Result<()> {
         assert_eq!(
             out.len() as u64,
             loc.len,
@@ -907,7 +950,7 @@ impl Log {
         let seg_seq = self.touch(loc);
         let read = |offset: u64, buf: &mut [u8]| self.dev.read_at(offset, buf).map(|()| true);
         let (_, h) = self
-            .read_head(loc, seg_seq, read)?
+            .read_head(loc, want, seg_seq, read)?
             .expect("a read that may wait");
         if !out.is_empty() {
             self.dev
@@ -933,6 +976,7 @@ impl Log {
     fn read_head(
         &self,
         loc: &Loc,
+        want: &Expect,
         seg_seq: u64,
         read: impl Fn(u64, &mut [u8]) -> io::Result<bool>,
     ) -> Result<Option<([u8; format::HEADER_LEN], Header)>> {
@@ -940,12 +984,13 @@ impl Log {
         if !read(loc.offset, &mut head).map_err(|e| self.io_error(e))? {
             return Ok(None);
         }
-        let h = self.verify_header(loc, seg_seq, &head)?;
+        let h = self.verify_header(loc, want, seg_seq, &head)?;
         Ok(Some((head, h)))
     }
 
-    /// Decodes a record's header and checks that it is the record the index points at.
-    fn verify_header(&self, loc: &Loc, seg_seq: u64, head: &[u8]) -> Result<Header> {
+    /// Decodes a record's header and checks that it is the record the index points at, and
+    /// the write the reader expects there.
+    fn verify_header(&self, loc: &Loc, want: &Expect, seg_seq: u64, head: &[u8]) -> Result<Header> {
         let h = Header::decode(head, seg_seq, self.key).map_err(|why| LogError::Corrupt {
             offset: loc.offset,
             what: format!("header {why:?}"),
@@ -955,6 +1000,23 @@ impl Log {
             return Err(LogError::Corrupt {
                 offset: loc.offset,
                 what: "header does not match the index".into(),
+            });
+        }
+        if h.volume != want.volume
+            || h.offset != want.offset
+            || want.ser.is_some_and(|s| s != h.ser)
+        {
+            return Err(LogError::Corrupt {
+                offset: loc.offset,
+                what: format!(
+                    "record of volume {} at {} (ser {}) where volume {} at {}{} was expected",
+                    h.volume,
+                    h.offset,
+                    h.ser,
+                    want.volume,
+                    want.offset,
+                    want.ser.map(|s| format!(" (ser {s})")).unwrap_or_default()
+                ),
             });
         }
         Ok(h)
@@ -1273,47 +1335,59 @@ mod tests {
     fn records_round_trip_and_corruption_is_caught() {
         let (d, l) = log(4);
         let v = Uuid::new_v4();
-        let (loc, _) = l.append(&data(v, 1, 4096, 1024), &[7u8; 1024]).unwrap();
+        let small = data(v, 1, 4096, 1024);
+        let (loc, _) = l.append(&small, &[7u8; 1024]).unwrap();
+        let small = small.expect();
         l.sync().unwrap();
-        assert_eq!(l.read(&loc).unwrap(), vec![7u8; 1024]);
+        assert_eq!(l.read(&loc, &small).unwrap(), vec![7u8; 1024]);
         // A paged record (a whole page of payload) too, both ways of reading.
-        let (paged, _) = l.append(&data(v, 2, 8192, 4096), &[9u8; 4096]).unwrap();
+        let page = data(v, 2, 8192, 4096);
+        let (paged, _) = l.append(&page, &[9u8; 4096]).unwrap();
+        let page = page.expect();
         let mut out = vec![0u8; 4096];
-        l.read_into(&paged, &mut out).unwrap();
+        l.read_into(&paged, &page, &mut out).unwrap();
         assert_eq!(out, vec![9u8; 4096]);
-        assert_eq!(l.read(&paged).unwrap(), out);
+        assert_eq!(l.read(&paged, &page).unwrap(), out);
         // A device that cannot tell what memory holds is read as by `read`.
-        assert_eq!(l.read_range_cached(&paged, 0, 4096).unwrap().unwrap(), out);
         assert_eq!(
-            l.read_range_cached(&loc, 0, 1024).unwrap().unwrap(),
+            l.read_range_cached(&paged, &page, 0, 4096)
+                .unwrap()
+                .unwrap(),
+            out
+        );
+        assert_eq!(
+            l.read_range_cached(&loc, &small, 0, 1024).unwrap().unwrap(),
             vec![7u8; 1024]
         );
         let mut out = vec![0u8; 1024];
-        l.read_into(&loc, &mut out).unwrap();
+        l.read_into(&loc, &small, &mut out).unwrap();
         assert_eq!(out, vec![7u8; 1024]);
         d.corrupt(loc.offset + 512 + 100);
-        assert!(matches!(l.read(&loc), Err(LogError::Corrupt { .. })));
         assert!(matches!(
-            l.read_range_cached(&loc, 0, 1024),
+            l.read(&loc, &small),
+            Err(LogError::Corrupt { .. })
+        ));
+        assert!(matches!(
+            l.read_range_cached(&loc, &small, 0, 1024),
             Some(Err(LogError::Corrupt { .. }))
         ));
         assert!(matches!(
-            l.read_into(&loc, &mut out),
+            l.read_into(&loc, &small, &mut out),
             Err(LogError::Corrupt { .. })
         ));
         d.corrupt(paged.data + 4000);
         assert!(matches!(
-            l.read_into(&paged, &mut vec![0u8; 4096]),
+            l.read_into(&paged, &page, &mut vec![0u8; 4096]),
             Err(LogError::Corrupt { .. })
         ));
         assert!(matches!(
-            l.read_range_cached(&paged, 0, 4096),
+            l.read_range_cached(&paged, &page, 0, 4096),
             Some(Err(LogError::Corrupt { .. }))
         ));
         // A location that does not match its header (a stale index) is refused.
         let wrong = Loc { len: 512, ..paged };
         assert!(matches!(
-            l.read_into(&wrong, &mut vec![0u8; 512]),
+            l.read_into(&wrong, &page, &mut vec![0u8; 512]),
             Err(LogError::Corrupt { .. })
         ));
         // The scan reports the record, marked damaged.
@@ -1326,19 +1400,66 @@ mod tests {
         assert!(r.iter().all(|r| !r.intact));
     }
 
+    /// An index that points at the wrong record, one whose place, length and segment are
+    /// all right (the checks a `Loc` carries), is caught by what the record says: its
+    /// volume, its offset and its write. Every way of reading refuses it, and the log stays
+    /// usable: the record itself is sound.
+    #[test]
+    fn a_read_of_a_record_that_is_not_the_expected_write_is_refused() {
+        let (_d, l) = log(4);
+        let v = Uuid::new_v4();
+        for len in [1024u64, 4096] {
+            let e = data(v, 7, 8 * len, len);
+            let (loc, _) = l.append(&e, &vec![5u8; len as usize]).unwrap();
+            let right = e.expect();
+            assert_eq!(l.read(&loc, &right).unwrap(), vec![5u8; len as usize]);
+            let others = [
+                Expect {
+                    volume: Uuid::new_v4(),
+                    ..right
+                },
+                Expect {
+                    offset: right.offset + len,
+                    ..right
+                },
+                Expect {
+                    ser: Some(8),
+                    ..right
+                },
+            ];
+            for want in others {
+                let refused = |r: Result<()>| matches!(r, Err(LogError::Corrupt { ref what, .. }) if what.contains("was expected"));
+                assert!(refused(l.read(&loc, &want).map(drop)), "{want:?}");
+                assert!(refused(l.read_range(&loc, &want, 0, 512).map(drop)));
+                assert!(refused(
+                    l.read_range_cached(&loc, &want, 0, 512).unwrap().map(drop)
+                ));
+                assert!(refused(l.read_into(
+                    &loc,
+                    &want,
+                    &mut vec![0u8; len as usize]
+                )));
+            }
+            // A reader that does not know the write's `ser` checks the rest.
+            let any_ser = Expect { ser: None, ..right };
+            assert_eq!(l.read(&loc, &any_ser).unwrap(), vec![5u8; len as usize]);
+        }
+        assert!(!l.is_failed());
+    }
+
     #[test]
     fn a_read_of_part_of_a_record_reads_and_verifies_only_its_pages() {
         let d = Arc::new(SimDevice::new(format::SEGMENTS_START + 8 * (1 << 20)));
         let l = Log::format(d.clone(), 1 << 20).unwrap();
         let v = Uuid::new_v4();
         let payload: Vec<u8> = (0..512u32 << 10).map(|i| (i * 13 % 251) as u8).collect();
-        let (rec, _) = l
-            .append(&data(v, 1, 0, 256 << 10), &payload[..256 << 10])
-            .unwrap();
+        let e = data(v, 1, 0, 256 << 10);
+        let (rec, _) = l.append(&e, &payload[..256 << 10]).unwrap();
+        let want = e.expect();
         let page = format::PAGE;
         let read = |pos: u64, len: u64| {
             let before = d.read_bytes();
-            let got = l.read_range(&rec, pos, len);
+            let got = l.read_range(&rec, &want, pos, len);
             (got, d.read_bytes() - before)
         };
         for (pos, len) in [
@@ -1364,30 +1485,29 @@ mod tests {
             let e = read(pos, len).0.unwrap_err();
             assert!(matches!(e, LogError::Corrupt { .. }), "{pos}+{len}: {e}");
         }
-        assert!(matches!(l.read(&rec), Err(LogError::Corrupt { .. })));
+        assert!(matches!(l.read(&rec, &want), Err(LogError::Corrupt { .. })));
         // A record whose header has no page checksums (more pages than it holds, or written
         // before there were any) is read and verified whole.
         let big = (format::PAGE_CRCS_MAX as u64 + 1) * page;
-        let (old, _) = l
-            .append(&data(v, 2, 1 << 20, big), &payload[..big as usize])
-            .unwrap();
+        let e = data(v, 2, 1 << 20, big);
+        let (old, _) = l.append(&e, &payload[..big as usize]).unwrap();
+        let want = e.expect();
         let before = d.read_bytes();
         assert_eq!(
-            l.read_range(&old, page, 512).unwrap(),
+            l.read_range(&old, &want, page, 512).unwrap(),
             payload[page as usize..][..512]
         );
         assert_eq!(d.read_bytes() - before, format::HEADER_LEN as u64 + big);
         d.corrupt(old.data + big - 1);
         assert!(matches!(
-            l.read_range(&old, 0, 512),
+            l.read_range(&old, &want, 0, 512),
             Err(LogError::Corrupt { .. })
         ));
         // Inline records are read whole, as one device read.
-        let (inline, _) = l
-            .append(&data(v, 3, 2 << 20, 1536), &payload[..1536])
-            .unwrap();
+        let e = data(v, 3, 2 << 20, 1536);
+        let (inline, _) = l.append(&e, &payload[..1536]).unwrap();
         assert_eq!(
-            l.read_range(&inline, 1024, 512).unwrap(),
+            l.read_range(&inline, &e.expect(), 1024, 512).unwrap(),
             payload[1024..1536]
         );
         assert!(!l.is_failed());
@@ -1404,11 +1524,12 @@ mod tests {
             let l = Log::format(d, 1 << 20).unwrap();
             let len = pages * format::PAGE - if tail > 0 { format::PAGE - tail } else { 0 };
             let p: Vec<u8> = (0..len).map(|i| (i * 31 % 253) as u8).collect();
-            let (rec, _) = l.append(&data(Uuid::new_v4(), 1, 0, len), &p).unwrap();
+            let e = data(Uuid::new_v4(), 1, 0, len);
+            let (rec, _) = l.append(&e, &p).unwrap();
             for (a, b) in ranges {
                 let pos = a % len;
                 let n = b % (len - pos) + 1;
-                let got = l.read_range(&rec, pos, n).unwrap();
+                let got = l.read_range(&rec, &e.expect(), pos, n).unwrap();
                 prop_assert_eq!(&got[..], &p[pos as usize..(pos + n) as usize]);
             }
         }
@@ -1458,15 +1579,19 @@ mod tests {
         let l = Log::format(dev.clone(), SEG).unwrap();
         let v = Uuid::new_v4();
         let paged_data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-        let (paged, _) = l.append(&data(v, 1, 0, 8192), &paged_data).unwrap();
-        let (inline, _) = l.append(&data(v, 2, 65536, 1024), &[3u8; 1024]).unwrap();
+        let (pe, ie) = (data(v, 1, 0, 8192), data(v, 2, 65536, 1024));
+        let (paged, _) = l.append(&pe, &paged_data).unwrap();
+        let (inline, _) = l.append(&ie, &[3u8; 1024]).unwrap();
         l.sync().unwrap();
-        for (loc, want) in [(paged, paged_data.clone()), (inline, vec![3u8; 1024])] {
+        for (loc, e, want) in [
+            (paged, pe.expect(), paged_data.clone()),
+            (inline, ie.expect(), vec![3u8; 1024]),
+        ] {
             dev.cold.store(true, Ordering::SeqCst);
-            let cached = |pos: u64, len: u64| l.read_range_cached(&loc, pos, len);
+            let cached = |pos: u64, len: u64| l.read_range_cached(&loc, &e, pos, len);
             assert!(cached(0, loc.len).is_none(), "{loc:?} not in memory");
             assert!(cached(512, 512).is_none(), "{loc:?} not in memory");
-            assert_eq!(l.read(&loc).unwrap(), want);
+            assert_eq!(l.read(&loc, &e).unwrap(), want);
             assert_eq!(cached(0, loc.len).unwrap().unwrap(), want);
             assert_eq!(cached(512, 512).unwrap().unwrap(), want[512..1024]);
         }
@@ -1490,8 +1615,9 @@ mod tests {
         let l = Log::format(dev, SEG).unwrap();
         let v = Uuid::new_v4();
         let paged_data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
-        let (paged, _) = l.append(&data(v, 1, 0, 8192), &paged_data).unwrap();
-        let (inline, _) = l.append(&data(v, 2, 65536, 1024), &[3u8; 1024]).unwrap();
+        let (pe, ie) = (data(v, 1, 0, 8192), data(v, 2, 65536, 1024));
+        let (paged, _) = l.append(&pe, &paged_data).unwrap();
+        let (inline, _) = l.append(&ie, &[3u8; 1024]).unwrap();
         l.sync().unwrap();
         let evict = || {
             let f = std::fs::File::open(&path).unwrap();
@@ -1499,15 +1625,18 @@ mod tests {
             let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
             assert_eq!(r, 0);
         };
-        for (loc, want) in [(paged, paged_data.clone()), (inline, vec![3u8; 1024])] {
-            let cached = |pos: u64, len: u64| l.read_range_cached(&loc, pos, len);
+        for (loc, e, want) in [
+            (paged, pe.expect(), paged_data.clone()),
+            (inline, ie.expect(), vec![3u8; 1024]),
+        ] {
+            let cached = |pos: u64, len: u64| l.read_range_cached(&loc, &e, pos, len);
             for _ in 0..10 {
                 evict();
                 if let Some(got) = cached(0, loc.len) {
                     assert_eq!(got.unwrap(), want);
                 }
             }
-            assert_eq!(l.read(&loc).unwrap(), want);
+            assert_eq!(l.read(&loc, &e).unwrap(), want);
             assert_eq!(cached(0, loc.len).unwrap().unwrap(), want);
             assert_eq!(cached(512, 512).unwrap().unwrap(), want[512..1024]);
         }
@@ -2273,7 +2402,10 @@ mod tests {
                 let ser = s.header.ser;
                 assert_eq!(s.loc, locs[&ser], "record {ser} found where it was written");
                 assert_eq!(s.header.offset, ser << 20);
-                assert_eq!(l2.read(&s.loc).unwrap(), pattern(ser, s.header.len));
+                assert_eq!(
+                    l2.read(&s.loc, &s.header.expect()).unwrap(),
+                    pattern(ser, s.header.len)
+                );
             }
         }
     }
@@ -2365,7 +2497,7 @@ mod tests {
             let mut found = Vec::new();
             for s in scanned.iter().filter(|s| s.header.kind == Kind::Data) {
                 if s.intact {
-                    prop_assert_eq!(&l2.read(&s.loc).unwrap(), &all[&s.header.ser]);
+                    prop_assert_eq!(&l2.read(&s.loc, &s.header.expect()).unwrap(), &all[&s.header.ser]);
                     found.push(s.header.ser);
                 }
             }
@@ -2422,7 +2554,7 @@ mod tests {
                 prop_assert_eq!(s.header.offset, s.header.ser << 20);
                 if s.intact {
                     if *kind == Kind::Data {
-                        prop_assert_eq!(&l2.read(&s.loc).unwrap(), payload);
+                        prop_assert_eq!(&l2.read(&s.loc, &s.header.expect()).unwrap(), payload);
                     }
                     found.push(s.header.ser);
                 }

@@ -1226,13 +1226,22 @@ impl BufPool {
 /// memory back and faults it in again for every window.
 fn read_runs(
     log: &Log,
+    volume: Uuid,
     bufs: &BufPool,
     runs: &[Vec<window::Piece<Loc>>],
 ) -> std::io::Result<WindowData> {
     let io = |e: LogError| std::io::Error::other(e.to_string());
     let slab_size = window::RUN_BYTES_MAX as usize;
-    // Records only part of which is in a piece, kept while the chunk may need them again.
-    let mut partial: HashMap<Loc, Vec<u8>> = HashMap::new();
+    // Records only part of which is in a piece, kept while the chunk may need them again,
+    // with the volume offset their header gave.
+    let mut partial: HashMap<Loc, (Vec<u8>, u64)> = HashMap::new();
+    // What each piece's record must say: this volume's bytes for the piece's offset (a
+    // piece does not know its write's `ser`).
+    let want = |offset: u64, pos: u64| cachelog::Expect {
+        volume,
+        offset: offset - pos,
+        ser: None,
+    };
     // Where each run goes: its own buffer, or a range of a slab.
     enum Place {
         Zero,
@@ -1267,14 +1276,26 @@ fn read_runs(
         for p in run {
             let dst = &mut buf[at..at + p.len as usize];
             match p.source {
-                Source::Data(l, 0) if l.len == p.len => log.read_into(&l, dst).map_err(io)?,
+                Source::Data(l, 0) if l.len == p.len => {
+                    log.read_into(&l, &want(p.offset, 0), dst).map_err(io)?
+                }
                 Source::Data(l, pos) => {
-                    let rec = match partial.entry(l) {
+                    let w = want(p.offset, pos);
+                    let (rec, at) = match partial.entry(l) {
                         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                         std::collections::hash_map::Entry::Vacant(e) => {
-                            e.insert(log.read(&l).map_err(io)?)
+                            e.insert((log.read(&l, &w).map_err(io)?, w.offset))
                         }
                     };
+                    if *at != w.offset {
+                        return Err(io(LogError::Corrupt {
+                            offset: l.offset,
+                            what: format!(
+                                "record at volume offset {at} where {} was expected",
+                                w.offset
+                            ),
+                        }));
+                    }
                     dst.copy_from_slice(&rec[pos as usize..(pos + p.len) as usize]);
                 }
                 Source::Zero { .. } => unreachable!("runs of data hold no zero pieces"),
@@ -2535,6 +2556,11 @@ impl VolCache {
                     // The device read goes on if this future is dropped: it keeps the
                     // segment until it ends.
                     let keep = pins.again(l);
+                    let want = cachelog::Expect {
+                        volume: self.id,
+                        offset: sp.start - pos,
+                        ser: Some(ix.ser),
+                    };
                     let io = |e: LogError| std::io::Error::other(e.to_string());
                     let n = sp.len;
                     // Only the pages the span lies in. Inline what memory holds; a read that
@@ -2542,11 +2568,11 @@ impl VolCache {
                     // only if there are none.
                     let read = blocking_read(
                         || {
-                            let r = self.shared.log.read_range_cached(&l, pos, n);
+                            let r = self.shared.log.read_range_cached(&l, &want, pos, n);
                             r.map(|r| r.map_err(io))
                         },
                         move || {
-                            let r = log.read_range(&l, pos, n).map_err(io);
+                            let r = log.read_range(&l, &want, pos, n).map_err(io);
                             drop(keep);
                             r
                         },
@@ -3186,9 +3212,9 @@ impl VolCache {
             .iter()
             .map(|r| w.pieces[r.clone()].to_vec())
             .collect();
-        let locs = w.locs.clone();
+        let (locs, volume) = (w.locs.clone(), self.id);
         tokio::task::spawn_blocking(move || {
-            let r = read_runs(&log, &bufs, &jobs);
+            let r = read_runs(&log, volume, &bufs, &jobs);
             for l in &locs {
                 log.unpin(l);
             }
@@ -3870,7 +3896,7 @@ mod tests {
             }
         }
         let pool = BufPool::default();
-        let data = read_runs(&log, &pool, &runs).expect("read");
+        let data = read_runs(&log, vol, &pool, &runs).expect("read");
         assert_eq!(data.runs.len(), runs.len());
         let mut small = 0;
         let mut i = 0u64;
