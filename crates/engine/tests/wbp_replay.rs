@@ -737,6 +737,67 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     );
 }
 
+/// An owner whose lease lapsed may still reach its peers and its clients. P (wbp:2 with Q)
+/// seals the volume's replicas to replay them, holding writes 1 to 3; Q has taken 1 and 2,
+/// and write 3 is still on its way to it. P asks Q how far it holds: 2, so P replays up to 2.
+/// Write 3 then reaches Q. Had Q taken it, the owner would have both acknowledgements and
+/// complete write 3 (and a FLUSH after it), which no replay puts on the datastore: P stops at
+/// 2, and Q, continuing after P, would stop where it answered too. Q refuses it, which breaks
+/// the owner's link to it: the write does not complete. Other volumes, and a later
+/// generation of this one, are not held.
+#[test]
+fn a_peer_takes_no_write_of_a_generation_once_it_said_how_far_it_holds_it() {
+    let id = Uuid::new_v4();
+    let gen = 2;
+    let p = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    let q = CacheHost::open(Arc::new(SimDevice::new((1 << 20) + 16 * SEG)), SEG).unwrap();
+    let other = Uuid::new_v4();
+    for host in [&p, &q] {
+        host.replica_open("owner", id, gen, 0).unwrap();
+        host.replica_open("owner", other, gen, 0).unwrap();
+    }
+    let data = |ser: u64| vec![ser as u8; 4096];
+    for ser in 1..=3u64 {
+        p.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data(ser)), false)
+            .unwrap();
+        if ser <= 2 {
+            q.replica_write(id, gen, ser, ser * 4096, 4096, Some(&data(ser)), false)
+                .unwrap();
+        }
+    }
+    assert_eq!(p.replica_seal(id, 0).unwrap(), Some((gen, 3)));
+    // As the peer service answers `held`.
+    q.replica_hold(id, gen);
+    let q_held = q.replica_held(id, gen, 0).unwrap();
+    assert_eq!(q_held, 2);
+    for write in [
+        q.replica_write(id, gen, 3, 3 * 4096, 4096, Some(&data(3)), false),
+        q.replica_write_at_once(id, gen, 3, 3 * 4096, 4096, Some(&data(3)), false)
+            .map(|_| ()),
+        q.replica_write(id, gen, 3, 3 * 4096, 4096, None, true),
+    ] {
+        assert!(
+            matches!(&write, Err(ReplicaRefusal::Failed(m)) if m.contains("how far it holds")),
+            "Q took write 3 after it said it holds up to {q_held}: {write:?}"
+        );
+    }
+    assert_eq!(q.replica_held(id, gen, 0).unwrap(), 2, "nothing was taken");
+    let set = q
+        .replica_sets()
+        .into_iter()
+        .find(|s| s.volume == id)
+        .unwrap();
+    assert_eq!((set.writes, set.last_ser), (2, 2), "{set:?}");
+    // Another volume's writes go on.
+    q.replica_write(other, gen, 1, 0, 4096, Some(&data(1)), false)
+        .unwrap();
+    // The owner, its lease back, goes on with other peers in a new generation; opened on Q,
+    // that generation takes writes again.
+    q.replica_open("owner", id, gen + 1, 2).unwrap();
+    q.replica_write(id, gen + 1, 3, 3 * 4096, 4096, Some(&data(3)), false)
+        .unwrap();
+}
+
 /// FVP Table 1's cascade, the replaying peer's part: P replays all four writes (its windows
 /// in batches would be writes 1–2, then 3–4: write 3 rewrites write 1's block) and dies
 /// before the vault's checkpoint (written at most once a second) moves. Q continues from the

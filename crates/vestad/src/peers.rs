@@ -132,7 +132,7 @@ impl peer::Sink for PeerService {
     }
     fn held(&self, volume: Uuid, gen: u64, from: u64) -> Result<peer::Holding, Refusal> {
         // The asker replays from what this answers: no later checkpoint may move this host
-        // past it.
+        // past it, and no later write of the generation may be taken (and so complete).
         self.cache.replica_hold(volume, gen);
         let upto = self
             .cache

@@ -47,10 +47,13 @@ pub(super) struct ReplicaSet {
     /// its writes, so no write of its owner can complete from then on.
     sealed: bool,
     /// This host told a replaying host how far it holds the set ([`CacheHost::replica_hold`]):
-    /// the owner's checkpoints no longer release anything. A checkpoint still on its way
-    /// from the owner could otherwise move this host past where that replay started; if the
-    /// replay then stopped short of it, this host would continue from the later checkpoint
-    /// and skip writes the replay had set back on the datastore.
+    /// the owner's checkpoints no longer release anything, and its writes of this generation
+    /// are refused. A checkpoint still on its way from the owner could otherwise move this
+    /// host past where that replay started; if the replay then stopped short of it, this host
+    /// would continue from the later checkpoint and skip writes the replay had set back on the
+    /// datastore. And a write taken after the answer would complete at an owner that every
+    /// other peer had acknowledged it to (one whose lease lapsed still reaches them), while
+    /// the replay, which goes no further than this host said, drops it.
     held: bool,
 }
 
@@ -71,6 +74,14 @@ pub struct ReplicaInfo {
 fn sealed(volume: Uuid) -> ReplicaRefusal {
     ReplicaRefusal::Stale(format!(
         "this host is replaying volume {volume}: its owner no longer holds it"
+    ))
+}
+
+/// The refusal of a write of a generation this host told a replaying host how far it holds.
+fn held(volume: Uuid, gen: u64) -> ReplicaRefusal {
+    ReplicaRefusal::Failed(format!(
+        "this host told a host that replays volume {volume} how far it holds generation \
+         {gen}: it takes no more of that generation's writes"
     ))
 }
 
@@ -345,6 +356,7 @@ impl CacheHost {
                     )))
                 }
                 Some(s) if s.sealed => return Err(sealed(volume)),
+                Some(s) if s.held && s.gen == gen => return Err(held(volume, gen)),
                 Some(s) if s.gen > gen => {
                     return Err(ReplicaRefusal::Stale(format!(
                         "this host holds generation {} of volume {volume}, newer than {gen}",
@@ -437,7 +449,7 @@ impl CacheHost {
         match sets.get_mut(&volume) {
             // The set moved on meanwhile (a newer open, a drop, a replay): these are not
             // wanted, and must not be acknowledged.
-            Some(s) if s.gen == gen && ser > s.checkpoint && !s.sealed => {
+            Some(s) if s.gen == gen && ser > s.checkpoint && !s.sealed && !s.held => {
                 s.bytes += len * u64::from(data.is_some());
                 if let Some(old) = s.writes.insert(ser, out) {
                     for r in old {
@@ -630,9 +642,12 @@ impl CacheHost {
 
     /// Another host asks how far this one holds `volume`'s replicas of generation `gen`
     /// because it is about to replay them (or its owner's hand-off found no taker): from now
-    /// on the owner's checkpoints of that generation release nothing here (see
-    /// `ReplicaSet::held`). Asked before [`CacheHost::replica_held`] measures, so no
-    /// checkpoint lands between the answer and this.
+    /// on the owner's checkpoints of that generation release nothing here, and its writes of
+    /// that generation are refused (see `ReplicaSet::held`), so no write of the owner can
+    /// complete beyond what the answer says. Asked before [`CacheHost::replica_held`]
+    /// measures, so no checkpoint or write lands between the answer and this. An owner that
+    /// goes on (its lease came back) finds this peer failed and replaces it, in a new
+    /// generation.
     pub fn replica_hold(&self, volume: Uuid, gen: u64) {
         if let Some(set) = lock(&self.replicas)
             .get_mut(&volume)
