@@ -1236,10 +1236,11 @@ fn read_runs(
     // with the volume offset their header gave.
     let mut partial: HashMap<Loc, (Vec<u8>, u64)> = HashMap::new();
     // What each piece's record must say: this volume's bytes for the piece's offset (a
-    // piece does not know its write's `ser`).
+    // piece does not know its write's `ser`). Wrapping: a position past the piece's offset
+    // (a bug) expects an offset no record has, and the read fails as corrupt, not a panic.
     let want = |offset: u64, pos: u64| cachelog::Expect {
         volume,
-        offset: offset - pos,
+        offset: offset.wrapping_sub(pos),
         ser: None,
     };
     // Where each run goes: its own buffer, or a range of a slab.
@@ -2556,9 +2557,10 @@ impl VolCache {
                     // The device read goes on if this future is dropped: it keeps the
                     // segment until it ends.
                     let keep = pins.again(l);
+                    // Wrapping, as in `read_runs`.
                     let want = cachelog::Expect {
                         volume: self.id,
-                        offset: sp.start - pos,
+                        offset: sp.start.wrapping_sub(pos),
                         ser: Some(ix.ser),
                     };
                     let io = |e: LogError| std::io::Error::other(e.to_string());
