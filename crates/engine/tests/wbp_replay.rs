@@ -18,7 +18,7 @@ use cachelog::device::{Fate, SimDevice};
 use cluster::{PeerRule, Policy, Tuning};
 use datastore::device::MemDevice;
 use datastore::{Extent, Gate};
-use engine::cache::{CacheHost, ReplicaRefusal};
+use engine::cache::{CacheHost, ReplicaInfo, ReplicaRefusal};
 use engine::replica::{BoxFuture, PeerReport, ReplicaWrite, Replicator};
 use engine::Volume;
 
@@ -86,6 +86,14 @@ enum Op {
     },
     Flush,
     Destage,
+}
+
+/// What `host` holds of `volume`'s replicas; panics if it holds none.
+fn replica_set(host: &CacheHost, volume: Uuid) -> ReplicaInfo {
+    host.replica_sets()
+        .into_iter()
+        .find(|s| s.volume == volume)
+        .unwrap_or_else(|| panic!("no replicas of volume {volume}"))
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -694,11 +702,7 @@ async fn a_replay_goes_no_further_than_the_peer_that_would_continue_it() {
     q.replica_write(other, 2, 1, 0, 4096, Some(&[9u8; 4096]), false)
         .unwrap();
     q.replica_checkpoint(other, 2, 1).unwrap();
-    let set = q
-        .replica_sets()
-        .into_iter()
-        .find(|s| s.volume == other)
-        .unwrap();
+    let set = replica_set(&q, other);
     assert_eq!((set.checkpoint, set.writes), (1, 0), "{set:?}");
     assert!(
         matches!(
@@ -782,11 +786,7 @@ fn a_peer_takes_no_write_of_a_generation_once_it_said_how_far_it_holds_it() {
         );
     }
     assert_eq!(q.replica_held(id, gen, 0).unwrap(), 2, "nothing was taken");
-    let set = q
-        .replica_sets()
-        .into_iter()
-        .find(|s| s.volume == id)
-        .unwrap();
+    let set = replica_set(&q, id);
     assert_eq!((set.writes, set.last_ser), (2, 2), "{set:?}");
     // Another volume's writes go on.
     q.replica_write(other, gen, 1, 0, 4096, Some(&data(1)), false)
@@ -949,12 +949,7 @@ async fn a_wbp_owner_tells_its_peers_only_a_checkpoint_its_log_holds_durably() {
         }
         owner.destage_turn(turn).await;
     }
-    let told = peer
-        .replica_sets()
-        .into_iter()
-        .find(|s| s.volume == id)
-        .expect("the peer holds the volume")
-        .checkpoint;
+    let told = replica_set(&peer, id).checkpoint;
     assert_eq!(told, 3, "the peer was told the window's checkpoint");
     // The owner's power fails now: what its log holds durably.
     let back = CacheHost::open(Arc::new(dev.crash_copy()), SEG).unwrap();
@@ -1177,11 +1172,7 @@ fn a_promotion_records_its_checkpoint_before_it_frees_the_replicas_below_it() {
     drop(peer);
     dev.power_loss(|_, _| Fate::Kept);
     let back = CacheHost::open(dev.clone(), SEG).unwrap();
-    let set = back
-        .replica_sets()
-        .into_iter()
-        .find(|s| s.volume == id)
-        .expect("the replicas of the volume after the power cut");
+    let set = replica_set(&back, id);
     assert_eq!(
         (set.checkpoint, set.last_ser, set.writes),
         (8, 12, 4),
