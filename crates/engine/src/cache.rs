@@ -296,6 +296,12 @@ struct VolState {
     /// In `wbp`, every write up to here is durable on every peer (a forwarded FLUSH covered
     /// it). The destager sends nothing above it to the datastore (see `destage_window`).
     peer_synced: u64,
+    /// Attached straight into `wb` (a volume opened, not switched): writes it completed on
+    /// the datastore before (in `wt` or uncached, in an earlier life of the volume) may sit in
+    /// the datastore's volatile cache, and a `wb` FLUSH only syncs the cache log. So the
+    /// first FLUSH also flushes the datastore; this is cleared once one has. (The switch into
+    /// `wb` at run time flushes the datastore before it.)
+    store_flush_owed: bool,
 }
 
 /// Whether a datastore IO of the run `run` (one zero piece, or data) may deallocate: a
@@ -1515,6 +1521,7 @@ impl VolCache {
                 replicator: None,
                 urgent: 0,
                 peer_synced: 0,
+                store_flush_owed: mode == Mode::Wb,
             }),
             changed: Notify::new(),
             ds_latency: Mutex::new(Ewma::new(0.1)),
@@ -2409,10 +2416,19 @@ impl VolCache {
     /// `wbp`, on every peer's as well (the flush is forwarded); in `wt` they are on the
     /// datastore, which is flushed.
     pub async fn flush(&self) -> Result<(), Error> {
-        let (mode, peers, done) = {
+        let (mode, peers, done, owed) = {
             let st = lock(&self.st);
-            (st.mode, st.replicator.clone(), st.done_ser)
+            (
+                st.mode,
+                st.replicator.clone(),
+                st.done_ser,
+                st.store_flush_owed,
+            )
         };
+        if owed && mode == Mode::Wb {
+            self.store.flush().await.map_err(Error::Datastore)?;
+            lock(&self.st).store_flush_owed = false;
+        }
         match (mode, peers) {
             (Mode::Wb, None) => self.sync().await,
             (Mode::Wb, Some(p)) => {
