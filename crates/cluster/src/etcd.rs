@@ -184,7 +184,9 @@ impl EtcdCoordinator {
                         );
                         said = true;
                     }
-                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    // Not long: until it registers again, its peers count it dead and may
+                    // replay volumes it would have replayed itself, from its own cache.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 Err(e) => return Err(e),
             }
