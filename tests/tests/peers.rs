@@ -770,6 +770,167 @@ fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached
     one_writer_at_a_time(&lun);
 }
 
+/// The owner `a` of a `wbp:1` volume `w` (size `size`, destaging held back, peer `b`) on a
+/// LUN with nbdkit `filters` and `args` writes `cmds`, is killed and restarts at once, and
+/// takes the volume back before its peer replays it; returns the cluster and the vault's
+/// generation before the kill. The restart and the peer race for the volume once the old
+/// registration lapses: the peer sees the owner dead until it registers again (within 50 ms
+/// of the lapse), and replays if it looks then. So a round the peer wins is tried again on
+/// fresh processes, up to 5 times.
+fn owner_back_before_its_peer_replays(
+    filters: &[&str],
+    args: &[&str],
+    size: &str,
+    cmds: &[&str],
+) -> (Etcd, Nbdkit, Vestad, Vestad, u64) {
+    for attempt in 1..=5 {
+        let etcd = Etcd::start();
+        let lun = Nbdkit::start(128 << 20, filters, args);
+        let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
+        let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
+        create_held_sized(&a, "w", "wbp:1", size);
+        wait_replicating(&a, "w", &["b"]);
+        qemu_io(&a.url("w"), cmds);
+        let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
+        let before = a.log().len();
+        a.kill9();
+        a.launch();
+        let a_won = wait_for(
+            Duration::from_secs(TTL_S + 30),
+            "a's restart or b's replay to take the volume",
+            || {
+                if a.log()[before..].contains("from the cache log before it takes writes") {
+                    Some(true)
+                } else {
+                    b.log().contains("is gone; replaying").then_some(false)
+                }
+            },
+        );
+        if a_won {
+            return (etcd, lun, a, b, gen);
+        }
+        eprintln!("attempt {attempt}: b replayed before a's restart took the volume; again");
+    }
+    panic!("in 5 attempts a's restart never took its volume before its peer replayed it");
+}
+
+/// The owner of a `wbp:1` volume is killed with dirty data and restarts at once, before its
+/// peer replays: it replays offline from its own cache log, and its cache device fails
+/// midway through. The peer must still hold its replicas (the vault names it until the
+/// owner's replay ends) and replay the rest, so that the datastore holds every completed
+/// write; the owner then serves the volume uncached. The owner used to record its vault
+/// without peers as it opened, and the peer dropped the copies only it still had.
+#[test]
+fn a_restarted_owner_whose_cache_fails_during_its_replay_leaves_the_rest_to_its_peer() {
+    // Each datastore write takes 300 ms, so the replay's pieces take seconds.
+    let (etcd, lun, a, b, gen) = owner_back_before_its_peer_replays(
+        &["--filter=delay"],
+        &["wdelay=300ms"],
+        "64M",
+        &["write -P 8 0 40M"],
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "a's offline replay to begin writing the datastore",
+        || {
+            on_datastore(&lun, 1 << 20)
+                .iter()
+                .all(|x| *x == 8)
+                .then_some(())
+        },
+    );
+    let v = vault(&etcd);
+    assert_eq!(
+        (&v["owner"], &v["gen"], &v["peers"]),
+        (&"a".into(), &gen.into(), &serde_json::json!(["b"])),
+        "the replaying owner's vault must go on naming its peer: {v}"
+    );
+    assert!(
+        !b.log().contains("dropped the replicas"),
+        "b dropped its replicas while a replayed: {}",
+        b.log()
+    );
+    assert!(
+        !on_datastore(&lun, 40 << 20).iter().all(|x| *x == 8),
+        "a's replay finished before its cache device could fail; slow the datastore down"
+    );
+    a.fail_cache_device();
+    wait_for(Duration::from_secs(60), "b to replay the rest", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
+        let s = show(&a, "w");
+        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
+    });
+    assert!(
+        on_datastore(&lun, 40 << 20).iter().all(|x| *x == 8),
+        "the datastore must hold every completed write"
+    );
+    qemu_io(&a.url("w"), &["read -P 8 0 40M", "write -P 9 40M 4k"]);
+    one_writer_at_a_time(&lun);
+}
+
+/// The owner of a `wbp:1` volume is killed with dirty data and restarts at once: it replays
+/// offline from its own cache log (its peer, which sees it alive, waits), its writes wait
+/// until the vault records the generation after the replay, and it goes back to `wbp` in a
+/// newer generation, whose opening on the peer replaces the old replicas.
+#[test]
+fn a_restarted_owner_replays_by_itself_and_goes_back_to_wbp() {
+    let (etcd, lun, a, b, gen) = owner_back_before_its_peer_replays(
+        &[],
+        &[],
+        "8M",
+        &["write -P 5 0 1M", "write -P 6 2M 64k"],
+    );
+    let s = wait_for(
+        Duration::from_secs(30),
+        "a to replay and go back to wbp with b",
+        || {
+            let s = show(&a, "w");
+            (s["cache"]["mode"] == "wbp:1" && a.log().contains("offline replay complete"))
+                .then_some(s)
+        },
+    );
+    assert!(
+        a.log()
+            .contains("they stay in its vault until the replay ends"),
+        "{}",
+        a.log()
+    );
+    let now = s["cache"]["gen"].as_u64().unwrap();
+    assert!(
+        now > gen + 1,
+        "wbp again in a generation after the replay's: {s}"
+    );
+    assert_eq!(
+        on_datastore(&lun, 4 << 20),
+        expect(4 << 20, &[(0, 1 << 20, 5), (2 << 20, 64 << 10, 6)]),
+        "a's replay must put every completed write on the datastore"
+    );
+    let v = vault(&etcd);
+    assert_eq!(
+        (&v["gen"], &v["peers"]),
+        (&now.into(), &serde_json::json!(["b"])),
+        "{v}"
+    );
+    assert!(
+        b.log().contains(&format!("for host a (generation {now}, ")),
+        "{}",
+        b.log()
+    );
+    assert!(!b.log().contains("online replay done"), "{}", b.log());
+    qemu_io(
+        &a.url("w"),
+        &[
+            "read -P 5 0 1M",
+            "write -P 7 3M 4k",
+            "flush",
+            "read -P 7 3M 4k",
+        ],
+    );
+    one_writer_at_a_time(&lun);
+}
+
 /// FVP Table 1, flash failure in `wbp` with nothing dirty: every completed write is on the
 /// datastore, so no peer needs to replay. The owner's writes wait a moment and go on
 /// uncached; its new generation makes the peer drop its (stale) replicas.

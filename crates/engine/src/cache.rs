@@ -302,6 +302,12 @@ struct VolState {
     /// first FLUSH also flushes the datastore; this is cleared once one has. (The switch into
     /// `wb` at run time flushes the datastore before it.)
     store_flush_owed: bool,
+    /// Peers named in the vault hold replicas of what this offline replay replays (an owner
+    /// of a `wbp` volume restarted after a crash, and its vault still names them for the
+    /// replay's generation): if the cache device fails before the replay ends, one of them
+    /// replays the rest, and IO stalls for that hand-off meanwhile as it does with peers
+    /// ([`VolCache::replay_backed`]).
+    replay_backed: bool,
 }
 
 /// Whether a datastore IO of the run `run` (one zero piece, or data) may deallocate: a
@@ -1522,6 +1528,7 @@ impl VolCache {
                 urgent: 0,
                 peer_synced: 0,
                 store_flush_owed: mode == Mode::Wb,
+                replay_backed: false,
             }),
             changed: Notify::new(),
             ds_latency: Mutex::new(Ewma::new(0.1)),
@@ -1630,6 +1637,20 @@ impl VolCache {
     /// Whether the volume is in `wbp` (healthy or not).
     pub fn has_peers(&self) -> bool {
         lock(&self.st).replicator.is_some()
+    }
+
+    /// Marks the offline replay under way as backed by the peers the vault names for its
+    /// generation (see `VolState::replay_backed`). Nothing to mark without a replay.
+    pub fn set_replay_backed(&self) {
+        let mut st = lock(&self.st);
+        st.replay_backed = st.replaying;
+    }
+
+    /// Whether the offline replay under way is backed by peers that can finish it if the
+    /// cache device fails (false once the replay has ended).
+    pub fn replay_backed(&self) -> bool {
+        let st = lock(&self.st);
+        st.replaying && st.replay_backed
     }
 
     /// The volume's peers, if it is in `wbp`.

@@ -141,11 +141,15 @@ const REROUTE_PAUSE: Duration = Duration::from_secs(1);
 const ACCEPT_LOSS_DESTAGER_WAIT: Duration = Duration::from_secs(10);
 
 /// Whether an IO `op` on `c` waits to be rerouted once the host's cache device has failed
-/// (see [`Volume::stalls`]): any IO of a volume with peers, or anything but a read of a `wb`
+/// (see [`Volume::stalls`]): any IO of a volume with peers (or in an offline replay the
+/// vault's peers back, `VolCache::replay_backed`), or anything but a read of a `wb`
 /// volume with every write destaged (a read then comes from the datastore, which holds
 /// everything).
 fn waits_for_reroute(c: &VolCache, op: Op) -> bool {
-    c.cache_failed() && (c.has_peers() || (op != Op::Read && c.mode() == Mode::Wb && c.clean()))
+    c.cache_failed()
+        && (c.has_peers()
+            || c.replay_backed()
+            || (op != Op::Read && c.mode() == Mode::Wb && c.clean()))
 }
 
 fn mode_of(p: Policy) -> Option<Mode> {

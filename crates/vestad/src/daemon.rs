@@ -762,6 +762,7 @@ impl Daemon {
             .await
             .map_err(|e| format!("read vault record: {e}"))?;
         let named_peers = vault.as_ref().is_some_and(|v| !v.peers.is_empty());
+        let vault_before = vault.clone();
         if let Some(v) = vault.as_ref() {
             // Hand it to its peers, as an owner whose cache device failed does; it serves here
             // again once one of them has replayed.
@@ -831,6 +832,29 @@ impl Daemon {
                  on in wt after the replay until its policy is set again",
                 rec.name
             );
+        }
+        if let (Some(c), Some(vault)) = (v.cache(), vault_before) {
+            // Restarted after a crash with dirty data its peers hold too (the vault names
+            // them for the generation it replays): they stay named until the replay ends, so
+            // that they keep their replicas and replay the rest if this host's cache device
+            // fails meanwhile (`peers::flash_failed`). Its writes then wait for the vault
+            // record of the generation after the replay, without them
+            // (`peers::release_held_writes`): one of them replaying their old replicas over
+            // what the volume wrote since would undo those writes.
+            let replaying = c.report().replaying;
+            if replaying
+                && !vault.peers.is_empty()
+                && vault.gen == c.gen()
+                && vault.owner == self.coord.host()
+            {
+                c.set_replay_backed();
+                v.hold_writes();
+                info!(
+                    "volume {:?}: its peer(s) {:?} hold what it replays; they stay in its \
+                     vault until the replay ends",
+                    rec.name, vault.peers
+                );
+            }
         }
         self.record_vault_or_hold(rec, &v, named_peers).await;
         Ok(v)
@@ -905,19 +929,29 @@ impl Daemon {
         }
         let w = crate::peers::vault_writer(self, rec.id).await?;
         let report = v.cache_report();
-        let vault = Vault {
-            volume: rec.id,
-            policy: v.policy(),
-            checkpoint: report.as_ref().map_or(0, |r| r.checkpoint),
-            gen: report.as_ref().map_or(0, |r| r.gen),
-            owner: self.coord.host().to_owned(),
-            peers: Vec::new(),
-            previous_owner: None,
-            handoff: false,
-        };
-        w.replace(vault)
-            .await
-            .map_err(|e| format!("write vault record: {e}"))
+        let backed = v.cache().is_some_and(|c| c.replay_backed());
+        let me = self.coord.host().to_owned();
+        w.replace_with(|cur| {
+            let gen = report.as_ref().map_or(0, |r| r.gen);
+            // An offline replay its peers back keeps them named (see `open_volume`).
+            let peers = if backed && cur.gen == gen && cur.owner == me {
+                cur.peers.clone()
+            } else {
+                Vec::new()
+            };
+            Vault {
+                volume: rec.id,
+                policy: v.policy(),
+                checkpoint: report.as_ref().map_or(0, |r| r.checkpoint),
+                gen,
+                owner: me,
+                peers,
+                previous_owner: None,
+                handoff: false,
+            }
+        })
+        .await
+        .map_err(|e| format!("write vault record: {e}"))
     }
 
     /// Runs `f` holding the cluster-wide lock on a datastore's metadata (a `lun`'s volume

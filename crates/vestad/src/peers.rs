@@ -209,9 +209,15 @@ impl VaultWriter {
     }
 
     /// Writes `v` whole, carrying `previous_owner` over and never lowering the generation.
-    pub async fn replace(&self, mut v: Vault) -> Result<(), String> {
+    pub async fn replace(&self, v: Vault) -> Result<(), String> {
+        self.replace_with(|_| v).await
+    }
+
+    /// [`VaultWriter::replace`] with the record `f` makes of the current one.
+    pub async fn replace_with(&self, f: impl FnOnce(&Vault) -> Vault) -> Result<(), String> {
         let mut g = self.lock().await?;
         let cur = &g.0;
+        let mut v = f(cur);
         v.gen = v.gen.max(cur.gen);
         if cur.owner != v.owner && !cur.owner.is_empty() {
             v.previous_owner = Some(cur.owner.clone());
@@ -789,6 +795,11 @@ pub(crate) async fn release_held_writes(d: &Arc<Daemon>) {
         if !v.writes_held() {
             continue;
         }
+        // An offline replay backed by the vault's peers keeps them named until it ends
+        // (`Daemon::try_record_vault`); its writes wait for the record after it.
+        if v.cache_report().is_some_and(|r| r.replaying) {
+            continue;
+        }
         // One change per volume at a time: an `establish` running now records the vault
         // itself (with its new peers, which this record would drop).
         let Some(_busy) = d.claim_entry(&e, "vault record") else {
@@ -839,7 +850,7 @@ pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()
             }
             continue;
         }
-        if c.report().replaying {
+        if c.report().replaying && !c.cache_failed() {
             continue; // offline replay first
         }
         // A failed cache device goes to its hand-off at once, whatever failed before.
@@ -922,7 +933,9 @@ const HANDOFF_DESTAGE_WAIT: Duration = Duration::from_secs(10);
 /// hand-off whose peers never replay because they died too and do not return stalls until
 /// the volume is deleted. A volume
 /// with nothing dirty needs no replay: it goes on uncached at once
-/// (`engine::Volume::go_uncached_with_nothing_lost`, as for `wb`).
+/// (`engine::Volume::go_uncached_with_nothing_lost`, as for `wb`). An owner restarted after a
+/// crash whose offline replay its vault's peers back (`VolCache::replay_backed`) hands off
+/// the same way, its peer set being the vault's.
 async fn flash_failed(
     d: &Arc<Daemon>,
     rec: &VolumeRecord,
@@ -932,11 +945,19 @@ async fn flash_failed(
     let name = &rec.name;
     let handed = d.peers.handed_off.lock().expect("lock").contains_key(name);
     let peers = c.peers();
-    if !handed && peers.is_none() {
+    // An owner restarted after a crash, replaying offline what its peers hold too: they
+    // replay the rest, as for an owner in wbp.
+    let replay_backed = peers.is_none() && c.replay_backed();
+    if !handed && peers.is_none() && !replay_backed {
         return Ok(()); // not wbp: wt goes on uncached, wb reports its loss (engine)
     }
-    let vault = read_vault(d, rec.id).await?;
-    if let (false, Some(p)) = (handed, peers) {
+    let mut vault = read_vault(d, rec.id).await?;
+    if replay_backed && (vault.gen != c.gen() || vault.owner != d.coord.host()) {
+        // Not the vault the replay was backed by (this host writes it; nothing should have
+        // moved it): its peers cannot be trusted to hold this generation.
+        vault.peers.clear();
+    }
+    if !handed && (peers.is_some() || replay_backed) {
         // With nothing dirty the datastore holds every completed write: no peer needs to
         // replay, and the volume goes on uncached at once (its new generation makes the
         // peers drop their replicas).
@@ -974,7 +995,15 @@ async fn flash_failed(
                  service after {HANDOFF_DESTAGE_WAIT:?}); the peers replay once they are"
             ));
         }
-        p.hand_off().await?;
+        match &peers {
+            Some(p) => p.hand_off().await?,
+            None => {
+                vault_writer(d, rec.id)
+                    .await?
+                    .update(|v| v.handoff = true)
+                    .await?
+            }
+        }
         // Marked handed off before the lock goes back: the volume is no longer served with
         // its lock, so an unlock owed here stays owed (a retry that still saw the volume
         // served would drop it). And marked whether or not the unlock went through: with the
