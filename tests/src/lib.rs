@@ -1092,6 +1092,15 @@ pub fn try_write(url: &str, byte: u8, offset: u64) -> bool {
     out.status.success() && !text.contains("failed")
 }
 
+/// Whether a 4 KiB read at `offset` of the NBD export at `url` succeeds.
+pub fn try_read(url: &str, offset: u64) -> bool {
+    let out =
+        run(Command::new("qemu-io").args(["-f", "raw", "-c", &format!("read {offset} 4k"), url]));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    out.status.success() && !text.contains("failed")
+}
+
 /// `nbdsh` as a command: Debian's python3-libnbd installs the `nbd` module for the system
 /// Python only, so the system Python goes first on PATH whatever else (pyenv) is installed.
 pub fn nbdsh_cmd() -> Command {

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vesta_tests::{
-    pattern, qemu_io, read_file, run, run_ok, try_write, wait_for, Etcd, Host, Nbdkit, Scratch,
-    Vestad, CLUSTER_TTL_S, LUN_EXTENT,
+    pattern, qemu_io, read_file, run, run_ok, try_read, try_write, wait_for, Etcd, Host, Nbdkit,
+    Scratch, Vestad, CLUSTER_TTL_S, LUN_EXTENT,
 };
 
 const TTL_S: u64 = CLUSTER_TTL_S;
@@ -231,6 +231,17 @@ fn a_host_that_cannot_renew_its_lease_stops_datastore_writes_in_time() {
     assert!(
         refused < earliest_expiry,
         "writes stopped {refused:?} after the cut; the lease may expire after {earliest_expiry:?}"
+    );
+    // Reads of the datastore stop too: by now another host may be replaying the volume,
+    // setting blocks back for a while.
+    assert!(
+        !try_read(&a.tcp_url("u"), 0),
+        "a read of the datastore went through with the host's lease lapsed"
+    );
+    assert!(
+        a.log().contains("datastore reads are fenced"),
+        "{}",
+        a.log()
     );
     // A write-back volume keeps taking writes into the cache; its destager, fenced, waits.
     qemu_io(&a.url("w"), &["write -P 9 0 1M"]);

@@ -5,8 +5,10 @@
 //! A [`Fence`] holds a deadline. The coordinator moves it forward after every successful lease
 //! renewal, to a point safely before the lease could expire (measured from when the renewal was
 //! *sent*, so a slow answer never stretches it). Every mutating IO checks it at the [`crate::Gate`]
-//! before it is issued; past the deadline it fails with [`FENCED`] and issues nothing. Reads pass:
-//! reading a datastore never harms a contender.
+//! before it is issued; past the deadline it fails with [`FENCED`] and issues nothing. So does a
+//! volume's read ([`READS_FENCED`]): it harms no contender, but a contender's replay may be
+//! setting the volume's blocks back to older versions for a while, and the read would hand one
+//! to a client that saw a newer write complete. (A LUN's label check reads the device itself.)
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -17,6 +19,11 @@ use std::time::{Duration, Instant};
 pub const FENCED: &str = "datastore writes are fenced: this host's cluster lease is not \
                            renewed, or (a LUN) no recent read of its label confirmed that this \
                            pod still owns it";
+
+/// The error text of a volume read refused by a closed fence.
+pub const READS_FENCED: &str = "datastore reads are fenced: this host's cluster lease is not \
+                                renewed (another host may be replaying the volume), or (a LUN) \
+                                no recent read of its label confirmed that this pod still owns it";
 
 /// Deadline for datastore writes. Starts open without limit (a single host with no lease);
 /// a coordinator with leases closes it and then keeps extending it.

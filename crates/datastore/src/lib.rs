@@ -7,8 +7,8 @@
 //! - [`device`]: the byte-addressed targets underneath: files, block devices, NBD exports.
 //! - [`Extent`]: a volume's bytes on a datastore; every IO through it passes the datastore's
 //!   [`Gate`], which bounds IOs in flight to `queue_depth` and measures each one ([`stats`]),
-//!   and refuses writes while the host's [`fence::Fence`] is closed, and every IO once the
-//!   datastore is no longer this pod's ([`Gate::shut_out`]).
+//!   and refuses every IO but a FLUSH while the host's [`fence::Fence`] is closed, and every
+//!   IO once the datastore is no longer this pod's ([`Gate::shut_out`]).
 
 pub mod device;
 pub mod dir;
@@ -322,8 +322,13 @@ impl Gate {
         self.fence.get().map_or(0, |f| f.closes())
     }
 
+    /// Whether the host's fence refuses `op` now. Writes, trims and zeroings: they could race
+    /// a contender that took the volume after the lease lapsed. Reads too: they harm no
+    /// contender, but their reader, since a peer's replay of the volume may be setting blocks
+    /// back to older versions for a while (from the vault's checkpoint, up), and a read then
+    /// would undo a write this host's client saw complete. A FLUSH changes nothing and passes.
     pub(crate) fn fenced(&self, op: Op) -> bool {
-        op != Op::Read && self.fence.get().is_some_and(|f| !f.allows_writes())
+        op != Op::Flush && self.fence.get().is_some_and(|f| !f.allows_writes())
     }
 
     pub fn queue_depth(&self) -> u32 {
@@ -392,7 +397,11 @@ impl Gate {
                 return Err(io::Error::other(why.clone()));
             }
             if self.fenced(op) {
-                return Err(io::Error::other(fence::FENCED));
+                return Err(io::Error::other(if op == Op::Read {
+                    fence::READS_FENCED
+                } else {
+                    fence::FENCED
+                }));
             }
             match self.late_writes_pending() {
                 Some(left) if !matches!(op, Op::Read | Op::Flush) => {
@@ -688,7 +697,7 @@ mod tests {
     use super::*;
 
     /// A write that passed the fence before it closed is waited for; one after it is refused,
-    /// and a read still goes through.
+    /// and so is a read (a FLUSH goes through).
     #[tokio::test]
     async fn a_gate_is_idle_only_once_every_write_it_let_through_is_answered() {
         let gate = Arc::new(Gate::new(4));
@@ -715,7 +724,9 @@ mod tests {
         );
         let late = gate.run(Op::Write, 4096, async { Ok(()) }).await;
         assert_eq!(late.unwrap_err().to_string(), fence::FENCED);
-        gate.run(Op::Read, 4096, async { Ok(()) }).await.unwrap();
+        let read = gate.run(Op::Read, 4096, async { Ok(()) }).await;
+        assert_eq!(read.unwrap_err().to_string(), fence::READS_FENCED);
+        gate.run(Op::Flush, 0, async { Ok(()) }).await.unwrap();
         let waited = tokio::spawn({
             let gate = gate.clone();
             async move { gate.idle_within(Duration::from_secs(10), late_for).await }
