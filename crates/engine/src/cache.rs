@@ -126,8 +126,10 @@ pub(crate) const DESTAGER_IDLE: Duration = Duration::from_millis(50);
 /// answers none of the IO it has been sent: it is hung, or slower than anything should wait
 /// on. Shorter in this crate's tests, which wait it out.
 pub const HUNG_AFTER: Duration = Duration::from_secs(if cfg!(test) { 3 } else { 30 });
-/// Longest backoff between retries of a failing datastore.
-const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Longest backoff between retries of a failing datastore. Short: writers stalled on a share
+/// full of dirty data wait for the next retry after the datastore is back, and a retry costs
+/// a failing datastore one window's IO (30 s kept them waiting up to that long).
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Default maximum age of dirty data before it is destaged regardless of the hold time.
 const MAX_DIRTY_AGE_DEFAULT: Duration = Duration::from_secs(30);
 
