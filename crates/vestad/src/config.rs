@@ -52,7 +52,7 @@ pub struct ClusterConfig {
     pub fault_domain: String,
     /// Key prefix in etcd: one per pod.
     pub prefix: String,
-    /// Seconds the host's lease lives without renewal (3–60). Datastore writes stop after
+    /// Seconds the host's lease lives without renewal (3–60). Datastore IO stops after
     /// half of it without a renewal.
     pub lease_ttl_s: u64,
     /// Where other hosts send this host their writes when it is a `wbp` peer (`ip:port`;
