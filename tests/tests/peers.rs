@@ -746,13 +746,7 @@ fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached
     qemu_io(&a.url("w"), &["write -P 4 0 1M", "write -P 9 2M 8k"]);
     assert!(on_datastore(&lun, 4 << 20).iter().all(|x| *x == 0));
     a.fail_cache_device();
-    wait_for(Duration::from_secs(30), "b to replay for a", || {
-        b.log().contains("online replay done").then_some(())
-    });
-    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
-        let s = show(&a, "w");
-        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
-    });
+    peer_replays_then_owner_goes_uncached(&a, &b, Duration::from_secs(30));
     assert_eq!(
         on_datastore(&lun, 4 << 20),
         expect(4 << 20, &[(0, 1 << 20, 4), (2 << 20, 8192, 9)]),
@@ -770,6 +764,18 @@ fn when_the_owners_cache_device_fails_a_peer_replays_and_the_owner_goes_uncached
     one_writer_at_a_time(&lun);
 }
 
+/// Waits for peer `b` to finish its online replay of `w` (within `within`), then for owner
+/// `a`, whose cache device failed, to serve `w` uncached.
+fn peer_replays_then_owner_goes_uncached(a: &Vestad, b: &Vestad, within: Duration) {
+    wait_for(within, "b's online replay of w to end", || {
+        b.log().contains("online replay done").then_some(())
+    });
+    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
+        let s = show(a, "w");
+        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
+    });
+}
+
 /// The owner `a` of a `wbp:1` volume `w` (size `size`, destaging held back, peer `b`) on a
 /// LUN with nbdkit `filters` and `args` writes `cmds`, is killed and restarts at once, and
 /// takes the volume back before its peer replays it; returns the cluster and the vault's
@@ -785,7 +791,7 @@ fn owner_back_before_its_peer_replays(
 ) -> (Etcd, Nbdkit, Vestad, Vestad, u64) {
     for attempt in 1..=5 {
         let etcd = Etcd::start();
-        let lun = Nbdkit::start(128 << 20, filters, args);
+        let mut lun = Nbdkit::start(128 << 20, filters, args);
         let mut a = host(&etcd, "a", "rack1", "127.0.0.2", &lun);
         let b = host(&etcd, "b", "rack2", "127.0.0.3", &lun);
         create_held_sized(&a, "w", "wbp:1", size);
@@ -794,11 +800,13 @@ fn owner_back_before_its_peer_replays(
         let gen = vault(&etcd)["gen"].as_u64().expect("vault gen");
         let before = a.log().len();
         a.kill9();
+        lun.outlive_killed_client();
         a.launch();
         let a_won = wait_for(
             Duration::from_secs(TTL_S + 30),
             "a's restart or b's replay to take the volume",
             || {
+                lun.keep_running();
                 if a.log()[before..].contains("from the cache log before it takes writes") {
                     Some(true)
                 } else {
@@ -822,6 +830,18 @@ fn owner_back_before_its_peer_replays(
 /// without peers as it opened, and the peer dropped the copies only it still had.
 #[test]
 fn a_restarted_owner_whose_cache_fails_during_its_replay_leaves_the_rest_to_its_peer() {
+    restarted_owner_whose_cache_fails_during_its_replay(None);
+}
+
+/// The same, with the volume's policy set to `wt` during the replay (which the replay goes
+/// on in already, so nothing switches): the peers still replay the rest. IO used to stall
+/// for ever, the hand-off being looked after only for volumes wanted in `wbp`.
+#[test]
+fn a_restarted_owner_set_to_wt_during_its_replay_still_leaves_the_rest_to_its_peer() {
+    restarted_owner_whose_cache_fails_during_its_replay(Some("wt"));
+}
+
+fn restarted_owner_whose_cache_fails_during_its_replay(set_midway: Option<&str>) {
     // Each datastore write takes 300 ms, so the replay's pieces take seconds.
     let (etcd, lun, a, b, gen) = owner_back_before_its_peer_replays(
         &["--filter=delay"],
@@ -854,14 +874,11 @@ fn a_restarted_owner_whose_cache_fails_during_its_replay_leaves_the_rest_to_its_
         !on_datastore(&lun, 40 << 20).iter().all(|x| *x == 8),
         "a's replay finished before its cache device could fail; slow the datastore down"
     );
+    if let Some(policy) = set_midway {
+        a.vesta_ok(&["volume", "policy", "w", policy]);
+    }
     a.fail_cache_device();
-    wait_for(Duration::from_secs(60), "b to replay the rest", || {
-        b.log().contains("online replay done").then_some(())
-    });
-    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
-        let s = show(&a, "w");
-        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
-    });
+    peer_replays_then_owner_goes_uncached(&a, &b, Duration::from_secs(60));
     assert!(
         on_datastore(&lun, 40 << 20).iter().all(|x| *x == 8),
         "the datastore must hold every completed write"
@@ -1723,13 +1740,7 @@ fn an_owner_reports_no_loss_while_its_peer_replays() {
         a.log()
     );
     errors.off();
-    wait_for(Duration::from_secs(60), "b's replay to end", || {
-        b.log().contains("online replay done").then_some(())
-    });
-    wait_for(Duration::from_secs(30), "a to serve w uncached", || {
-        let s = show(&a, "w");
-        (s["policy"] == "uncached" && s["cache"].is_null()).then_some(())
-    });
+    peer_replays_then_owner_goes_uncached(&a, &b, Duration::from_secs(60));
     let log = a.log();
     assert!(!log.contains("holds nothing of the volume"), "{log}");
     assert_eq!(

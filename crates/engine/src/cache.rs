@@ -2449,7 +2449,12 @@ impl VolCache {
             )
         };
         if owed && mode == Mode::Wb {
-            self.store.flush().await.map_err(Error::Datastore)?;
+            // Internal: the losses a client is owed a report of (`Extent::flush`) are those of
+            // writes it made through this volume's wb cache, which the destager answers for.
+            self.store
+                .flush_internal()
+                .await
+                .map_err(Error::Datastore)?;
             lock(&self.st).store_flush_owed = false;
         }
         match (mode, peers) {

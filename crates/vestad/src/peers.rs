@@ -837,7 +837,12 @@ pub(crate) fn keep_replicated(d: &Arc<Daemon>) -> Vec<tokio::task::JoinHandle<()
     for e in d.entries() {
         let Ok(v) = &e.volume else { continue };
         let want = e.wanted();
-        if !matches!(want, Policy::Wbp { .. }) {
+        // An offline replay its vault's peers back hands off to them whatever the policy
+        // wanted now (one set since the restart, or a record that lagged a switch to wbp).
+        let backed_failure = v
+            .cache()
+            .is_some_and(|c| c.cache_failed() && c.replay_backed());
+        if !matches!(want, Policy::Wbp { .. }) && !backed_failure {
             d.peers.change_settled(e.record.id);
             continue;
         }
@@ -1301,7 +1306,7 @@ async fn ask_held(
 async fn go_on_uncached_with_nothing_lost(d: &Arc<Daemon>) {
     for e in d.entries() {
         let Ok(v) = &e.volume else { continue };
-        if !v.stalled() || v.cache().is_none_or(|c| c.has_peers()) {
+        if !v.stalled() || v.cache().is_none_or(|c| c.has_peers() || c.replay_backed()) {
             continue; // a hand-off to peers is flash_failed's
         }
         // On a task of its own: the switch pauses the volume, which waits for its IO in
