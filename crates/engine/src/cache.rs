@@ -1449,10 +1449,19 @@ pub struct VolCache {
 struct Completion<'a> {
     v: &'a VolCache,
     ser: u64,
+    /// Set while the write's records may be in the log but are not yet staged. Dropped
+    /// then (a panic on the thread that appends, which may be a connection's, or a future
+    /// dropped midway), the write may leave a hole that recovery stops at: the log is
+    /// failed, as for a device error, before its `ser` counts as done, so no later write
+    /// completes above the hole.
+    unstaged: bool,
 }
 
 impl Drop for Completion<'_> {
     fn drop(&mut self) {
+        if self.unstaged {
+            self.v.shared.log.fail();
+        }
         let mut st = lock(&self.v.st);
         st.in_flight.remove(&self.ser);
         st.done_above.insert(self.ser);
@@ -2164,10 +2173,10 @@ impl VolCache {
     /// None: once polled, a write (this, [`VolCache::write_zeroes`]) must be polled to its
     /// end. Its `ser` is taken once it is admitted (dropped before, it leaves no trace).
     /// Dropped while it waits its turn, it never completes, and every later write waits for
-    /// it forever (writes complete in `ser` order); dropped while its record is appended,
-    /// later writes may complete above a gap, which a recovery stops at. Callers run writes
-    /// to completion (the NBD server spawns each request that does not finish at its first
-    /// poll).
+    /// it forever (writes complete in `ser` order); dropped (or unwound by a panic) between
+    /// its append and its staging, it fails the cache log, since later writes could otherwise
+    /// complete above a gap that a recovery stops at. Callers run writes to completion (the
+    /// NBD server spawns each request that does not finish at its first poll).
     pub async fn write(&self, offset: u64, data: Bytes, fua: bool) -> Result<(), Error> {
         self.write_kind(Kind::Data, offset, data.len() as u64, Some(data), fua)
             .await
@@ -2198,7 +2207,11 @@ impl VolCache {
         let (reservation, charge) = self.admit(kind, len).await?;
         let mut reservation = Some(reservation);
         let (ser, gen) = self.gatekeep(offset, len).await;
-        let done = Completion { v: self, ser };
+        let mut done = Completion {
+            v: self,
+            ser,
+            unstaged: false,
+        };
         let (mode, peers) = {
             let st = lock(&self.st);
             (st.mode, st.replicator.clone())
@@ -2208,6 +2221,7 @@ impl VolCache {
         let mut through = false;
         match mode {
             Mode::Wb => {
+                done.unstaged = true;
                 let local = self.append_write(kind, ser, gen, offset, len, data.as_ref());
                 let remote = async {
                     match &peers {
@@ -2242,6 +2256,7 @@ impl VolCache {
                         self.stage(&mut st, ser, p.offset, p.len, src, alloc, p.loc, p.ticket);
                     }
                 }
+                done.unstaged = false;
                 // Staged: its records count as dirty now.
                 drop(reservation.take());
                 drop(pins);

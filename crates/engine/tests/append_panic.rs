@@ -2,9 +2,11 @@
 //! hole that later writes complete above: recovery stops at the first missing `ser`, so they
 //! would be lost. The log fails as for a device error, and later writes are refused.
 
+use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Waker};
 
 use bytes::Bytes;
 use cachelog::device::{CacheDevice, SimDevice};
@@ -66,6 +68,57 @@ async fn a_panic_in_an_append_fails_the_log_so_no_later_write_completes_above_it
             .await
             .is_err(),
         "a later write completed above the hole"
+    );
+}
+
+/// The same, with the write polled as the NBD server polls a request first: inline on a
+/// connection thread that may block (`may_block_here`), under `catch_unwind`, the future
+/// dropped if it panics. The append then runs on that thread, not on the pool, and the panic
+/// unwinds through the write itself. Before the write's completion failed the log when it was
+/// dropped unstaged, the log stayed good, a later FUA write completed, and after a power cut
+/// recovery stopped at the hole and dropped that FUA write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_an_append_polled_inline_fails_the_log_too() {
+    let dev = Arc::new(Panicky {
+        inner: SimDevice::new((1 << 20) + 16 * SEG),
+        armed: AtomicBool::new(false),
+    });
+    let store = Arc::new(MemDevice::new(VOL));
+    let (host, vol) = common::open(dev.clone(), &store, Uuid::new_v4(), Policy::Wb);
+    vol.write(0, Bytes::from(vec![1; BLOCK]), true)
+        .await
+        .unwrap();
+
+    dev.armed.store(true, Ordering::SeqCst);
+    let rt = tokio::runtime::Handle::current();
+    let polled = std::thread::scope(|s| {
+        s.spawn(|| {
+            let _rt = rt.enter();
+            datastore::device::may_block_here(true, || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let mut write =
+                        Box::pin(vol.write(BLOCK as u64, Bytes::from(vec![2; BLOCK]), false));
+                    let mut cx = Context::from_waker(Waker::noop());
+                    write.as_mut().poll(&mut cx).is_ready()
+                }))
+            })
+        })
+        .join()
+        .unwrap()
+    });
+    assert!(
+        polled.is_err(),
+        "the append did not panic on the polling thread"
+    );
+    assert!(
+        host.log().is_failed(),
+        "a write dropped unstaged left the log good"
+    );
+    assert!(
+        vol.write(2 * BLOCK as u64, Bytes::from(vec![3; BLOCK]), true)
+            .await
+            .is_err(),
+        "a later FUA write completed above the hole"
     );
 }
 
