@@ -127,7 +127,8 @@ fn errno_of(e: &io::Error) -> Errno {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => Errno::ENOSPC,
         Some(libc::EPERM) | Some(libc::EROFS) | Some(libc::EACCES) => Errno::EPERM,
         Some(libc::EINVAL) => Errno::EINVAL,
-        Some(libc::ESHUTDOWN) => Errno::ESHUTDOWN,
+        // Not ESHUTDOWN, which an NBD datastore answers while *it* shuts down: passed on, it
+        // would tell the VM's client that this server is going away and to disconnect.
         _ => Errno::EIO,
     }
 }
@@ -197,5 +198,18 @@ mod tests {
         }
         assert_eq!(log.admit(101), None);
         assert_eq!(log.admit(105), Some(1));
+    }
+
+    /// Only vestad's own stop answers a client ESHUTDOWN; a datastore shutting down is an
+    /// IO error of this server's.
+    #[test]
+    fn a_datastore_shutting_down_is_an_io_error_to_the_client() {
+        let e = |errno| engine::Error::Datastore(io::Error::from_raw_os_error(errno));
+        assert_eq!(to_cmd("v", "WRITE", e(libc::ESHUTDOWN)).errno, Errno::EIO);
+        assert_eq!(to_cmd("v", "WRITE", e(libc::ENOSPC)).errno, Errno::ENOSPC);
+        assert_eq!(
+            to_cmd("v", "WRITE", engine::Error::Stopping).errno,
+            Errno::ESHUTDOWN
+        );
     }
 }
