@@ -55,8 +55,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, LockOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, LockOptions, PutOptions,
+    Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use tracing::{error, info, warn};
 use uuid::Uuid;
@@ -130,6 +130,9 @@ struct Session {
     /// more (`u64::MAX`: none).
     #[cfg(test)]
     fail_retake: AtomicU64,
+    /// How often `connect` tried to register.
+    #[cfg(test)]
+    tries: AtomicU64,
 }
 
 impl EtcdCoordinator {
@@ -168,11 +171,15 @@ impl EtcdCoordinator {
                 pauses: Mutex::default(),
                 #[cfg(test)]
                 fail_retake: AtomicU64::new(u64::MAX),
+                #[cfg(test)]
+                tries: AtomicU64::new(0),
             }),
         };
         let give_up = Instant::now() + c.ttl + Duration::from_secs(1);
         let mut said = false;
         loop {
+            #[cfg(test)]
+            c.session.tries.fetch_add(1, Ordering::Relaxed);
             match c.register().await {
                 Ok(()) => break,
                 Err(Error::Locked(_)) if Instant::now() < give_up => {
@@ -184,9 +191,12 @@ impl EtcdCoordinator {
                         );
                         said = true;
                     }
-                    // Not long: until it registers again, its peers count it dead and may
-                    // replay volumes it would have replayed itself, from its own cache.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Not a moment longer: until it registers again, its peers count it
+                    // dead and may replay volumes it would have replayed itself, from its
+                    // own cache. A watch sees the key go the moment etcd expires its lease,
+                    // with no writes to etcd meanwhile (a poll registering every 50 ms made
+                    // three a try).
+                    c.wait_deleted(&c.key("hosts", &c.name), give_up).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -202,6 +212,44 @@ impl EtcdCoordinator {
             c.ttl,
         ));
         Ok(c)
+    }
+
+    /// Returns once `key` is gone (deleted, as when the lease it is bound to expires), or
+    /// after at most a second, or at `until`: the caller tries again in any case, so a
+    /// watch that missed an event costs a second, not the wait.
+    async fn wait_deleted(&self, key: &str, until: Instant) -> Result<()> {
+        let mut kv = self.client.kv_client();
+        let r = kv.get(key, None).await.map_err(|e| self.unavailable(e))?;
+        if r.kvs().is_empty() {
+            return Ok(());
+        }
+        // From the revision after the one read: a delete between the read and the watch's
+        // start is still seen.
+        let from = r.header().map_or(0, |h| h.revision()) + 1;
+        let mut watch = self.client.watch_client();
+        let deleted = async {
+            let mut events = watch
+                .watch(key, Some(WatchOptions::new().with_start_revision(from)))
+                .await?;
+            while let Some(m) = events.message().await? {
+                if m.canceled()
+                    || m.events()
+                        .iter()
+                        .any(|e| e.event_type() == EventType::Delete)
+                {
+                    break;
+                }
+            }
+            Ok::<(), etcd_client::Error>(())
+        };
+        let until = until.min(Instant::now() + Duration::from_secs(1));
+        if let Ok(Err(e)) = tokio::time::timeout_at(until.into(), deleted).await {
+            // Polled then, as before there was a watch: the try that follows says whether
+            // etcd itself is unreachable.
+            warn!("watching etcd key {key}: {e}; polling instead");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 
     /// Stores `value` at `key` unless something is stored there already, and returns what is
@@ -1613,10 +1661,18 @@ mod tests {
             other => panic!("the lock of a host stopped with a write in service: {other:?}"),
         }
         let started = Instant::now();
-        let _a = connect(&etcd, "a").await;
+        let a = connect(&etcd, "a").await;
+        let waited = started.elapsed();
         assert!(
-            started.elapsed() >= Duration::from_secs(1),
+            waited >= Duration::from_secs(1),
             "the next start did not wait for the lease to lapse"
+        );
+        // It waited on a watch, trying again once the key was gone (or once a second), not
+        // polling: a try every 50 ms made about 60 over this wait.
+        let tries = a.session.tries.load(Ordering::Relaxed);
+        assert!(
+            tries <= 3 + waited.as_secs(),
+            "{tries} tries to register in {waited:?}"
         );
     }
 
