@@ -451,12 +451,30 @@ impl LunDatastore {
         }
         match self.refresh(t).await {
             Ok(()) if t == next => {
-                warn!(
-                    "datastore {:?}: writing volume table {} answered an error ({e}), but \
-                     reading it back finds it on the device",
-                    self.spec.name, next.generation
-                );
-                Commit::Landed
+                // Found, but maybe only in a cache: a sync that failed after the write left
+                // it in the host's page cache (which Linux then counts clean, never to write
+                // it back) and the device with the table before. Written again, and synced,
+                // it is on the device; the same bytes, so a late landing of the first write
+                // changes nothing.
+                match self.commit(next, since).await {
+                    Ok(()) => {
+                        warn!(
+                            "datastore {:?}: writing volume table {} answered an error ({e}); \
+                             reading it back found it, and writing it again made it durable",
+                            self.spec.name, next.generation
+                        );
+                        Commit::Landed
+                    }
+                    Err(again) => {
+                        warn!(
+                            "datastore {:?}: writing volume table {} answered an error ({e}); \
+                             reading it back found it, but writing it again failed too \
+                             ({again}): whether the device holds it is unknown",
+                            self.spec.name, next.generation
+                        );
+                        Commit::Unknown(e)
+                    }
+                }
             }
             Ok(()) if unanswered => {
                 warn!(
@@ -975,6 +993,7 @@ mod tests {
     struct Watched {
         inner: crate::device::MemDevice,
         ops: std::sync::Mutex<Vec<String>>,
+        /// The next write lands, then answers an error.
         landed_but_failed: std::sync::atomic::AtomicBool,
         lost: std::sync::atomic::AtomicBool,
         /// Set by a write that landed but failed while `then_unreadable` is.
@@ -982,16 +1001,25 @@ mod tests {
         then_unreadable: std::sync::atomic::AtomicBool,
         /// Run during each zeroing (a request stalled while the world moves on).
         during_zeroing: std::sync::Mutex<Option<Box<dyn Fn() + Send>>>,
-        /// Writes go unanswered (the connection lost with them in flight) and are kept in
-        /// `late`, to land when the test says (a server that went on running them).
+        /// The next write goes unanswered (the connection lost with it in flight) and is
+        /// kept in `late`, to land when the test says (a server that went on running it).
         unanswered: std::sync::atomic::AtomicBool,
         /// Unanswered writes land by themselves this long after they were sent, before the
         /// next read that comes later (None: only when the test says).
         land_after: std::sync::Mutex<Option<std::time::Duration>>,
         late: std::sync::Mutex<Vec<(Option<std::time::Instant>, u64, bytes::Bytes)>>,
+        /// The next write's sync fails after the write reached only the host's page cache
+        /// (`cached`): reads see it, the device does not hold it, and nothing writes it back.
+        sync_fails: std::sync::atomic::AtomicBool,
+        cached: std::sync::Mutex<Vec<(u64, bytes::Bytes)>>,
     }
 
     impl Watched {
+        /// The host loses power: what only its page cache held is gone.
+        fn power_cut(&self) {
+            self.cached.lock().unwrap().clear();
+        }
+
         /// The writes that went unanswered land now.
         async fn land_late(&self) {
             let late = std::mem::take(&mut *self.late.lock().unwrap());
@@ -1034,7 +1062,19 @@ mod tests {
                 return Err(io_error());
             }
             self.land_due().await;
-            self.inner.read_at(offset, len).await
+            let got = self.inner.read_at(offset, len).await?;
+            let mut got = bytes::BytesMut::from(&got[..]);
+            for (at, data) in self.cached.lock().unwrap().iter() {
+                let (from, to) = (
+                    (*at).max(offset),
+                    (at + data.len() as u64).min(offset + len as u64),
+                );
+                if from < to {
+                    got[(from - offset) as usize..(to - offset) as usize]
+                        .copy_from_slice(&data[(from - at) as usize..(to - at) as usize]);
+                }
+            }
+            Ok(got.freeze())
         }
         async fn write_at(
             &self,
@@ -1050,7 +1090,7 @@ mod tests {
             if self.lost.load(SeqCst) {
                 return Err(io_error());
             }
-            if self.unanswered.load(SeqCst) {
+            if self.unanswered.swap(false, SeqCst) {
                 let at = self
                     .land_after
                     .lock()
@@ -1062,8 +1102,15 @@ mod tests {
                     "no reply to WRITE within 60s",
                 ));
             }
+            if self.sync_fails.swap(false, SeqCst) {
+                self.cached.lock().unwrap().push((offset, data));
+                return Err(io_error());
+            }
+            self.cached.lock().unwrap().retain(|(at, d)| {
+                offset + data.len() as u64 <= *at || at + d.len() as u64 <= offset
+            });
             self.inner.write_at(offset, data, fua).await?;
-            if self.landed_but_failed.load(SeqCst) {
+            if self.landed_but_failed.swap(false, SeqCst) {
                 if self.then_unreadable.load(SeqCst) {
                     self.reads_fail.store(true, SeqCst);
                 }
@@ -1100,6 +1147,8 @@ mod tests {
             unanswered: Default::default(),
             land_after: Default::default(),
             late: Default::default(),
+            sync_fails: Default::default(),
+            cached: Default::default(),
         });
         let lun = LunDatastore::open_on(
             dev.clone(),
@@ -1637,6 +1686,39 @@ mod tests {
         lun.create_volume(&volume("w")).await.unwrap();
         dev.land_late().await;
         assert_eq!(names(&lun.recorded_volumes().await.unwrap()), ["v", "w"]);
+    }
+
+    /// A table write whose sync failed may be only in the host's page cache: reading it
+    /// back finds it, but the device holds the table before. Counted as landed on that read
+    /// alone, a create returned an extent the table on the device did not name, and a
+    /// delete trimmed a volume the device's table still listed; after a power cut the
+    /// created volume was gone. It is written again, and durable, before it counts.
+    #[tokio::test]
+    async fn a_table_write_found_only_in_the_page_cache_is_made_durable_before_it_counts() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let (dev, lun) = watched_lun().await;
+        let (v, w) = (volume("v"), volume("w"));
+        lun.create_volume(&v).await.unwrap();
+        dev.sync_fails.store(true, SeqCst);
+        lun.create_volume(&w)
+            .await
+            .expect("a create whose table write could be made durable failed");
+        dev.sync_fails.store(true, SeqCst);
+        lun.delete_volume(&v).await.unwrap();
+        dev.power_cut();
+        let reopened = LunDatastore::open_on(
+            dev.clone(),
+            spec(std::path::Path::new("watched")),
+            OpenMode::Reopen,
+            None,
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            names(&reopened.recorded_volumes().await.unwrap()),
+            ["w"],
+            "the table on the device after a power cut"
+        );
     }
 
     /// A create whose table write answered an error after landing returns the volume's
