@@ -66,6 +66,18 @@ impl DirDatastore {
                 path.display()
             )));
         }
+        // Made now, so the directory can be recognized under another path or mount
+        // ([`same_dir`]) by a datastore being added, which only reads it. A read-only
+        // directory goes without; it then cannot be told apart that way.
+        let p = path.clone();
+        if let Err(e) = blocking(move || identity(&p)).await {
+            tracing::warn!(
+                "datastore {:?}: no identity file {} in {} ({e}); another name or mount of                  this directory will be recognized only if it has the same inode",
+                spec.name,
+                IDENTITY_FILE,
+                path.display()
+            );
+        }
         Ok(DirDatastore {
             gate: Arc::new(Gate::new(spec.queue_depth)),
             spec,
@@ -122,14 +134,20 @@ pub fn identity(root: &Path) -> std::io::Result<uuid::Uuid> {
     })
 }
 
-/// Whether two paths name one directory (a second datastore name for it, through a symlink
-/// or a bind mount, would let one volume's image be taken for another's copy).
+/// Whether two paths name one directory (a second datastore name for it, through a symlink,
+/// a bind mount, or one export mounted twice, would let one volume's image be taken for
+/// another's copy): one device and inode, or one identity file ([`identity`]; read here,
+/// never made). False where that cannot be told (an error).
 pub async fn same_dir(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     let (a, b) = (a.to_owned(), b.to_owned());
     blocking(move || {
         let (x, y) = (std::fs::metadata(&a)?, std::fs::metadata(&b)?);
-        Ok((x.dev(), x.ino()) == (y.dev(), y.ino()))
+        if (x.dev(), x.ino()) == (y.dev(), y.ino()) {
+            return Ok(true);
+        }
+        let id = |root: &Path| std::fs::read_to_string(root.join(IDENTITY_FILE)).ok();
+        Ok(matches!((id(&a), id(&b)), (Some(x), Some(y)) if x.trim() == y.trim()))
     })
     .await
     .unwrap_or(false)
@@ -496,6 +514,25 @@ mod tests {
         assert!(same_dir(&s.0, &link).await);
         assert!(!same_dir(&s.0, &std::env::temp_dir()).await);
         std::fs::remove_file(&link).unwrap();
+    }
+
+    /// One export mounted twice gives two device numbers for one directory; its identity
+    /// file is still one file. (Here a second directory holding a copy of it stands in.)
+    #[tokio::test]
+    async fn a_directory_is_known_by_its_identity_under_another_mount() {
+        let a = scratch("mount-a").await;
+        let b = scratch("mount-b").await;
+        identity(&a.0).unwrap();
+        identity(&b.0).unwrap();
+        assert!(
+            !same_dir(&a.0, &b.0).await,
+            "two directories, two identities"
+        );
+        std::fs::copy(a.0.join(IDENTITY_FILE), b.0.join(IDENTITY_FILE)).unwrap();
+        assert!(
+            same_dir(&a.0, &b.0).await,
+            "one identity taken for two directories"
+        );
     }
 
     /// Each volume's file gets the host's fence, opened or created, so a long zeroing done

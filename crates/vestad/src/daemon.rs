@@ -1983,14 +1983,17 @@ impl Daemon {
         let src_store = self.store(&from)?;
         let dst_store = self.store(&to)?;
         // Two names for one directory: the copy's stale-copy check would take the volume's
-        // own image for a leftover and remove it.
-        if let (Kind::Dir { path: a }, Kind::Dir { path: b }) =
-            (&src_store.spec().kind, &dst_store.spec().kind)
+        // own image for a leftover and remove it, and the switch would free the copy as the
+        // source. So two directories must be told apart, by inode and by identity file
+        // (one export mounted twice has two device numbers).
+        if let (Kind::Dir { path: b }, Kind::Dir { .. }) =
+            (&dst_store.spec().kind, &src_store.spec().kind)
         {
-            if datastore::dir::same_dir(a, b).await {
+            if !Self::distinct(src_store.spec(), dst_store.spec()).await {
                 return Err(OpError::BadRequest(format!(
-                    "datastores {from:?} and {to:?} are one directory ({}): nothing to move",
-                    b.display()
+                    "datastores {from:?} and {to:?} are one directory ({}), or their identity                      files ({}) cannot be read to tell them apart: nothing to move",
+                    b.display(),
+                    datastore::dir::IDENTITY_FILE
                 )));
             }
         }

@@ -1261,6 +1261,29 @@ async fn one_directory_is_never_two_datastores() {
     assert!(e.to_string().contains("are one directory"), "{e}");
     let got = volume(&d, "v").read(0, 4096).await.unwrap();
     assert!(got.iter().all(|b| *b == 5), "the volume is untouched");
+
+    // One export mounted twice: two device numbers, one identity file. A directory holding
+    // a copy of "default"'s identity file stands in for the second mount, here as a
+    // configured datastore and as one being added.
+    drop(d);
+    std::fs::remove_file(dir.0.join("ds2")).unwrap();
+    std::fs::create_dir(dir.0.join("ds2")).unwrap();
+    let id = datastore::dir::IDENTITY_FILE;
+    datastore::dir::identity(&dir.0.join("ds")).unwrap();
+    std::fs::copy(dir.0.join("ds").join(id), dir.0.join("ds2").join(id)).unwrap();
+    let mount = dir.0.join("ds-mount");
+    std::fs::create_dir(&mount).unwrap();
+    std::fs::copy(dir.0.join("ds").join(id), mount.join(id)).unwrap();
+    let d = start(&dir, &coord).await;
+    let e = try_relocate_to_other(&d).await.unwrap_err();
+    assert!(e.to_string().contains("are one directory"), "{e}");
+    let got = volume(&d, "v").read(0, 4096).await.unwrap();
+    assert!(got.iter().all(|b| *b == 5), "the volume is untouched");
+    let e = d
+        .add_datastore(add_request("mount", Some(&mount), None))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already datastore"), "{e}");
 }
 
 /// A `wb` volume whose cache device fails with every write destaged: its writes wait (reads
