@@ -672,7 +672,13 @@ impl Device for NbdDevice {
     }
 
     async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
-        self.client.read(offset, len as u32).await.map_err(to_io)
+        let len = u32::try_from(len).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a read of {len} bytes is more than one NBD request can carry"),
+            )
+        })?;
+        self.client.read(offset, len).await.map_err(to_io)
     }
 
     async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
