@@ -2895,6 +2895,16 @@ impl VolCache {
                     "volume {:?}: switch to {mode:?} after replay: {e}",
                     self.name
                 );
+                // The switch may stand in memory only: its checkpoint, and the replay's
+                // last, never reached the device, which a later start may find readable with
+                // the replayed records still above its checkpoint. Taken in `wt` straight to
+                // the datastore, writes would then be undone by that second replay. So the
+                // volume stays a clean `wb` one on a failed device: its writes stall until
+                // the daemon records a newer generation in the vault (which discards those
+                // records at that start) and serves it uncached.
+                let mut st = lock(&self.st);
+                st.mode = Mode::Wb;
+                st.replicator = None;
             }
         }
         let mut st = lock(&self.st);

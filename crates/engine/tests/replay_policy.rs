@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use cachelog::device::{Fate, SimDevice};
+use cachelog::device::{CacheDevice, Fate, SimDevice};
 use cluster::{PeerRule, Policy, Tuning};
 use datastore::device::MemDevice;
 use datastore::{Extent, Gate};
@@ -267,4 +267,85 @@ async fn a_deleted_volume_that_never_opened_leaves_nothing_in_the_log() {
         host.recovered_volumes().iter().all(|(v, _, _)| *v != id),
         "a later start found the deleted volume's records"
     );
+}
+
+/// Forwards to a simulated device; its syncs fail while `fail_syncs` is set.
+struct SyncsFail {
+    sim: Arc<SimDevice>,
+    fail_syncs: std::sync::atomic::AtomicBool,
+}
+
+impl CacheDevice for SyncsFail {
+    fn size(&self) -> u64 {
+        self.sim.size()
+    }
+    fn describe(&self) -> String {
+        "device whose syncs fail".into()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.sim.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.sim.write_at(offset, data)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        if self.fail_syncs.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(std::io::Error::other("test: the sync fails"));
+        }
+        self.sim.sync()
+    }
+}
+
+/// A `wt` volume replays its dirty `wb` records at start-up, then switches to `wt`; that
+/// switch's sync fails. Its checkpoint (and the replay's last) never reached the device, so a
+/// later start that finds the device readable again replays the same records. Writes taken
+/// in `wt` meanwhile went straight to the datastore and would be undone: they must stall
+/// (as a clean `wb` volume's on a failed device do, until the daemon records a newer
+/// generation and serves the volume uncached). Found by review: before, the write completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_closing_sync_fails_takes_no_write_in_wt() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let sim = Arc::new(SimDevice::new((1 << 20) + 16 * SEG));
+    let store = Arc::new(MemDevice::new(VOL));
+    let id = Uuid::new_v4();
+    {
+        let (_host, vol) = common::open(sim.clone(), &store, id, Policy::Wb);
+        vol.write(0, Bytes::from(vec![0x11; BLOCK]), true)
+            .await
+            .unwrap();
+    }
+    sim.power_loss(|_, _| Fate::Kept);
+
+    let dev = Arc::new(SyncsFail {
+        sim: sim.clone(),
+        fail_syncs: Default::default(),
+    });
+    let (host, vol) = common::open(dev.clone(), &store, id, Policy::Wt);
+    let c = vol.cache().unwrap();
+    assert!(c.report().replaying);
+    for turn in 0..100 {
+        if c.report().dirty_bytes == 0 {
+            break;
+        }
+        host.destage_turn(turn).await;
+    }
+    assert!(c.report().replaying && c.report().dirty_bytes == 0);
+    dev.fail_syncs.store(true, SeqCst);
+    host.destage_turn(0).await;
+    assert!(
+        c.cache_failed(),
+        "the closing switch's sync did not fail the log"
+    );
+    assert!(
+        vol.stalled(),
+        "writes after the failed closing switch do not stall"
+    );
+    let write = vol.write(0, Bytes::from(vec![0x22; BLOCK]), true);
+    assert!(
+        tokio::time::timeout(std::time::Duration::from_millis(500), write)
+            .await
+            .is_err(),
+        "a write completed in wt over records a later start would replay"
+    );
+    assert_eq!(&store.image()[..BLOCK], &[0x11; BLOCK][..]);
 }
