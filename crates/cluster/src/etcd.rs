@@ -232,22 +232,29 @@ impl EtcdCoordinator {
                 .watch(key, Some(WatchOptions::new().with_start_revision(from)))
                 .await?;
             while let Some(m) = events.message().await? {
-                if m.canceled()
-                    || m.events()
-                        .iter()
-                        .any(|e| e.event_type() == EventType::Delete)
+                if m.events()
+                    .iter()
+                    .any(|e| e.event_type() == EventType::Delete)
                 {
+                    return Ok(true);
+                }
+                if m.canceled() {
                     break;
                 }
             }
-            Ok::<(), etcd_client::Error>(())
+            Ok::<bool, etcd_client::Error>(false)
         };
         let until = until.min(Instant::now() + Duration::from_secs(1));
-        if let Ok(Err(e)) = tokio::time::timeout_at(until.into(), deleted).await {
-            // Polled then, as before there was a watch: the try that follows says whether
-            // etcd itself is unreachable.
-            warn!("watching etcd key {key}: {e}; polling instead");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        match tokio::time::timeout_at(until.into(), deleted).await {
+            Ok(Ok(true)) | Err(_) => {}
+            // Polled then, as before there was a watch, so a watch that keeps ending does
+            // not make the caller spin: the try that follows says whether etcd itself is
+            // unreachable.
+            Ok(Ok(false)) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Ok(Err(e)) => {
+                warn!("watching etcd key {key}: {e}; polling instead");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
         }
         Ok(())
     }
