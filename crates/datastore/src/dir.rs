@@ -72,7 +72,8 @@ impl DirDatastore {
         let p = path.clone();
         if let Err(e) = blocking(move || identity(&p)).await {
             tracing::warn!(
-                "datastore {:?}: no identity file {} in {} ({e}); another name or mount of                  this directory will be recognized only if it has the same inode",
+                "datastore {:?}: no identity file {} in {} ({e}); another name or mount of \
+                 this directory will be recognized only if it has the same inode",
                 spec.name,
                 IDENTITY_FILE,
                 path.display()

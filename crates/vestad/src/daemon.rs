@@ -1991,7 +1991,8 @@ impl Daemon {
         {
             if !Self::distinct(src_store.spec(), dst_store.spec()).await {
                 return Err(OpError::BadRequest(format!(
-                    "datastores {from:?} and {to:?} are one directory ({}), or their identity                      files ({}) cannot be read to tell them apart: nothing to move",
+                    "datastores {from:?} and {to:?} are one directory ({}), or their identity \
+                     files ({}) cannot be read to tell them apart: nothing to move",
                     b.display(),
                     datastore::dir::IDENTITY_FILE
                 )));
