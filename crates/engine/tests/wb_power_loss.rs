@@ -6,6 +6,7 @@
 //! with FUA, or completed before a completed FLUSH). And whenever the destager has recorded a
 //! checkpoint, the datastore image must equal the volume as of that checkpoint.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -151,17 +152,29 @@ impl Rig {
     }
 
     /// wb → uncached, with the destager driven while the change drains.
+    ///
+    /// The drive is stopped and awaited, not aborted: an abort takes effect only where the task
+    /// next yields, and turns over in-memory devices need not yield, so an aborted drive could
+    /// go on destaging this host's windows after a later simulated power loss, over the
+    /// replay of the next host (a real power loss stops every thread at once).
     async fn leave_cache(&self) {
         let host = self.host.clone();
-        let drive = tokio::spawn(async move {
-            for turn in 0.. {
-                if !host.destage_turn(turn).await {
-                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let drive = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut turn = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    if !host.destage_turn(turn).await {
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                    turn += 1;
                 }
             }
         });
         self.vol.set_policy(Policy::Uncached).await.unwrap();
-        drive.abort();
+        stop.store(true, Ordering::SeqCst);
+        drive.await.expect("the drive ran its turns");
     }
 
     async fn destage_all(&self) {
