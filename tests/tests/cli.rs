@@ -692,6 +692,42 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
     assert!(e.contains("no volume named"), "{e}");
 }
 
+/// A client that has hung up but whose connection still answers a request in flight (here a
+/// read held at the paused LUN for half a second) is not an attached client: a delete right
+/// after the hang-up waits for the connection to end instead of refusing, as an operator who
+/// runs `qemu-io` and then `vesta volume delete` expects.
+#[test]
+fn a_delete_right_after_the_last_client_hung_up_waits_for_its_connection_to_end() {
+    let mut lun = PausableLun::start();
+    let v = Vestad::start();
+    v.add_lun("san", &lun.lun, 4);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "gone",
+        "--size",
+        "8M",
+        "--datastore",
+        "san",
+    ]);
+    lun.pause();
+    let (mut r, _) = Raw::go(&v.nbd_unix, "gone");
+    r.request(0, vesta_tests::raw::CMD_READ, 1, 0, 4096);
+    wait_outstanding(&v, "gone", "san", "the read to be in flight");
+    r.request(0, vesta_tests::raw::CMD_DISC, 2, 0, 0);
+    drop(r);
+    assert_eq!(v.vesta_json(&["volume", "show", "gone"])["connections"], 1);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(500));
+            lun.resume();
+        });
+        v.vesta_ok(&["volume", "delete", "gone"]);
+    });
+    let e = v.vesta_err(&["volume", "show", "gone"]);
+    assert!(e.contains("no volume named"), "{e}");
+}
+
 /// A policy change that drains dirty data, and an offline relocation, can take minutes: the
 /// CLI says how far they are on stderr while it waits (here not a terminal: a line at the
 /// first look, then at most every 10 s), and prints nothing of it with `--json`.

@@ -270,6 +270,9 @@ fn now_unix() -> u64 {
 const FORCE_DETACH_WAIT: Duration = Duration::from_secs(30);
 /// How long a delete waits for another change of its volume to finish before it is refused.
 const CLAIM_WAIT: Duration = Duration::from_secs(5);
+/// How long a delete waits for connections whose clients have hung up to end before it
+/// refuses one still attached (`delete_volume`).
+const DETACH_GRACE: Duration = Duration::from_secs(2);
 /// How long a delete waits for the reopen of a volume that could not open: as long as that
 /// can take (an NBD server that accepts but does not answer: 40 s to connect and negotiate,
 /// then 60 s for a request), since deleting such a volume is the way out of it.
@@ -2291,6 +2294,17 @@ impl Daemon {
         // running would write the volume (a drain, a copy) or its vault record after the
         // delete. Taken before the admin lock, as they take it.
         let _busy = self.claim_within(name, "delete", CLAIM_WAIT).await?;
+        if !force {
+            // A client that has just hung up (qemu-io sends its disconnect and exits) stays
+            // attached until its connection's thread has answered what it had in flight and
+            // ended: a delete right after it waits for that rather than refuse. Before the
+            // admin lock, which nothing else should wait for on this.
+            let entry = self.local_entry(name).await?;
+            let until = tokio::time::Instant::now() + DETACH_GRACE;
+            while entry.connections() > 0 && tokio::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
         let _admin = self.admin.lock().await;
         let entry = self.local_entry(name).await?;
         if entry.unconfirmed.is_some() {
