@@ -233,7 +233,10 @@ fn a_host_that_cannot_renew_its_lease_stops_datastore_writes_in_time() {
         "writes stopped {refused:?} after the cut; the lease may expire after {earliest_expiry:?}"
     );
     // Reads of the datastore stop too: by now another host may be replaying the volume,
-    // setting blocks back for a while.
+    // setting blocks back for a while. (vestad logs at most 10 failed IOs a second, and the
+    // writes above fail 17 a second: the read goes in a second of its own, or its line may
+    // be one of those not logged.)
+    std::thread::sleep(Duration::from_millis(1100));
     assert!(
         !try_read(&a.tcp_url("u"), 0),
         "a read of the datastore went through with the host's lease lapsed"
