@@ -589,25 +589,34 @@ fn wait_outstanding(v: &Vestad, volume: &str, ds: &str, what: &str) {
     });
 }
 
+/// A new 8 MiB volume `name` (created with `args` added) on the LUN "san" of a fresh vestad,
+/// served by nbdkit's pause filter, paused: its next datastore IO waits for `lun.resume()`.
+fn volume_on_a_paused_lun(name: &str, args: &[&str]) -> (PausableLun, Vestad) {
+    let mut lun = PausableLun::start();
+    let v = Vestad::start();
+    v.add_lun("san", &lun.lun, 4);
+    let mut create = vec![
+        "volume",
+        "create",
+        name,
+        "--size",
+        "8M",
+        "--datastore",
+        "san",
+    ];
+    create.extend_from_slice(args);
+    v.vesta_ok(&create);
+    lun.pause();
+    (lun, v)
+}
+
 /// A forced delete whose volume still has a write in flight at the datastore after the
 /// wait (a SAN that stopped answering) frees nothing: the same volume goes back into service
 /// and serves again, and a delete once the write is done frees the storage. nbdkit's pause
 /// filter holds the write.
 #[test]
 fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
-    let mut lun = PausableLun::start();
-    let v = Vestad::start();
-    v.add_lun("san", &lun.lun, 4);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "stuck",
-        "--size",
-        "8M",
-        "--datastore",
-        "san",
-    ]);
-    lun.pause();
+    let (mut lun, v) = volume_on_a_paused_lun("stuck", &[]);
     let mut writer = Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write -P 0x5a 0 4k", &v.url("stuck")])
         .stdout(Stdio::null())
@@ -640,21 +649,7 @@ fn a_delete_whose_io_does_not_drain_keeps_the_volume_in_service() {
 /// and its dirty data stay; once the LUN answers, the data reaches it and the delete works.
 #[test]
 fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() {
-    let mut lun = PausableLun::start();
-    let v = Vestad::start();
-    v.add_lun("san", &lun.lun, 4);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "stuckwb",
-        "--size",
-        "8M",
-        "--datastore",
-        "san",
-        "--policy",
-        "wb",
-    ]);
-    lun.pause();
+    let (mut lun, v) = volume_on_a_paused_lun("stuckwb", &["--policy", "wb"]);
     // Completes in the cache; its destaging is what waits at the LUN.
     vesta_tests::qemu_io(&v.url("stuckwb"), &["write -P 0x5a 0 64k"]);
     wait_outstanding(&v, "stuckwb", "san", "the destager's write in flight");
@@ -698,19 +693,7 @@ fn a_delete_whose_destager_does_not_drain_keeps_the_volume_and_its_dirty_data() 
 /// runs `qemu-io` and then `vesta volume delete` expects.
 #[test]
 fn a_delete_right_after_the_last_client_hung_up_waits_for_its_connection_to_end() {
-    let mut lun = PausableLun::start();
-    let v = Vestad::start();
-    v.add_lun("san", &lun.lun, 4);
-    v.vesta_ok(&[
-        "volume",
-        "create",
-        "gone",
-        "--size",
-        "8M",
-        "--datastore",
-        "san",
-    ]);
-    lun.pause();
+    let (mut lun, v) = volume_on_a_paused_lun("gone", &[]);
     let (mut r, _) = Raw::go(&v.nbd_unix, "gone");
     r.request(0, vesta_tests::raw::CMD_READ, 1, 0, 4096);
     wait_outstanding(&v, "gone", "san", "the read to be in flight");
