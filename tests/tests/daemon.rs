@@ -237,10 +237,78 @@ fn a_datastore_down_at_start_up_is_reported_and_the_rest_serve() {
     qemu_io(&v.url("onsan"), &["write -P 2 0 512", "read -P 2 0 512"]);
 }
 
+/// A restart of the NBD server under an uncached volume holds its clients' IO instead of
+/// failing it (DESIGN §4: a volume whose datastore fails stalls): a write sent while the
+/// server is down, and one in service at the server when it was killed, both complete once
+/// it is back, and read back. The second goes out again only after the late-write grace
+/// (the old server might still have carried it out).
+#[test]
+fn an_uncached_volumes_io_waits_out_a_restart_of_its_nbd_datastore() {
+    let mut k = Nbdkit::start(64 << 20, &["--filter=delay"], &["delay-write=1"]);
+    let v = Vestad::start_with(VestadOpts {
+        config: Some("unreachable_wait_s = 60\n".into()),
+        ..Default::default()
+    });
+    v.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri()]);
+    v.vesta_ok(&[
+        "volume",
+        "create",
+        "w",
+        "--size",
+        "1M",
+        "--datastore",
+        "san",
+    ]);
+    qemu_io(&v.url("w"), &["write -P 1 0 4096", "flush"]);
+    let write = |pattern: u8| {
+        let url = v.url("w");
+        std::thread::spawn(move || {
+            run(Command::new("qemu-io")
+                .args(["-f", "raw", "-c", &format!("write -P {pattern} 0 4096")])
+                .args(["-c", "flush"])
+                .arg(url))
+        })
+    };
+    let done = |w: std::thread::JoinHandle<std::process::Output>| {
+        let out = w.join().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && !text.contains("failed"),
+            "the IO failed: {text}"
+        );
+    };
+
+    // Down before the write is sent: no connection to send it on.
+    k.stop();
+    let w = write(2);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!w.is_finished(), "the write did not wait for the datastore");
+    k.restart();
+    done(w);
+    qemu_io(&v.url("w"), &["read -P 2 0 4096"]);
+
+    // Killed with the write in its delay filter: the write went unanswered.
+    let w = write(3);
+    std::thread::sleep(Duration::from_millis(500));
+    k.stop();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!w.is_finished(), "the write did not wait for the datastore");
+    k.restart();
+    done(w);
+    qemu_io(&v.url("w"), &["read -P 3 0 4096"]);
+    let log = v.log();
+    assert!(log.contains("its datastore is unreachable"), "{log}");
+    assert!(log.contains("its datastore answers again"), "{log}");
+}
+
 #[test]
 fn a_volume_on_a_datastore_that_is_down_is_only_forgotten_with_force() {
     let mut k = Nbdkit::start(64 << 20, &[], &[]);
-    let v = Vestad::start();
+    let v = Vestad::start_with(VestadOpts {
+        config: Some("unreachable_wait_s = 1\n".into()),
+        ..Default::default()
+    });
     v.vesta_ok(&["datastore", "add", "san", "--lun", &k.uri()]);
     v.vesta_ok(&[
         "volume",
@@ -252,11 +320,14 @@ fn a_volume_on_a_datastore_that_is_down_is_only_forgotten_with_force() {
         "san",
     ]);
     k.stop();
-    // The running daemon learns the datastore is down on its next IO to it.
+    // The running daemon learns the datastore is down on its next IO to it, which waits the
+    // configured second for it to come back, then fails.
+    let t = Instant::now();
     let io = run(Command::new("qemu-io")
         .args(["-f", "raw", "-c", "write 0 512"])
         .arg(v.url("gone")));
     assert!(!io.status.success());
+    assert!(t.elapsed() >= Duration::from_secs(1), "{:?}", t.elapsed());
     let mut v = v;
     assert!(v.terminate().success());
     v.launch();

@@ -642,6 +642,8 @@ pub fn to_io(e: ClientError) -> io::Error {
         // No answer: the request may still be carried out by a server that goes on running
         // it after the connection is gone ([`crate::unanswered`]).
         ClientError::Disconnected(why) => io::Error::new(io::ErrorKind::ConnectionAborted, why),
+        // The connection was gone before the request went out: nothing was sent.
+        e @ ClientError::NotSent(_) => io::Error::new(io::ErrorKind::NotConnected, e.to_string()),
         other => io::Error::other(other.to_string()),
     }
 }
@@ -958,6 +960,31 @@ mod tests {
         }
         assert!(!unanswered(ClientError::Server(nbd::Errno::EIO)));
         assert!(!unanswered(ClientError::Held("fenced".into())));
+    }
+
+    /// A datastore is unreachable when nothing could be sent, when its server says it is
+    /// shutting down, or when a request went unanswered; never when it refused the request
+    /// (an IO error, a full LUN) or the host's fence held it back.
+    #[test]
+    fn only_transport_failures_and_a_shutting_down_server_count_as_unreachable() {
+        let unreachable = |e: ClientError| crate::unreachable(&to_io(e));
+        assert!(unreachable(ClientError::Connect {
+            uri: "nbd://127.0.0.1:1/x".into(),
+            source: io::ErrorKind::ConnectionRefused.into(),
+        }));
+        assert!(unreachable(ClientError::NotSent(
+            "connection failed".into()
+        )));
+        assert!(unreachable(ClientError::Disconnected("reset".into())));
+        assert!(unreachable(ClientError::Server(nbd::Errno::ESHUTDOWN)));
+        for errno in [nbd::Errno::EIO, nbd::Errno::ENOSPC, nbd::Errno::EPERM] {
+            assert!(!unreachable(ClientError::Server(errno)));
+        }
+        assert!(!unreachable(ClientError::Held("fenced".into())));
+        assert!(!unreachable(ClientError::Refused {
+            uri: "nbd://127.0.0.1:1/x".into(),
+            msg: "no such export".into(),
+        }));
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod stats;
 use std::future::Future;
 use std::io;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -150,6 +151,24 @@ pub fn unanswered(e: &io::Error) -> bool {
         ConnectionAborted | ConnectionReset | BrokenPipe | TimedOut | UnexpectedEof
     )
 }
+
+/// Whether an IO error says this host cannot reach the datastore now, rather than that the
+/// datastore refused the request: no connection (nothing was sent), a server that answered
+/// it is shutting down (ESHUTDOWN: it did not carry the request out), or a connection lost
+/// with the request in flight ([`unanswered`]). The same request may be sent again once the
+/// datastore is back; a write that went unanswered is sent again only after
+/// [`LATE_WRITE_GRACE`], as every write through its [`Gate`] is.
+pub fn unreachable(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotConnected
+        || e.raw_os_error() == Some(libc::ESHUTDOWN)
+        || unanswered(e)
+}
+
+/// How long IO that finds its datastore unreachable ([`unreachable`]) waits for it to come
+/// back by default before it fails to the client ([`Gate::unreachable_wait`]): a restart of
+/// an NBD server, a path failing over. The same default as VMware's "all paths down"
+/// timeout, after which ESXi fails such IO too.
+pub const UNREACHABLE_WAIT_DEFAULT: Duration = Duration::from_secs(140);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capacity {
@@ -283,6 +302,8 @@ pub struct Gate {
     /// When a write through this gate last went unanswered ([`unanswered`]): its slot is
     /// free again, but the server may still carry it out ([`Gate::idle_within`]).
     unanswered_at: std::sync::Mutex<Option<Instant>>,
+    /// [`Gate::unreachable_wait`], in milliseconds.
+    unreachable_wait_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Gate {
@@ -294,7 +315,23 @@ impl Gate {
             fence: std::sync::OnceLock::new(),
             shut_out: std::sync::OnceLock::new(),
             unanswered_at: std::sync::Mutex::new(None),
+            unreachable_wait_ms: std::sync::atomic::AtomicU64::new(
+                UNREACHABLE_WAIT_DEFAULT.as_millis() as u64,
+            ),
         }
+    }
+
+    /// How long a client's IO that finds this datastore unreachable ([`unreachable`]) waits
+    /// for it to come back, trying again, before it fails ([`UNREACHABLE_WAIT_DEFAULT`]
+    /// unless set). Zero: it fails at once.
+    pub fn unreachable_wait(&self) -> Duration {
+        Duration::from_millis(self.unreachable_wait_ms.load(Ordering::Relaxed))
+    }
+
+    /// Sets [`Gate::unreachable_wait`] (the host's config).
+    pub fn set_unreachable_wait(&self, wait: Duration) {
+        let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+        self.unreachable_wait_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Fails every later IO through this gate, reads and flushes included, with `why`: the

@@ -105,10 +105,92 @@ pub struct Volume {
     /// Set when vestad stops: IO that would stall for a hand-off ends with
     /// [`Error::Stopping`] instead.
     stopping: AtomicBool,
+    /// Client IOs waiting for the datastore to be reachable again ([`Unreachable`]).
+    unreachable_ios: AtomicU64,
 }
 
 /// One IO inside the volume; dropping it lets a revocation or pause know when the last is done.
 struct InFlight<'a>(&'a Volume);
+
+/// A client's IO of an uncached volume that found its datastore unreachable
+/// ([`datastore::unreachable`]: an NBD server restarting, a path failing over) and waits for
+/// it to come back ([`Volume::measured`]), as DESIGN §4 stalls a volume whose datastore failed
+/// instead of failing its IO. Tried again after a pause that doubles from
+/// [`UNREACHABLE_RETRY_FIRST`] to [`UNREACHABLE_RETRY_MAX`], outside the volume (a pause, a
+/// revocation or a policy change goes ahead meanwhile), until the datastore's
+/// [`Gate::unreachable_wait`](datastore::Gate::unreachable_wait) has passed since the IO
+/// first failed; then it fails with the datastore's error. Sending the same IO again loses
+/// and reorders nothing: it never completed, so no client IO was ordered after it, and a
+/// write that went unanswered goes out again only after its gate's
+/// [`LATE_WRITE_GRACE`](datastore::LATE_WRITE_GRACE). A FLUSH sent again still reports
+/// writes a restarted server lost ([`datastore::Extent::flush`]).
+struct Unreachable<'a> {
+    volume: &'a Volume,
+    deadline: tokio::time::Instant,
+    pause: Duration,
+    /// Whether the IO went on: the datastore answered it.
+    answered: bool,
+}
+
+const UNREACHABLE_RETRY_FIRST: Duration = Duration::from_millis(50);
+const UNREACHABLE_RETRY_MAX: Duration = Duration::from_secs(1);
+
+impl<'a> Unreachable<'a> {
+    fn new(volume: &'a Volume, e: &io::Error) -> Unreachable<'a> {
+        let wait = volume.store.gate().unreachable_wait();
+        // With no wait the IO fails at once, and its failure is logged as any other.
+        if volume.unreachable_ios.fetch_add(1, Ordering::SeqCst) == 0 && !wait.is_zero() {
+            warn!(
+                "volume {:?}: its datastore is unreachable ({e}); its IO waits up to {} s for \
+                 it to come back",
+                volume.name,
+                wait.as_secs_f64()
+            );
+        }
+        Unreachable {
+            volume,
+            deadline: tokio::time::Instant::now() + wait,
+            pause: UNREACHABLE_RETRY_FIRST,
+            answered: false,
+        }
+    }
+
+    /// Waits before the IO is tried again, unless its time is up (`e`, the datastore's
+    /// error, is the IO's), vestad stops, or the volume is revoked (the next
+    /// [`Volume::enter`] says so).
+    async fn pause(&mut self, e: io::Error) -> Result<()> {
+        let v = self.volume;
+        let rerouted = v.rerouted.notified();
+        tokio::pin!(rerouted);
+        rerouted.as_mut().enable();
+        if v.stopping.load(Ordering::SeqCst) {
+            return Err(Error::Stopping);
+        }
+        let now = tokio::time::Instant::now();
+        if now >= self.deadline {
+            return Err(Error::Datastore(e));
+        }
+        let until = (now + self.pause).min(self.deadline);
+        self.pause = (self.pause * 2).min(UNREACHABLE_RETRY_MAX);
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => {}
+            _ = rerouted => {}
+        }
+        if v.stopping.load(Ordering::SeqCst) {
+            return Err(Error::Stopping);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Unreachable<'_> {
+    fn drop(&mut self) {
+        let v = self.volume;
+        if v.unreachable_ios.fetch_sub(1, Ordering::SeqCst) == 1 && self.answered {
+            info!("volume {:?}: its datastore answers again", v.name);
+        }
+    }
+}
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
@@ -252,6 +334,7 @@ impl Volume {
             rerouted: Notify::new(),
             handoff_lost: Mutex::new(None),
             stopping: AtomicBool::new(false),
+            unreachable_ios: AtomicU64::new(0),
         })
     }
 
@@ -982,6 +1065,7 @@ impl Volume {
         D: std::future::Future<Output = io::Result<T>>,
     {
         let mut started = None;
+        let mut unreachable = None;
         let r = loop {
             let inside = match self.enter(op).await {
                 Ok(g) => g,
@@ -993,7 +1077,17 @@ impl Volume {
             }
             started.get_or_insert_with(|| self.stats.start());
             let Route::Cached(c) = self.route() else {
-                break direct().await.map_err(Error::Datastore);
+                match direct().await {
+                    Err(e) if datastore::unreachable(&e) => {
+                        drop(inside);
+                        let waiting = unreachable.get_or_insert_with(|| Unreachable::new(self, &e));
+                        if let Err(e) = waiting.pause(e).await {
+                            break Err(e);
+                        }
+                        continue;
+                    }
+                    r => break r.map_err(Error::Datastore),
+                }
             };
             let r = if self.stalls(&c, op) {
                 Err(Error::Cache("the cache device failed".into()))
@@ -1010,6 +1104,9 @@ impl Volume {
                 r => break r,
             }
         };
+        if let Some(u) = &mut unreachable {
+            u.answered = r.is_ok();
+        }
         if let Some(t) = started {
             self.stats.finish(t, op, bytes, r.is_ok());
         }
@@ -1151,6 +1248,184 @@ mod tests {
             release: Arc::new(Notify::new()),
             writes: AtomicU64::new(0),
         })
+    }
+
+    /// A datastore device that cannot be reached for its first `down` IOs (each fails with
+    /// `error`), then answers from memory.
+    struct Flaky {
+        mem: datastore::device::MemDevice,
+        down: AtomicU64,
+        error: fn() -> io::Error,
+        tries: AtomicU64,
+    }
+
+    impl Flaky {
+        fn new(down: u64, error: fn() -> io::Error) -> Arc<Flaky> {
+            Arc::new(Flaky {
+                mem: datastore::device::MemDevice::new(1 << 20),
+                down: AtomicU64::new(down),
+                error,
+                tries: AtomicU64::new(0),
+            })
+        }
+
+        fn answer(&self) -> io::Result<()> {
+            self.tries.fetch_add(1, Ordering::SeqCst);
+            let down = self
+                .down
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+            match down {
+                Ok(_) => Err((self.error)()),
+                Err(_) => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Device for Flaky {
+        fn size(&self) -> u64 {
+            self.mem.size()
+        }
+        fn describe(&self) -> String {
+            "flaky".into()
+        }
+        async fn read_at(&self, offset: u64, len: usize) -> io::Result<Bytes> {
+            self.answer()?;
+            self.mem.read_at(offset, len).await
+        }
+        async fn write_at(&self, offset: u64, data: Bytes, fua: bool) -> io::Result<()> {
+            self.answer()?;
+            self.mem.write_at(offset, data, fua).await
+        }
+        async fn flush(&self) -> io::Result<()> {
+            self.answer()?;
+            self.mem.flush().await
+        }
+        async fn trim(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.answer()?;
+            self.mem.trim(offset, len).await
+        }
+        async fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool) -> io::Result<()> {
+            self.answer()?;
+            self.mem.write_zeroes(offset, len, may_trim).await
+        }
+    }
+
+    fn not_connected() -> io::Error {
+        io::Error::new(io::ErrorKind::NotConnected, "cannot reach NBD server")
+    }
+
+    fn shutting_down() -> io::Error {
+        io::Error::from_raw_os_error(libc::ESHUTDOWN)
+    }
+
+    fn eio() -> io::Error {
+        io::Error::from_raw_os_error(libc::EIO)
+    }
+
+    /// An uncached volume on `dev`, whose IO waits up to `wait` for it to be reachable.
+    fn uncached_on(dev: Arc<dyn Device>, wait: Duration) -> Arc<Volume> {
+        let gate = Arc::new(Gate::new(4));
+        gate.set_unreachable_wait(wait);
+        let extent = Extent::new(dev, 0, 1 << 20, gate);
+        Arc::new(Volume::new(
+            Uuid::nil(),
+            "v".into(),
+            Policy::Uncached,
+            extent,
+        ))
+    }
+
+    /// DESIGN §4: a volume whose datastore fails stalls; it does not fail its IO. A client's
+    /// write, FLUSH and read on a datastore that cannot be reached for a while are sent again
+    /// until it answers, and the write lands.
+    #[tokio::test(start_paused = true)]
+    async fn uncached_io_waits_for_an_unreachable_datastore_and_goes_on_when_it_answers() {
+        for error in [not_connected as fn() -> io::Error, shutting_down] {
+            let dev = Flaky::new(3, error);
+            let v = uncached_on(dev.clone(), Duration::from_secs(30));
+            v.write(4096, Bytes::from(vec![7; 4096]), false)
+                .await
+                .unwrap();
+            assert_eq!(
+                dev.tries.load(Ordering::SeqCst),
+                4,
+                "three failures, one answer"
+            );
+            dev.down.store(2, Ordering::SeqCst);
+            v.flush().await.unwrap();
+            dev.down.store(2, Ordering::SeqCst);
+            assert_eq!(&v.read(4096, 4096).await.unwrap()[..], &[7; 4096][..]);
+            assert_eq!(dev.tries.load(Ordering::SeqCst), 10);
+            assert_eq!(v.unreachable_ios.load(Ordering::SeqCst), 0);
+        }
+    }
+
+    /// An IO still unanswered when the wait is over fails with the datastore's error; with
+    /// no wait it fails at the first. An error that says the datastore refused the IO (EIO)
+    /// fails it at once: sending it again would not change the answer.
+    #[tokio::test(start_paused = true)]
+    async fn uncached_io_fails_when_the_wait_is_over_or_the_datastore_refused_it() {
+        let dev = Flaky::new(u64::MAX, not_connected);
+        let v = uncached_on(dev.clone(), Duration::from_secs(10));
+        let t = tokio::time::Instant::now();
+        let e = v
+            .write(0, Bytes::from(vec![1; 512]), false)
+            .await
+            .unwrap_err();
+        assert!(matches!(&e, Error::Datastore(e) if e.kind() == io::ErrorKind::NotConnected));
+        assert!(t.elapsed() >= Duration::from_secs(10), "{:?}", t.elapsed());
+        let tries = dev.tries.load(Ordering::SeqCst);
+        assert!((10..=20).contains(&tries), "sent {tries} times in 10 s");
+        assert_eq!(v.unreachable_ios.load(Ordering::SeqCst), 0);
+
+        let dev = Flaky::new(u64::MAX, not_connected);
+        let v = uncached_on(dev.clone(), Duration::ZERO);
+        v.read(0, 512).await.unwrap_err();
+        assert_eq!(dev.tries.load(Ordering::SeqCst), 1);
+
+        let dev = Flaky::new(1, eio);
+        let v = uncached_on(dev.clone(), Duration::from_secs(10));
+        let e = v
+            .write(0, Bytes::from(vec![1; 512]), false)
+            .await
+            .unwrap_err();
+        assert!(matches!(&e, Error::Datastore(e) if e.raw_os_error() == Some(libc::EIO)));
+        assert_eq!(dev.tries.load(Ordering::SeqCst), 1);
+    }
+
+    /// An IO waiting for its datastore is outside the volume: a revocation (a delete) does
+    /// not wait for it, and the IO ends with the revocation instead of being sent again;
+    /// a stop of vestad ends it too.
+    #[tokio::test(start_paused = true)]
+    async fn a_revoke_or_a_stop_ends_an_io_waiting_for_its_datastore() {
+        for stop in [false, true] {
+            let dev = Flaky::new(u64::MAX, not_connected);
+            let v = uncached_on(dev.clone(), Duration::from_secs(100));
+            let w = {
+                let v = v.clone();
+                tokio::spawn(async move { v.write(0, Bytes::from(vec![1; 512]), false).await })
+            };
+            while dev.tries.load(Ordering::SeqCst) < 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let t = tokio::time::Instant::now();
+            if stop {
+                v.stop();
+            } else {
+                assert!(
+                    v.revoke(Duration::from_millis(1)).await,
+                    "the waiting IO is outside"
+                );
+            }
+            let r = w.await.unwrap();
+            assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+            if stop {
+                assert!(matches!(r, Err(Error::Stopping)), "{r:?}");
+            } else {
+                assert!(matches!(r, Err(Error::Revoked)), "{r:?}");
+            }
+        }
     }
 
     /// A cache host on a simulated device of 32 segments.

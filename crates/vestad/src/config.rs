@@ -25,11 +25,16 @@ pub const HISTORY_DEFAULT: usize = 1800;
 /// A day of 2-second intervals: a volume's sample is 40 bytes, so about 1.7 MB per volume
 /// and datastore at the limit.
 pub const HISTORY_MAX: usize = 43_200;
+/// An hour: a client's IO held longer than that is held for good, as far as its VM can tell.
+pub const UNREACHABLE_WAIT_MAX_S: u64 = 3600;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub data_dir: PathBuf,
+    /// How long a client's IO of an uncached volume waits for a datastore this host cannot
+    /// reach (an NBD server restarting) before it fails; 0 fails it at once.
+    pub unreachable_wait_s: u64,
     pub nbd: NbdConfig,
     pub api: ApiConfig,
     pub stats: StatsConfig,
@@ -244,6 +249,7 @@ impl Default for Config {
     fn default() -> Config {
         Config {
             data_dir: PathBuf::from(DATA_DIR_DEFAULT),
+            unreachable_wait_s: datastore::UNREACHABLE_WAIT_DEFAULT.as_secs(),
             nbd: NbdConfig::default(),
             api: ApiConfig::default(),
             stats: StatsConfig::default(),
@@ -338,6 +344,13 @@ impl Config {
                 self.stats.interval_s
             );
         }
+        if self.unreachable_wait_s > UNREACHABLE_WAIT_MAX_S {
+            bail!(
+                "unreachable_wait_s = {} is out of range: use 0 to {UNREACHABLE_WAIT_MAX_S} \
+                 seconds",
+                self.unreachable_wait_s
+            );
+        }
         if !(10..=HISTORY_MAX).contains(&self.stats.history) {
             bail!(
                 "stats.history = {} is out of range: keep 10 to {HISTORY_MAX} intervals",
@@ -355,6 +368,11 @@ impl Config {
             self.datastore_spec(d)?;
         }
         Ok(())
+    }
+
+    /// [`Config::unreachable_wait_s`].
+    pub fn unreachable_wait(&self) -> Duration {
+        Duration::from_secs(self.unreachable_wait_s)
     }
 
     pub fn stats_interval(&self) -> Duration {
@@ -491,6 +509,24 @@ mod tests {
         assert!(e.contains("interval_s"), "{e}");
         let e = format!("{:#}", Config::parse("[stats]\nhistory = 3").unwrap_err());
         assert!(e.contains("stats.history"), "{e}");
+        let e = format!(
+            "{:#}",
+            Config::parse("unreachable_wait_s = 86400").unwrap_err()
+        );
+        assert!(
+            e.contains("unreachable_wait_s") && e.contains("3600"),
+            "{e}"
+        );
+        assert_eq!(
+            Config::parse("").unwrap().unreachable_wait(),
+            datastore::UNREACHABLE_WAIT_DEFAULT
+        );
+        assert_eq!(
+            Config::parse("unreachable_wait_s = 0")
+                .unwrap()
+                .unreachable_wait(),
+            Duration::ZERO
+        );
         assert_eq!(Config::parse("").unwrap().stats.history, HISTORY_DEFAULT);
         let e = format!(
             "{:#}",

@@ -389,7 +389,7 @@ impl Daemon {
         for spec in state.datastores {
             let store = match datastore::open_in_pod(&spec, OpenMode::Reopen, Some(d.pod)).await {
                 Ok(s) => {
-                    s.set_fence(d.coord.fence());
+                    d.arm(&s);
                     d.warn_if_cached_by_host(&spec);
                     Ok(s)
                 }
@@ -726,6 +726,15 @@ impl Daemon {
             spec.location()
         );
         Ok(())
+    }
+
+    /// Readies a datastore this host opened for its volumes' IO: behind the host's fence,
+    /// with the configured wait for a datastore that cannot be reached.
+    fn arm(&self, store: &Arc<dyn Datastore>) {
+        store.set_fence(self.coord.fence());
+        store
+            .gate()
+            .set_unreachable_wait(self.config.unreachable_wait());
     }
 
     pub(crate) fn store_pub(&self, name: &str) -> OpResult<Arc<dyn Datastore>> {
@@ -1435,7 +1444,7 @@ impl Daemon {
         let (store, spec) = self
             .ds_locked(&req.name, async {
                 let store = datastore::open_in_pod(&spec, mode, Some(self.pod)).await?;
-                store.set_fence(self.coord.fence());
+                self.arm(&store);
                 self.warn_if_cached_by_host(&spec);
                 let spec = store.spec().clone();
                 // A LUN must not be added twice under two names.
@@ -2622,7 +2631,7 @@ impl Daemon {
             else {
                 continue;
             };
-            store.set_fence(self.coord.fence());
+            self.arm(&store);
             info!("datastore {:?} is available", spec.name);
             self.datastores.write().expect("lock").insert(
                 spec.name.clone(),
