@@ -112,8 +112,9 @@ pub struct Volume {
 /// One IO inside the volume; dropping it lets a revocation or pause know when the last is done.
 struct InFlight<'a>(&'a Volume);
 
-/// A client's IO of an uncached volume that found its datastore unreachable
-/// ([`datastore::unreachable`]: an NBD server restarting, a path failing over) and waits for
+/// A client's IO that found its datastore unreachable ([`datastore::unreachable`]: an NBD
+/// server restarting, a path failing over), whether it went there directly (`uncached`) or
+/// through the cache (a `wt` write, a read miss, a FLUSH), and waits for
 /// it to come back ([`Volume::measured`]), as DESIGN §4 stalls a volume whose datastore failed
 /// instead of failing its IO. Tried again after a pause that doubles from
 /// [`UNREACHABLE_RETRY_FIRST`] to [`UNREACHABLE_RETRY_MAX`], outside the volume (a pause, a
@@ -1076,28 +1077,28 @@ impl Volume {
                 break Err(Error::Datastore(io::Error::other(why.to_owned())));
             }
             started.get_or_insert_with(|| self.stats.start());
-            let Route::Cached(c) = self.route() else {
-                match direct().await {
-                    Err(e) if datastore::unreachable(&e) => {
-                        drop(inside);
-                        let waiting = unreachable.get_or_insert_with(|| Unreachable::new(self, &e));
-                        if let Err(e) = waiting.pause(e).await {
-                            break Err(e);
-                        }
-                        continue;
-                    }
-                    r => break r.map_err(Error::Datastore),
+            let (r, cache) = match self.route() {
+                Route::Uncached => (direct().await.map_err(Error::Datastore), None),
+                Route::Cached(c) if self.stalls(&c, op) => {
+                    (Err(Error::Cache("the cache device failed".into())), Some(c))
                 }
-            };
-            let r = if self.stalls(&c, op) {
-                Err(Error::Cache("the cache device failed".into()))
-            } else {
-                cached(c.clone()).await
+                Route::Cached(c) => (cached(c.clone()).await, Some(c)),
             };
             match r {
-                Err(_) if self.stalls(&c, op) => {
+                Err(_) if cache.as_ref().is_some_and(|c| self.stalls(c, op)) => {
                     drop(inside);
+                    let c = cache.expect("cached");
                     if let Err(e) = self.await_reroute(&c, op).await {
+                        break Err(e);
+                    }
+                }
+                // Uncached IO, or through the cache a `wt` write, a read miss, a FLUSH the
+                // datastore owes: the cache kept nothing of an IO whose datastore part failed
+                // (a `wt` write's range is dropped from the index), so it is done again whole.
+                Err(Error::Datastore(e)) if datastore::unreachable(&e) => {
+                    drop(inside);
+                    let waiting = unreachable.get_or_insert_with(|| Unreachable::new(self, &e));
+                    if let Err(e) = waiting.pause(e).await {
                         break Err(e);
                     }
                 }
@@ -1359,6 +1360,39 @@ mod tests {
             assert_eq!(dev.tries.load(Ordering::SeqCst), 10);
             assert_eq!(v.unreachable_ios.load(Ordering::SeqCst), 0);
         }
+    }
+
+    /// The same through the cache: a `wt` write and a read miss wait for an unreachable
+    /// datastore and go on when it answers; the write is on the datastore and reads back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wt_write_and_a_read_miss_wait_for_an_unreachable_datastore() {
+        let host = sim_host();
+        let dev = Flaky::new(0, not_connected);
+        dev.mem
+            .write_at(65536, Bytes::from(vec![5; 4096]), false)
+            .await
+            .unwrap();
+        let gate = Arc::new(Gate::new(4));
+        gate.set_unreachable_wait(Duration::from_secs(30));
+        let v = volume_in(
+            &host,
+            Extent::new(dev.clone(), 0, 1 << 20, gate),
+            Policy::Wt,
+        );
+        host.finish_recovery(&[v.id()]).unwrap();
+        dev.down.store(3, Ordering::SeqCst);
+        v.write(0, Bytes::from(vec![7; 4096]), false).await.unwrap();
+        assert_eq!(
+            dev.tries.load(Ordering::SeqCst),
+            4,
+            "three failures, one answer"
+        );
+        assert_eq!(&dev.mem.read_at(0, 4096).await.unwrap()[..], &[7; 4096][..]);
+        dev.down.store(2, Ordering::SeqCst);
+        assert_eq!(&v.read(65536, 4096).await.unwrap()[..], &[5; 4096][..]);
+        assert_eq!(dev.tries.load(Ordering::SeqCst), 7);
+        assert_eq!(&v.read(0, 4096).await.unwrap()[..], &[7; 4096][..]);
+        assert_eq!(v.unreachable_ios.load(Ordering::SeqCst), 0);
     }
 
     /// An IO still unanswered when the wait is over fails with the datastore's error; with

@@ -32,8 +32,8 @@ pub const UNREACHABLE_WAIT_MAX_S: u64 = 3600;
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub data_dir: PathBuf,
-    /// How long a client's IO of an uncached volume waits for a datastore this host cannot
-    /// reach (an NBD server restarting) before it fails; 0 fails it at once.
+    /// How long a client's IO that must go to a datastore this host cannot reach (an NBD
+    /// server restarting) waits for it before it fails; 0 fails it at once.
     pub unreachable_wait_s: u64,
     pub nbd: NbdConfig,
     pub api: ApiConfig,
